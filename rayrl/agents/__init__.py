@@ -1,0 +1,23 @@
+"""Agent harnesses: how an unmodified agent is run for one task against the gateway."""
+
+from __future__ import annotations
+
+from rayrl.agents.base import AgentResult, BaseHarness, EpisodeContext
+
+
+def make_harness(name: str, **kwargs) -> BaseHarness:
+    """A harness by registered name, or ``package.module:Class`` for your own."""
+    if name == "python_tool_agent":
+        from rayrl.agents.python_agent import PythonToolAgent
+
+        return PythonToolAgent(**kwargs)
+    if ":" in name:
+        import importlib
+
+        module, _, attr = name.partition(":")
+        cls = getattr(importlib.import_module(module), attr)
+        return cls(**kwargs)
+    raise ValueError(f"rollout.agent: unknown harness {name!r} (python_tool_agent, or module:Class)")
+
+
+__all__ = ["AgentResult", "BaseHarness", "EpisodeContext", "make_harness"]

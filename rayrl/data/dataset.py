@@ -1,0 +1,100 @@
+"""JSONL task datasets and a sampler whose cursor is part of every checkpoint.
+
+Each row is ``{"prompt": str, "metadata": {...}}`` (an optional ``"id"`` names the task). ``metadata``
+is the agent payload verbatim; ``prompt`` drives length filtering. The sampler walks seeded
+permutations epoch after epoch; its state (epoch, position) restores exactly, so a resumed run neither
+repeats nor skips a task.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rayrl.types import Task
+
+
+class DatasetError(ValueError):
+    """A malformed dataset file; the message names the file and line."""
+
+
+class JsonlDataset:
+    """Tasks loaded from a JSONL file, filtered by prompt length."""
+
+    def __init__(self, path: str | Path, max_prompt_chars: int = 0) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise DatasetError(f"data file not found: {self.path}")
+        self.tasks: list[Task] = []
+        self.filtered = 0
+        with self.path.open() as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DatasetError(f"{self.path}:{lineno}: invalid JSON ({err.msg})") from None
+                self.tasks.append(self._task(row, lineno, max_prompt_chars))
+        self.tasks = [t for t in self.tasks if t is not None]
+        if not self.tasks:
+            raise DatasetError(f"{self.path}: no usable rows")
+
+    def _task(self, row: Any, lineno: int, max_prompt_chars: int) -> Task | None:
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise DatasetError(f"{self.path}:{lineno}: each row needs a string 'prompt'")
+        metadata = row.get("metadata")
+        metadata = metadata if isinstance(metadata, dict) else {}
+        if max_prompt_chars and len(row["prompt"]) > max_prompt_chars:
+            self.filtered += 1
+            return None
+        return Task(prompt=row["prompt"], metadata=metadata, task_id=str(row.get("id", f"{self.path.stem}-{lineno}")))
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __getitem__(self, i: int) -> Task:
+        return self.tasks[i]
+
+
+@dataclass
+class SamplerState:
+    epoch: int = 0
+    position: int = 0
+
+
+class TaskSampler:
+    """Seeded epoch-wise shuffling with an exact, serialisable cursor."""
+
+    def __init__(self, dataset: JsonlDataset, seed: int = 0, shuffle: bool = True) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.shuffle = shuffle
+        self.state = SamplerState()
+
+    def _order(self, epoch: int) -> np.ndarray:
+        n = len(self.dataset)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch]).permutation(n)
+
+    def next(self, count: int) -> list[Task]:
+        out: list[Task] = []
+        while len(out) < count:
+            order = self._order(self.state.epoch)
+            take = min(count - len(out), len(order) - self.state.position)
+            out.extend(self.dataset[int(i)] for i in order[self.state.position : self.state.position + take])
+            self.state.position += take
+            if self.state.position >= len(order):
+                self.state = SamplerState(self.state.epoch + 1, 0)
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.state.epoch, "position": self.state.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.state = SamplerState(int(state["epoch"]), int(state["position"]))

@@ -1,0 +1,238 @@
+"""Chat messages -> prompt token ids, with the model's own chat template.
+
+Two jobs: normalise whatever a client sends into one canonical OpenAI message shape (so that routing
+compares like with like), and render a prompt. When a request's history equals a recorded turn's
+history plus its response, :meth:`ChatRenderer.extend` builds the prompt from that turn's exact tokens
+plus the new messages' tokens (cumulative token mode), so re-tokenising the model's own output can
+never drift.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from rayrl.gateway.errors import RequestError
+from rayrl.gateway.parsers import ToolParser
+from rayrl.types import TurnRecord
+
+_ROLES = {"system", "user", "assistant", "tool"}
+_PROBE = "\u2063rayrl-probe\u2063"
+
+
+def _text_of(content: Any, where: str) -> str:
+    """Text of an OpenAI content field: a string, null, or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise RequestError(f"{where}.content[{i}].text must be a string")
+                parts.append(text)
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(f"{where}.content[{i}]: unsupported content part {kind!r}")
+        return "".join(parts)
+    raise RequestError(f"{where}.content must be a string, null or a list of parts")
+
+
+def _canonical_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}.tool_calls must be a list")
+    out = []
+    for i, call in enumerate(calls):
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise RequestError(f"{where}.tool_calls[{i}] must be an object with a 'function' object")
+        fn = call["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"{where}.tool_calls[{i}].function.name must be a non-empty string")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        call_id = call.get("id")
+        out.append(
+            {
+                "id": call_id if isinstance(call_id, str) else "",
+                "type": "function",
+                "function": {"name": name, "arguments": args},
+            }
+        )
+    return out
+
+
+def normalize_message(msg: Any, index: int) -> dict[str, Any]:
+    """One message in canonical OpenAI shape: role, content (str), and tool fields only when present."""
+    where = f"messages[{index}]"
+    if not isinstance(msg, dict):
+        raise RequestError(f"{where} must be an object")
+    role = msg.get("role")
+    if role == "developer":
+        role = "system"
+    if role not in _ROLES:
+        raise RequestError(f"{where}.role must be one of system, developer, user, assistant, tool")
+    out: dict[str, Any] = {"role": role, "content": _text_of(msg.get("content"), where)}
+    if role == "assistant" and msg.get("tool_calls"):
+        out["tool_calls"] = _canonical_tool_calls(msg["tool_calls"], where)
+    if role == "tool":
+        call_id = msg.get("tool_call_id", "")
+        if not isinstance(call_id, str):
+            raise RequestError(f"{where}.tool_call_id must be a string")
+        out["tool_call_id"] = call_id
+    name = msg.get("name")
+    if isinstance(name, str) and name:
+        out["name"] = name
+    return out
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", param="messages")
+    return [normalize_message(m, i) for i, m in enumerate(messages)]
+
+
+def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Validate an OpenAI ``tools`` list; returns None when absent or empty."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list", param="tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise RequestError(f"tools[{i}] must be an object of type 'function'", param="tools")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError(f"tools[{i}].function.name must be a non-empty string", param="tools")
+        params = fn.get("parameters", {})
+        if params is not None and not isinstance(params, dict):
+            raise RequestError(f"tools[{i}].function.parameters must be an object", param="tools")
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+class ChatRenderer:
+    """Renders canonical messages with the tokenizer's chat template.
+
+    Chat templates that know nothing about tools (SmolLM2's, for one) would drop tool calls and tool
+    schemas; for those the renderer writes assistant tool calls as the text the parser reads and, if
+    ``inject_tool_schemas``, describes the tools in the system message.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        tool_parser: ToolParser,
+        chat_template: str | None = None,
+        inject_tool_schemas: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.tool_parser = tool_parser
+        self.chat_template = chat_template
+        self.inject_tool_schemas = inject_tool_schemas
+        source = chat_template or getattr(tokenizer, "chat_template", None) or ""
+        if not source:
+            raise ValueError("the tokenizer has no chat template; set model.chat_template")
+        self.supports_tools = "tools" in source
+        self.supports_tool_calls = "tool_calls" in source
+        self._assistant_tail = self._probe_assistant_tail()
+        self._end_ids = self._end_token_ids()
+
+    # -- rendering ---------------------------------------------------------------------------------
+
+    def _template_messages(self, messages: list[dict[str, Any]], tools: list | None) -> list[dict[str, Any]]:
+        if self.supports_tool_calls and (self.supports_tools or not tools):
+            return messages
+        out = []
+        for msg in messages:
+            if msg["role"] == "assistant" and msg.get("tool_calls") and not self.supports_tool_calls:
+                calls = self.tool_parser.format_tool_calls(msg["tool_calls"])
+                text = f"{msg['content']}\n{calls}" if msg["content"] else calls
+                msg = {"role": "assistant", "content": text}
+            out.append(msg)
+        if tools and not self.supports_tools and self.inject_tool_schemas:
+            block = self.tool_parser.tools_system_prompt(tools)
+            if block:
+                if out and out[0]["role"] == "system":
+                    out[0] = {**out[0], "content": out[0]["content"] + block}
+                else:
+                    out.insert(0, {"role": "system", "content": block.lstrip()})
+        return out
+
+    def render_text(self, messages: list[dict[str, Any]], tools: list | None, add_generation_prompt: bool) -> str:
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+        if self.chat_template:
+            kwargs["chat_template"] = self.chat_template
+        if tools and self.supports_tools:
+            kwargs["tools"] = tools
+        try:
+            return self.tokenizer.apply_chat_template(self._template_messages(messages, tools), **kwargs)
+        except Exception as err:  # template errors are the request's fault (e.g. role order)
+            raise RequestError(f"the chat template rejected these messages: {err}") from None
+
+    def tokenize(self, text: str) -> np.ndarray:
+        ids = self.tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        return np.asarray(ids, dtype=np.int32)
+
+    def render(self, messages: list[dict[str, Any]], tools: list | None) -> np.ndarray:
+        """Full re-render of a prompt (with the generation prompt)."""
+        return self.tokenize(self.render_text(messages, tools, add_generation_prompt=True))
+
+    def extend(self, prev: TurnRecord, messages: list[dict[str, Any]], tools: list | None) -> np.ndarray | None:
+        """Cumulative token mode: ``prev`` tokens + the tokens of the messages that follow them.
+
+        The caller has checked that ``messages`` starts with ``prev.messages + [prev.response_message]``.
+        Returns None when the template does not render that history as a text prefix (then the caller
+        re-renders in full).
+        """
+        k = len(prev.messages) + 1
+        history = self.render_text(messages[:k], tools, add_generation_prompt=False)
+        full = self.render_text(messages, tools, add_generation_prompt=True)
+        if not full.startswith(history) or self._assistant_tail is None:
+            return None
+        tail = self._assistant_tail
+        ended = len(prev.response_ids) > 0 and int(prev.response_ids[-1]) in self._end_ids
+        if ended:
+            end_text = self._end_ids[int(prev.response_ids[-1])]
+            if not tail.startswith(end_text):
+                return None
+            glue = tail[len(end_text) :]
+        else:
+            glue = tail
+        delta = self.tokenize(glue + full[len(history) :])
+        return np.concatenate([prev.prompt_ids, prev.response_ids, delta]).astype(np.int32, copy=False)
+
+    # -- template probes ---------------------------------------------------------------------------
+
+    def _probe_assistant_tail(self) -> str | None:
+        """The text a template writes after an assistant message's content (end marker + glue)."""
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=False, chat_template=self.chat_template
+            )
+        except Exception:
+            return None
+        if _PROBE not in text:
+            return None
+        return text[text.index(_PROBE) + len(_PROBE) :]
+
+    def _end_token_ids(self) -> dict[int, str]:
+        ids: dict[int, str] = {}
+        candidates = [getattr(self.tokenizer, "eos_token", None), "<|im_end|>", "<|eot_id|>", "<|end|>"]
+        for tok in candidates:
+            if not tok:
+                continue
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != getattr(self.tokenizer, "unk_token_id", None):
+                ids[tid] = tok
+        return ids

@@ -1,0 +1,125 @@
+"""Metric names and loggers: JSONL, tensorboard, wandb, a reward-curve PNG, and an optional sink.
+
+The Ray dashboard sink (``ray.util.metrics``) lives in actors/ because rayrl never imports ray; it is
+passed in as ``extra_sink``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from rayrl.config import LoggingConfig
+
+logger = logging.getLogger("rayrl")
+
+# The per-step summary line: (metric key, label, format)
+SUMMARY_FIELDS: list[tuple[str, str, str]] = [
+    ("rollout/reward_mean", "reward", "{:.3f}"),
+    ("rollout/success_rate", "success", "{:.2f}"),
+    ("rollout/episodes_ok", "ok", "{:d}"),
+    ("rollout/episodes_failed", "failed", "{:d}"),
+    ("train/trained_samples", "samples", "{:d}"),
+    ("rollout/generated_tokens_per_s", "gen tok/s", "{:.1f}"),
+    ("time/step_s", "step", "{:.1f}s"),
+    ("train/policy_version", "version", "{:d}"),
+]
+
+
+def summary_line(step: int, total: int, metrics: dict[str, Any]) -> str:
+    parts = [f"step {step}/{total}"]
+    for key, label, fmt in SUMMARY_FIELDS:
+        if key in metrics:
+            value = metrics[key]
+            if "{:d}" in fmt:
+                value = int(value)
+            parts.append(f"{label} {fmt.format(value)}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes each step's metrics to every configured destination."""
+
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        run_dir: Path,
+        run_config: dict[str, Any] | None = None,
+        extra_sink: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = run_dir / "metrics.jsonl"
+        self.history: list[dict[str, Any]] = []
+        if self.jsonl_path.exists():
+            for line in self.jsonl_path.read_text().splitlines():
+                if line.strip():
+                    self.history.append(json.loads(line))
+        self.extra_sink = extra_sink
+        self._tb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self._wandb = None
+        if cfg.wandb:
+            import wandb
+
+            self._wandb = wandb.init(
+                project=cfg.wandb_project, name=run_dir.name, dir=str(run_dir), mode=cfg.wandb_mode, config=run_config
+            )
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        clean = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        record = {"step": step, **clean}
+        self.history = [h for h in self.history if h.get("step") != step] + [record]
+        with self.jsonl_path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in clean.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+        if self.extra_sink is not None:
+            self.extra_sink(step, clean)
+        if self.cfg.plot:
+            self.plot_reward_curve()
+
+    def plot_reward_curve(self, key: str = "rollout/reward_mean") -> Path | None:
+        points = [(h["step"], h[key]) for h in sorted(self.history, key=lambda h: h["step"]) if key in h]
+        if not points:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps, values = zip(*points)
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+        ax.plot(steps, values, marker="o", linewidth=1.5, label="mean reward")
+        if len(values) >= 3:
+            window = 3
+            smooth = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+                      for i in range(len(values))]
+            ax.plot(steps, smooth, linewidth=2.5, alpha=0.6, label=f"moving mean ({window})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("reward")
+        ax.set_title(self.run_dir.name)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
+        fig.tight_layout()
+        path = self.run_dir / "reward_curve.png"
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -1,0 +1,224 @@
+"""The torch trainer backend: a transformers causal LM trained with GRPO/PPO on CPU or one GPU per rank.
+
+One ``train_step`` is one optimizer step over a rollout batch: samples are packed into micro-batches
+of at most ``micro_batch_tokens`` (padded) tokens, each micro-batch's summed token loss is divided by
+the global number of trained tokens (all ranks), gradients are all-reduced across ranks, clipped, and
+AdamW steps. Logits are computed only at trained positions, which saves most of the LM-head cost and
+memory for tool-heavy episodes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rayrl.config import TrainerConfig
+from rayrl.trainers.losses import ppo_clip_token_loss
+from rayrl.trainers.weights import export_state_dict
+from rayrl.types import Sample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pack_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group sample indices so that (count × longest) per group stays within ``max_tokens``.
+
+    Sorting by length keeps padding low; a sample longer than ``max_tokens`` gets a group of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        new_longest = max(longest, lengths[i])
+        if current and new_longest * (len(current) + 1) > max_tokens:
+            groups.append(current)
+            current, new_longest = [], lengths[i]
+        current.append(i)
+        longest = new_longest
+    if current:
+        groups.append(current)
+    return groups
+
+
+class TorchTrainer:
+    """GRPO/PPO training of a transformers model; one instance per rank."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        cfg: TrainerConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        device: str | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        if cfg.num_threads > 0:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch.manual_seed(seed + rank)
+        random.seed(seed + rank)
+        np.random.seed(seed + rank)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[cfg.dtype]).to(self.device)
+        self.model.config.use_cache = False
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+        )
+        self.policy_version = 0
+
+    # -- training ----------------------------------------------------------------------------------
+
+    def _micro_batch(self, samples: list[Sample], advantages: list[float]) -> dict[str, torch.Tensor]:
+        longest = max(len(s.tokens) for s in samples)
+        n = len(samples)
+        input_ids = torch.zeros((n, longest), dtype=torch.long)
+        attention = torch.zeros((n, longest), dtype=torch.long)
+        rows, cols, rollout_lp, adv = [], [], [], []
+        for i, (s, a) in enumerate(zip(samples, advantages)):
+            input_ids[i, : len(s.tokens)] = torch.from_numpy(s.tokens.astype(np.int64))
+            attention[i, : len(s.tokens)] = 1
+            trained = np.nonzero(s.loss_mask)[0]
+            # the token at response position j sits at tokens[prompt_length + j] and is predicted
+            # by the hidden state one position earlier
+            positions = s.prompt_length + trained - 1
+            rows.append(np.full(len(trained), i))
+            cols.append(positions)
+            rollout_lp.append(s.rollout_logprobs[trained])
+            adv.append(np.full(len(trained), a, dtype=np.float32))
+        rows_t = torch.from_numpy(np.concatenate(rows).astype(np.int64))
+        cols_t = torch.from_numpy(np.concatenate(cols).astype(np.int64))
+        return {
+            "input_ids": input_ids.to(self.device),
+            "attention_mask": attention.to(self.device),
+            "rows": rows_t.to(self.device),
+            "cols": cols_t.to(self.device),
+            "targets": input_ids[rows_t, cols_t + 1].to(self.device),
+            "rollout_logp": torch.from_numpy(np.concatenate(rollout_lp)).to(self.device),
+            "advantages": torch.from_numpy(np.concatenate(adv)).to(self.device),
+        }
+
+    def token_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Log-probs of the target tokens at the selected positions only."""
+        hidden = self.model.base_model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).last_hidden_state
+        selected = hidden[batch["rows"], batch["cols"]]
+        logits = self.model.get_output_embeddings()(selected).float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+
+    def train_step(
+        self, samples: list[Sample], advantages: Sequence[float], global_tokens: int | None = None
+    ) -> dict[str, Any]:
+        """One optimizer step; ``global_tokens`` is the trained-token count over all ranks."""
+        started = time.monotonic()
+        keep = [i for i, s in enumerate(samples) if s.num_trained_tokens > 0 and advantages[i] != 0.0]
+        samples = [samples[i] for i in keep]
+        advantages = [float(advantages[i]) for i in keep]
+        local_tokens = sum(s.num_trained_tokens for s in samples)
+        total = float(global_tokens if global_tokens is not None else local_tokens)
+        sums = {"loss": 0.0, "clip": 0.0, "kl": 0.0, "tis": 0.0, "tokens": 0.0, "abs_lp_diff": 0.0}
+        self.optimizer.zero_grad(set_to_none=True)
+        for group in pack_micro_batches([len(s.tokens) for s in samples], self.cfg.micro_batch_tokens):
+            batch = self._micro_batch([samples[i] for i in group], [advantages[i] for i in group])
+            logp = self.token_logprobs(batch)
+            out = ppo_clip_token_loss(
+                logp,
+                batch["rollout_logp"],
+                batch["advantages"],
+                torch.ones_like(logp),
+                clip_eps=self.cfg.clip_eps,
+                clip_eps_high=self.cfg.clip_eps_high,
+                tis_cap=self.cfg.tis_cap,
+                kl_coef=self.cfg.kl_coef,
+            )
+            (out.loss / max(total, 1.0)).backward()
+            sums["loss"] += float(out.loss.detach())
+            sums["clip"] += float(out.clip_fraction)
+            sums["kl"] += float(out.approx_kl)
+            sums["tis"] += float(out.tis_weight)
+            sums["tokens"] += float(out.tokens)
+            sums["abs_lp_diff"] += float((logp.detach() - batch["rollout_logp"]).abs().sum())
+        grad_norm = self._reduce_and_step()
+        self.policy_version += 1
+        tokens = max(sums["tokens"], 1.0)
+        return {
+            "loss": sums["loss"] / max(total, 1.0),
+            "grad_norm": grad_norm,
+            "clip_fraction": sums["clip"] / tokens,
+            "approx_kl": sums["kl"] / tokens,
+            "tis_weight_mean": sums["tis"] / tokens,
+            "logprob_abs_diff": sums["abs_lp_diff"] / tokens,
+            "trained_tokens": int(sums["tokens"]),
+            "trained_samples": len(samples),
+            "train_time_s": time.monotonic() - started,
+            "policy_version": self.policy_version,
+        }
+
+    def _reduce_and_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.world_size > 1 and dist.is_initialized():
+            grads = [p.grad for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    # -- weights and checkpoints -------------------------------------------------------------------
+
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named weights for the engines (tied weights once)."""
+        yield from export_state_dict(self.model, dtype).items()
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "policy_version": self.policy_version,
+            "torch_rng": torch.get_rng_state(),
+            "numpy_rng": np.random.get_state(),
+            "python_rng": random.getstate(),
+        }
+        if self.rank == 0:
+            state["model"] = self.model.state_dict()
+        tmp = directory / f".rank{self.rank}.pt.tmp"
+        torch.save(state, tmp)
+        tmp.replace(directory / f"rank{self.rank}.pt")
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        mine = torch.load(directory / f"rank{self.rank}.pt", weights_only=False)
+        model_state = mine.get("model") or torch.load(directory / "rank0.pt", weights_only=False)["model"]
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(mine["optimizer"])
+        self.policy_version = int(mine["policy_version"])
+        torch.set_rng_state(mine["torch_rng"])
+        np.random.set_state(mine["numpy_rng"])
+        random.setstate(mine["python_rng"])
