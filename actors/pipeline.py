@@ -25,7 +25,7 @@ import ray
 from tqdm import tqdm
 
 from actors.engine import EngineGroup
-from actors.rollout_worker import RolloutWorker
+from actors.rollout_worker import start_workers
 from actors.sandbox_pool import SandboxPoolActor
 from actors.trainer import TrainerGroup
 from actors.trajectory_manager import TrajectoryManagers, start_trajectory_managers
@@ -67,6 +67,7 @@ class Pipeline:
         self.model_path = str(resolve_model_path(cfg.model.path))
         self.dataset = JsonlDataset(cfg.data.train_path, cfg.data.max_prompt_chars)
         self.sampler = TaskSampler(self.dataset, seed=cfg.seed, shuffle=cfg.data.shuffle)
+        self.val_dataset = JsonlDataset(cfg.data.val_path, cfg.data.max_prompt_chars) if cfg.data.val_path else None
         self.weights_root = shared_memory_root() / f"rayrl-{cfg.exp_id}-weights"
         self.failure_counts: dict[str, int] = defaultdict(int)
         self.step = 0
@@ -83,13 +84,7 @@ class Pipeline:
         self.pool = SandboxPoolActor.options(name=f"rayrl-{cfg.exp_id}-sandbox-pool").remote(
             cfg.sandbox, cfg.sandbox_pool
         )
-        self.workers = [
-            RolloutWorker.options(name=f"rayrl-{cfg.exp_id}-rollout-{i}").remote(
-                cfg, self.trajectories.handles, self.pool, i
-            )
-            for i in range(cfg.rollout.num_workers)
-        ]
-        ray.get([w.ping.remote() for w in self.workers])
+        self.workers = start_workers(cfg, self.trajectories.handles, self.pool)
         self.trainer = TrainerGroup(cfg.trainer, self.model_path, seed=cfg.seed, name_prefix=f"rayrl-{cfg.exp_id}")
         self.metrics = MetricsLogger(cfg.logging, self.run_dir, extra_sink=RayMetricsSink(cfg.exp_id))
 
@@ -136,12 +131,57 @@ class Pipeline:
                                     error="step deadline reached"))
         return episodes
 
+    def _write_episodes(self, episodes: list[Episode]) -> None:
+        """One JSON line per episode (reward, status, answer, error, timings) under runs/<exp>/episodes/."""
+        directory = self.run_dir / "episodes"
+        directory.mkdir(exist_ok=True)
+        with (directory / f"step{self.step:06d}.jsonl").open("w") as fh:
+            for e in episodes:
+                row = {"session_id": e.session_id, "task_id": e.task_id, "group_id": e.group_id,
+                       "reward": e.reward, "status": e.status, "error": e.error, "samples": len(e.samples),
+                       "generated_tokens": e.generated_tokens, **e.info, "timings": e.timings}
+                fh.write(json.dumps(row) + "\n")
+
     def _log_failures(self, episodes: list[Episode]) -> None:
         for e in episodes:
             if not e.ok:
                 kind = (e.error or "unknown").split(":")[0][:60]
                 self.failure_counts[kind] += 1
                 logger.warning("episode failed: session=%s task=%s: %s", e.session_id, e.task_id, e.error)
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """One episode per validation task, at most ``pipeline.eval_max_concurrent`` in flight."""
+        assert self.val_dataset is not None
+        n = self.cfg.pipeline.eval_tasks or len(self.val_dataset)
+        tasks = [self.val_dataset[i] for i in range(min(n, len(self.val_dataset)))]
+        limit = self.cfg.pipeline.eval_max_concurrent
+        episodes: list[Episode] = []
+        in_flight: list[Any] = []
+        k = 0
+        started = time.monotonic()
+        with tqdm(total=len(tasks), desc=f"eval @ step {step}", unit="ep", leave=False, dynamic_ncols=True) as bar:
+            for i, task in enumerate(tasks):
+                if len(in_flight) >= limit:
+                    done, in_flight = ray.wait(in_flight, num_returns=1)
+                    episodes.append(ray.get(done[0]))
+                    bar.update(1)
+                worker = self.workers[k % len(self.workers)]
+                k += 1
+                in_flight.append(worker.run_episode.remote(task, f"eval{step}-{i}", 0))
+            for ref in in_flight:
+                episodes.append(ray.get(ref))
+                bar.update(1)
+        metrics = {
+            "eval/reward_mean": float(np.mean([e.reward for e in episodes])),
+            "eval/success_rate": float(np.mean([e.reward >= 1.0 for e in episodes])),
+            "eval/tool_call_rate": float(np.mean([e.info.get("tool_calls", 0) > 0 for e in episodes])),
+            "eval/episodes_failed": sum(not e.ok for e in episodes),
+            "eval/time_s": time.monotonic() - started,
+        }
+        print(f"eval @ step {step}: success {metrics['eval/success_rate']:.3f} | reward "
+              f"{metrics['eval/reward_mean']:.3f} | tool calls {metrics['eval/tool_call_rate']:.2f} | "
+              f"{len(episodes)} tasks", flush=True)
+        return metrics
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -165,6 +205,7 @@ class Pipeline:
         episodes = self._run_episodes(tasks, self.step)
         rollout_s = time.monotonic() - t0
         self._log_failures(episodes)
+        self._write_episodes(episodes)
         samples, advantages = self.train_batch(episodes)
         ok = [e for e in episodes if e.ok]
         generated = sum(e.generated_tokens for e in episodes)
@@ -212,11 +253,16 @@ class Pipeline:
     def run(self) -> list[dict[str, Any]]:
         history = []
         total = self.cfg.trainer.steps
+        eval_every = self.cfg.pipeline.eval_interval
+        if eval_every and self.step == 0:
+            self.metrics.log(0, self.evaluate(0))
         while self.step < total:
             history.append(self.run_step())
             interval = self.cfg.pipeline.checkpoint_interval
             if interval and self.step % interval == 0:
                 self.save_checkpoint()
+            if eval_every and (self.step % eval_every == 0 or self.step == total):
+                self.metrics.log(self.step, self.evaluate(self.step))
         if failures := dict(self.failure_counts):
             print(f"[rayrl] failed episodes by cause: {failures}", flush=True)
         print(f"[rayrl] metrics: {self.metrics.jsonl_path}  reward curve: {self.run_dir / 'reward_curve.png'}", flush=True)

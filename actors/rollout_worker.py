@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -38,10 +36,16 @@ class _PoolSandboxes:
 
 @ray.remote(num_cpus=0)
 class RolloutWorker:
-    """Runs up to ``rollout.max_concurrent_episodes`` episodes at once, each in its own thread."""
+    """Runs episodes concurrently, one per Ray actor thread.
+
+    A threaded actor (``max_concurrency`` = ``rollout.max_concurrent_episodes``, set by ``start_workers``)
+    rather than an async one: agents are blocking code (the openai SDK, subprocesses), so each episode
+    owns a thread and Ray bounds how many run at once.
+    """
 
     def __init__(self, cfg: RunConfig, tm_handles: list[Any], pool: Any, worker_index: int = 0) -> None:
         logging.basicConfig(level=cfg.logging.log_level)
+        quiet_http_loggers()
         owner = ray.get_runtime_context().get_actor_id()
         harness = make_harness(
             cfg.rollout.agent, tools=list(cfg.rollout.tools), few_shot_examples=cfg.rollout.few_shot_examples
@@ -54,14 +58,27 @@ class RolloutWorker:
             cfg=cfg.rollout,
             model_name=cfg.model.path,
         )
-        self.executor = ThreadPoolExecutor(max_workers=cfg.rollout.max_concurrent_episodes)
-        self.semaphore = asyncio.Semaphore(cfg.rollout.max_concurrent_episodes)
         self.index = worker_index
 
-    async def run_episode(self, task: Task, group_id: str, index: int = 0) -> Episode:
-        async with self.semaphore:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.executor, self.runner.run, task, group_id, index)
+    def run_episode(self, task: Task, group_id: str, index: int = 0) -> Episode:
+        return self.runner.run(task, group_id, index)
 
-    async def ping(self) -> int:
+    def ping(self) -> int:
         return self.index
+
+
+def quiet_http_loggers() -> None:
+    """HTTP client libraries log every request at INFO; we log only unusual requests."""
+    for name in ("httpx", "httpx2", "httpcore", "openai", "urllib3"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def start_workers(cfg: RunConfig, tm_handles: list[Any], pool: Any) -> list[Any]:
+    workers = [
+        RolloutWorker.options(
+            name=f"rayrl-{cfg.exp_id}-rollout-{i}", max_concurrency=cfg.rollout.max_concurrent_episodes + 1
+        ).remote(cfg, tm_handles, pool, i)
+        for i in range(cfg.rollout.num_workers)
+    ]
+    ray.get([w.ping.remote() for w in workers])
+    return workers

@@ -86,7 +86,7 @@ class TrainerGroup:
 
     def __init__(self, cfg: TrainerConfig, model_path: str, seed: int = 0, name_prefix: str = "rayrl") -> None:
         self.cfg = cfg
-        use_gpu = bool(ray.cluster_resources().get("GPU", 0)) and cfg.backend in ("torch", "megatron")
+        use_gpu = bool(ray.cluster_resources().get("GPU", 0))
         bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
         self.placement_group = placement_group([bundle] * cfg.num_ranks, strategy="PACK")
         ray.get(self.placement_group.ready())

@@ -28,6 +28,7 @@ class TrajectoryManager:
         from rayrl.engines.router import Router
 
         logging.basicConfig(level=cfg.logging.log_level)
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_path)
         model_type = getattr(AutoConfig.from_pretrained(model_path), "model_type", "")
         self.router = Router(engine_urls)

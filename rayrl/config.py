@@ -128,7 +128,7 @@ class RolloutConfig:
 class TrainerConfig:
     """Policy optimisation."""
 
-    backend: str = "torch"  # torch (CPU or GPU) | megatron (GPU)
+    backend: str = "torch"  # torch (CPU or GPU); megatron (GPU) is tracked in the issue tracker
     num_ranks: int = 1  # trainer ranks in the placement group (torch.distributed)
     steps: int = 12  # training steps (one rollout batch each)
     lr: float = 2.0e-5  # AdamW learning rate
@@ -140,12 +140,11 @@ class TrainerConfig:
     clip_eps_high: float = 0.28  # PPO upper clip range (asymmetric, "clip-higher")
     normalize_advantage_std: bool = True  # GRPO: divide group-centred rewards by the group std
     kl_coef: float = 0.0  # KL penalty against the rollout log-probs (0: off)
-    tis_cap: float = 2.0  # truncated importance sampling cap for off-policy tokens (0: off)
+    tis_cap: float = 0.0  # truncated importance sampling cap for off-policy tokens (0: off; async schedules use 2.0)
     micro_batch_tokens: int = 4096  # tokens per forward/backward micro-batch
     dtype: str = "float32"  # master weights dtype
     gradient_checkpointing: bool = False  # trade compute for memory
     num_threads: int = 0  # torch CPU threads per rank (0: all cores)
-    weight_sync: str = "auto"  # auto | disk | tensor | distributed : how new weights reach the engines
 
 
 @dataclass
@@ -162,11 +161,11 @@ class DataConfig:
 class PipelineConfig:
     """How rollout and training are scheduled."""
 
-    schedule: str = "sync"  # sync | async | colocated_async
-    max_staleness: int = 1  # async: drop samples more than this many policy versions old
+    schedule: str = "sync"  # sync (async and colocated_async are tracked in the issue tracker)
     checkpoint_interval: int = 0  # save every N steps (0: only at the end)
     checkpoint_dir: Optional[str] = None  # defaults to runs/<exp_id>/checkpoints
-    eval_interval: int = 0  # validate every N steps (0: never)
+    eval_interval: int = 0  # validate on data.val_path before step 1 and every N steps (0: never)
+    eval_tasks: int = 64  # validation tasks per evaluation (0: the whole set)
     eval_max_concurrent: int = 16  # episodes in flight during validation
 
 
@@ -228,11 +227,10 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "trajectory.reward_assignment": ("copy", "split"),
     "sandbox.backend": ("local", "e2b"),
     "sandbox.isolation": ("auto", "bwrap", "unshare", "none"),
-    "trainer.backend": ("torch", "megatron"),
+    "trainer.backend": ("torch",),
     "trainer.loss": ("grpo", "ppo"),
     "trainer.dtype": ("float32", "bfloat16"),
-    "trainer.weight_sync": ("auto", "disk", "tensor", "distributed"),
-    "pipeline.schedule": ("sync", "async", "colocated_async"),
+    "pipeline.schedule": ("sync",),
     "logging.wandb_mode": ("online", "offline"),
     "logging.log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
@@ -268,9 +266,9 @@ _NON_NEGATIVE: tuple[str, ...] = (
     "trainer.tis_cap",
     "trainer.clip_eps",
     "trainer.clip_eps_high",
-    "pipeline.max_staleness",
     "pipeline.checkpoint_interval",
     "pipeline.eval_interval",
+    "pipeline.eval_tasks",
     "rollout.temperature",
     "rollout.few_shot_examples",
     "rollout.step_deadline_s",
@@ -310,6 +308,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("sandbox_pool.min_warm: must not exceed sandbox_pool.max_size")
     if not cfg.exp_id or "/" in cfg.exp_id or cfg.exp_id in (".", ".."):
         raise ConfigError(f"exp_id: must be a plain name, got {cfg.exp_id!r}")
+    if cfg.pipeline.eval_interval and not cfg.data.val_path:
+        raise ConfigError("pipeline.eval_interval: set data.val_path to validate")
+    if cfg.pipeline.eval_max_concurrent < 1:
+        raise ConfigError("pipeline.eval_max_concurrent: must be >= 1")
     if not cfg.model.path:
         raise ConfigError("model.path: must not be empty")
     return cfg

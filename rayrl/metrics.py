@@ -76,7 +76,8 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         clean = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
         record = {"step": step, **clean}
-        self.history = [h for h in self.history if h.get("step") != step] + [record]
+        merged = {**next((h for h in self.history if h.get("step") == step), {}), **record}
+        self.history = [h for h in self.history if h.get("step") != step] + [merged]
         with self.jsonl_path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
         if self._tb is not None:

@@ -30,6 +30,8 @@ class EpisodeContext:
     max_turns: int = 8
     deadline: float = float("inf")  # time.monotonic() by which the agent must stop
     system_prompt: str | None = None
+    session_id: str = ""  # the gateway session (for logs and correlation)
+    episode_index: int = 0  # this episode's index within its GRPO group
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()

@@ -104,6 +104,8 @@ class EpisodeRunner:
                 max_turns=self.cfg.max_turns,
                 deadline=started + self.cfg.episode_timeout_s,
                 system_prompt=self.cfg.system_prompt,
+                session_id=session.session_id,
+                episode_index=index,
             )
             t0 = time.monotonic()
             result = self._run_agent(task, ctx)

@@ -120,7 +120,6 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
-        app.router.add_route("HEAD", "/", self._health)
         app.router.add_get("/", self._health)
         app.router.add_post("/rayrl/sessions", self._http_open_session)
         app.router.add_post("/rayrl/sessions/{session_id}/finish", self._http_finish_session)

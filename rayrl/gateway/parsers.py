@@ -68,8 +68,8 @@ class HermesToolParser(ToolParser):
                 errors.append(f"invalid JSON in <tool_call>: {err.msg}")
                 continue
             for item in obj if isinstance(obj, list) else [obj]:  # SmolLM2 writes a JSON list of calls
-                if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                    errors.append("<tool_call> must hold an object with a string 'name'")
+                if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+                    errors.append("<tool_call> must hold an object with a non-empty string 'name'")
                     continue
                 calls.append(_tool_call(item["name"], item.get("arguments", item.get("parameters", {}))))
         content = text[: text.index("<tool_call>")].strip()
@@ -121,7 +121,7 @@ class Llama3JsonToolParser(ToolParser):
             except json.JSONDecodeError as err:
                 errors.append(f"invalid JSON tool call: {err.msg}")
                 break
-            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"]:
                 calls.append(_tool_call(obj["name"], obj.get("parameters", obj.get("arguments", {}))))
             else:
                 return ParsedOutput(content=text)

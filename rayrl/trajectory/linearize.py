@@ -1,0 +1,187 @@
+"""Linearization: root-to-leaf paths of a TrajectoryTree become training Samples, token for token.
+
+Along each path the generated turns are walked in order. A turn joins the current Sample when its
+prompt extends the previous turn's full sequence (prompt + response) exactly — token-in-token-out —
+and the tokens in between (tool results, user messages, template glue) are context: mask 0, log-prob
+0, version = that turn's version. When it does not (TITO drift, classified when the turn was recorded),
+a new Sample starts, or ``TITODriftError`` is raised.
+
+Why the tree decides joins at record time: the drift check needs the previous sequence, which the
+tree already compared against when it stored the turn's tokens; repeating it here would cost a pass
+over the whole context per turn. Linearization only concatenates stored segments.
+
+A generated turn shared by several paths is trained once: mask 1 in the first Sample that contains
+it in depth-first order (children in insertion order), context (mask 0, log-prob 0) in the others. A
+Sample in which every turn was already trained elsewhere is pure duplication and is not emitted.
+Merged turns (fork-merge rescue) are transparent: the next turn's prompt carries the client's
+re-rendered form as context, so the merged turn's own tokens appear nowhere with mask 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from rayrl.trajectory.drift import DriftInfo, TITODriftError
+from rayrl.trajectory.nodes import GenTurn, Node, seq_slices
+from rayrl.types import Sample, SampleStatus
+
+_STATUS = {"length": SampleStatus.TRUNCATED.value, "abort": SampleStatus.ABORTED.value}
+_ASSIGNMENTS = ("copy", "split")
+
+
+@dataclass
+class _Group:
+    """Consecutive turns of one path that form one Sample."""
+
+    turns: list[Node] = field(default_factory=list)
+    drift: DriftInfo | None = None
+    merged: int = 0
+    merged_tokens: int = 0
+    leaf: int = 0
+
+
+def _leaf_paths(root: Node) -> Iterator[list[Node]]:
+    """Generated nodes on each root-to-leaf path, leaves in depth-first order (iterative: trees are deep)."""
+    path: list[Node] = []
+    stack: list[tuple[Node, int]] = [(c, 0) for c in reversed(root.children)]
+    while stack:
+        node, depth = stack.pop()
+        del path[depth:]
+        if node.gen is not None:
+            path.append(node)
+        if not node.children:
+            yield list(path)
+            continue
+        stack.extend((c, len(path)) for c in reversed(node.children))
+
+
+def _groups(path: list[Node], leaf: int, raise_on_drift: bool) -> list[_Group]:
+    groups: list[_Group] = []
+    current: _Group | None = None
+    pending_merged = pending_tokens = 0
+    for node in path:
+        g = node.gen
+        assert g is not None
+        if g.merged:
+            pending_merged += 1
+            pending_tokens += g.response_len
+            continue
+        if current is None or g.drift is not None:
+            if g.drift is not None and raise_on_drift:
+                raise TITODriftError(g.drift)
+            current = _Group(drift=g.drift, leaf=leaf)
+            groups.append(current)
+        else:
+            assert g.pred is current.turns[-1], "pred must be the previous live turn on the path"
+        current.turns.append(node)
+        current.merged += pending_merged
+        current.merged_tokens += pending_tokens
+        pending_merged = pending_tokens = 0
+    return groups
+
+
+def _build(group: _Group, claimed: set[int]) -> dict[str, Any] | None:
+    """Arrays of one Sample, or None when every turn in it is trained in an earlier Sample."""
+    first = group.turns[0].gen
+    assert first is not None
+    tokens = seq_slices(group.turns[0], 0, first.prompt_len)
+    masks: list[np.ndarray] = []
+    logprobs: list[np.ndarray] = []
+    versions: list[np.ndarray] = []
+    trained_turns = 0
+    prev_end = first.prompt_len
+    for i, node in enumerate(group.turns):
+        g: GenTurn = node.gen  # type: ignore[assignment]
+        if i > 0:
+            n = g.prompt_len - prev_end
+            tokens.extend(seq_slices(node, prev_end, g.prompt_len))
+            masks.append(np.zeros(n, dtype=np.int8))
+            logprobs.append(np.zeros(n, dtype=np.float32))
+            versions.append(np.full(n, g.bridge_version, dtype=np.int32))
+        trained = g.index not in claimed
+        if trained:
+            claimed.add(g.index)
+            trained_turns += 1
+        r = g.response_len
+        tokens.append(g.response)
+        masks.append(np.ones(r, dtype=np.int8) if trained else np.zeros(r, dtype=np.int8))
+        logprobs.append(g.logprobs if trained else np.zeros(r, dtype=np.float32))
+        versions.append(g.response_versions())
+        prev_end = g.seq_len
+    if trained_turns == 0:
+        return None
+    last = group.turns[-1].gen
+    assert last is not None
+    return {
+        "tokens": _cat(tokens, np.int32),
+        "prompt_length": first.prompt_len,
+        "loss_mask": _cat(masks, np.int8),
+        "rollout_logprobs": _cat(logprobs, np.float32),
+        "policy_versions": _cat(versions, np.int32),
+        "status": _STATUS.get(last.finish_reason, SampleStatus.COMPLETED.value),
+        "metadata": {
+            "num_turns": len(group.turns),
+            "turn_indices": [n.gen.index for n in group.turns],  # type: ignore[union-attr]
+            "trained_turns": trained_turns,
+            "merged_turns": group.merged,
+            "merged_tokens": group.merged_tokens,
+            "drift": group.drift.as_dict() if group.drift is not None else None,
+            "leaf": group.leaf,
+        },
+    }
+
+
+def _cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
+
+
+def linearize(
+    root: Node,
+    *,
+    reward: float,
+    metadata: dict[str, Any] | None = None,
+    session_id: str = "",
+    group_id: str = "",
+    reward_assignment: str = "copy",
+    raise_on_drift: bool = False,
+) -> list[Sample]:
+    """All Samples of the tree under ``root`` (see module docstring)."""
+    if reward_assignment not in _ASSIGNMENTS:
+        raise ValueError(f"reward_assignment must be one of {_ASSIGNMENTS}, got {reward_assignment!r}")
+    claimed: set[int] = set()
+    built: list[dict[str, Any]] = []
+    for leaf, path in enumerate(_leaf_paths(root)):
+        for group in _groups(path, leaf, raise_on_drift):
+            parts = _build(group, claimed)
+            if parts is not None:
+                built.append(parts)
+    share = reward / len(built) if (built and reward_assignment == "split") else reward
+    base_meta = dict(metadata or {})
+    samples = []
+    for parts in built:
+        parts["metadata"] = {**base_meta, **parts["metadata"]}
+        samples.append(Sample(reward=share, group_id=group_id, session_id=session_id, **parts))
+    return samples
+
+
+def dump_samples(samples: list[Sample], decode: Callable[[np.ndarray], str] | None = None) -> str:
+    """A readable listing of Samples: prompt, then response tokens with their mask (for test messages)."""
+    dec = decode or (lambda ids: " ".join(str(int(t)) for t in ids))
+    lines = [f"{len(samples)} samples"]
+    for i, s in enumerate(samples):
+        keys = ("turn_indices", "trained_turns", "merged_turns", "drift", "leaf")
+        meta = {k: s.metadata.get(k) for k in keys}
+        lines.append(f"[{i}] status={s.status} reward={s.reward:g} len={len(s.tokens)} {meta}")
+        lines.append(f"    prompt: {dec(s.tokens[: s.prompt_length])}")
+        resp = s.tokens[s.prompt_length :]
+        shown = []
+        for j in range(len(resp)):
+            tag = "" if s.loss_mask[j] else "~"
+            shown.append(f"{tag}{dec(resp[j : j + 1])}")
+        lines.append(f"    response (~ = mask 0): {' '.join(shown)}")
+        lines.append(f"    logprobs: {np.round(s.rollout_logprobs.astype(np.float64), 3).tolist()}")
+        lines.append(f"    versions: {s.policy_versions.tolist()}")
+    return "\n".join(lines)

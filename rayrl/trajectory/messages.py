@@ -1,0 +1,55 @@
+"""Structural equality of chat messages, the only notion of "same message" the tree routes by.
+
+Why structural and not serialised: ``dict ==`` ignores key order (clients re-serialise messages with
+keys in any order), short-circuits on the first differing field and never builds a string, so comparing
+a request's history against the tree costs less than parsing that request.
+
+The rule (top level of the message only, documented so every caller agrees):
+
+* key order never matters;
+* a key whose value is empty (``None``, ``""``, ``[]``, ``{}``) is the same as an absent key: OpenAI
+  clients echo an assistant message with tool calls as ``content: null``, ``content: ""`` or with no
+  ``content`` at all, and ``name: null`` or ``tool_calls: []`` mean nothing either;
+* keys in :data:`IGNORED_KEYS` never matter: they do not change what the model is conditioned on as a
+  *message* (``reasoning_content`` is dropped or kept by templates; if it changes the tokens, the token
+  level notices it as TITO drift, which is where that belongs);
+* everything else, including nested values (tool-call argument strings), must be equal. A re-rendered
+  tool call is a different message; the fork-merge rescue deals with that. Content as a list of text
+  parts is not the same as the equivalent plain string: converting requests to one OpenAI shape is the
+  gateway's job, before a turn is recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+IGNORED_KEYS: frozenset[str] = frozenset({"reasoning_content", "refusal", "annotations"})
+
+
+def _is_empty(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, (str, list, dict, tuple)):
+        return len(value) == 0
+    return False
+
+
+def routing_view(message: dict[str, Any]) -> dict[str, Any]:
+    """The part of ``message`` that routing compares: empty and ignored keys removed."""
+    return {k: v for k, v in message.items() if k not in IGNORED_KEYS and not _is_empty(v)}
+
+
+def messages_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two chat messages are the same message for routing purposes.
+
+    Fast paths first (identity, then plain ``==``, which is the common case for an echoed history);
+    only when those fail are the normalised views compared. Equivalent to
+    ``routing_view(a) == routing_view(b)``, so it is an equivalence relation.
+    """
+    if a is b:
+        return True
+    if a.get("role") != b.get("role"):
+        return False
+    if a == b:
+        return True
+    return routing_view(a) == routing_view(b)

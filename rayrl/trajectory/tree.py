@@ -1,0 +1,318 @@
+"""TrajectoryTree: one per session. Routes every recorded turn into a tree of chat messages.
+
+Routing (why a tree): an agent session is not one conversation. Sub-agents start from another system
+prompt, context compaction restarts from a summary, a client may retry a call or branch. Walking each
+request's messages from the root and mounting the turn at the deepest node whose root path equals a
+prefix of the request makes all of these separate branches without any special casing.
+
+* Matching is structural (:func:`messages_equal`); tool schemas never affect routing.
+* Each node remembers the child it routed through last (``hot``) and checks it first, so an agent that
+  keeps extending one conversation costs one ``dict ==`` per history message: less than parsing it.
+* Request messages past the mount point become routing-only nodes; the response becomes a generated
+  node carrying the turn's tokens (see :mod:`rayrl.trajectory.nodes` for the shared-prefix store).
+* A retried call (same response message at the same place) is kept as a new sibling: both responses
+  are real samples of the policy, and no generated token is ever dropped. Later turns route through the
+  newest of equal siblings; the older one stays a leaf and becomes its own sample.
+* Fork-merge rescue: see :meth:`TrajectoryTree._merge_candidate`.
+
+What is kept: the first-seen dict of every distinct message (by reference: do not mutate recorded
+messages), and per generated turn its token delta, log-probs, versions and finish reason. A turn's
+``messages`` list, its ``tools`` and its full ``prompt_ids`` are not kept (they would make memory
+quadratic in the session length). Not thread-safe: one tree per session, driven by one event loop.
+
+Linearization into Samples lives in :mod:`rayrl.trajectory.linearize`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import numpy as np
+
+from rayrl.trajectory.drift import DriftInfo, DriftKind, SessionClosedError, classify_drift
+from rayrl.trajectory.linearize import linearize
+from rayrl.trajectory.messages import messages_equal
+from rayrl.trajectory.nodes import GenTurn, Node, common_prefix
+from rayrl.types import Sample, TurnRecord
+
+_ON_DRIFT = ("split", "raise")
+logger = logging.getLogger(__name__)
+
+
+def _owned(arr: np.ndarray) -> np.ndarray:
+    """``arr`` if it owns its memory, else a copy: a stored view would keep a caller's big buffer alive."""
+    return arr if arr.base is None else arr.copy()
+
+
+class TrajectoryTree:
+    """Per-session turn tree: record turns as they happen, turn them into Samples at the end.
+
+    ``fork_merge_max_response_tokens``: a re-rendered earlier assistant message whose original response
+    was shorter than this is merged onto the existing node instead of forking (0 disables the rescue).
+    ``on_drift``: ``"split"`` starts a new Sample at a TITO drift; ``"raise"`` makes ``samples()`` raise
+    :class:`TITODriftError`.
+    """
+
+    def __init__(self, fork_merge_max_response_tokens: int = 1024, on_drift: str = "split") -> None:
+        if on_drift not in _ON_DRIFT:
+            raise ValueError(f"on_drift must be one of {_ON_DRIFT}, got {on_drift!r}")
+        self.fork_merge_max_response_tokens = int(fork_merge_max_response_tokens)
+        self.on_drift = on_drift
+        self._root: Node | None = Node(message={"role": "<root>"})
+        self._closed = False
+        self._turns = 0
+        self._nodes = 0
+        self._leaves = 0
+        self._forks = 0
+        self._root_branches = 0
+        self._retries = 0
+        self._drift = {k.value: 0 for k in DriftKind}
+        self._merged_rewrites = 0
+        self._masked_tokens = 0
+        self._generated_tokens = 0
+        self._stored_tokens = 0
+
+    # ------------------------------------------------------------------ recording
+
+    def record_turn(self, turn: TurnRecord) -> None:
+        """Mount one LLM call: route its request messages, add the rest, then the generated response."""
+        root = self._require_open()
+        messages = turn.messages
+        node, base, live = root, None, None
+        depth, n = 0, len(messages)
+        while depth < n:
+            child = self._find_child(node, messages[depth])
+            if child is None:
+                break
+            node.hot = child
+            node = child
+            if child.gen is not None:
+                base = child
+                if not child.gen.merged:
+                    live = child
+            depth += 1
+        if depth < n and messages[depth].get("role") == "assistant":
+            candidate = self._merge_candidate(node)
+            if candidate is not None:
+                self._merge(candidate, messages[depth])
+                node.hot = candidate
+                node, base = candidate, candidate
+                depth += 1
+        for message in messages[depth:]:
+            node = self._add_child(node, Node(message=message))
+        gen = self._make_gen(turn, base, live)
+        if any(c.gen is not None and messages_equal(c.message, turn.response_message) for c in node.children):
+            self._retries += 1
+        self._add_child(node, Node(message=turn.response_message, gen=gen))
+        self._turns += 1
+        self._generated_tokens += gen.response_len
+
+    def _find_child(self, node: Node, message: dict[str, Any]) -> Node | None:
+        """The child equal to ``message``: the hot child first, then the newest equal sibling."""
+        hot = node.hot
+        if hot is not None and messages_equal(hot.message, message):
+            return hot
+        for child in reversed(node.children):
+            if child is not hot and messages_equal(child.message, message):
+                return child
+        return None
+
+    def _merge_candidate(self, node: Node) -> Node | None:
+        """The node a re-rendered assistant message below ``node`` should be merged onto, if any.
+
+        A request whose history diverges from the tree exactly at an assistant message usually means
+        the client re-rendered an assistant message we generated (tool-argument key order, whitespace):
+        forking would leave the original as a one-turn stub sample and route every later turn into a
+        new branch. We merge only when the target is unambiguous and cheap to give up:
+
+        * ``node`` has exactly one assistant child (two would be a retry or a branch: we cannot tell
+          which one was re-rendered — stricter than "one leaf among the assistant children");
+        * that child is a leaf (nothing was routed through its old form) and a generated turn that is
+          not already merged;
+        * its response is shorter than ``fork_merge_max_response_tokens`` (a long response is worth
+          keeping as its own sample rather than giving up its training signal).
+        """
+        limit = self.fork_merge_max_response_tokens
+        if limit <= 0:
+            return None
+        assistants = [c for c in node.children if c.role == "assistant"]
+        if len(assistants) != 1:
+            return None
+        candidate = assistants[0]
+        gen = candidate.gen
+        if candidate.children or gen is None or gen.merged or gen.response_len >= limit:
+            return None
+        return candidate
+
+    def _merge(self, node: Node, rewritten: dict[str, Any]) -> None:
+        """Adopt the rewritten message so later turns route onto this node; it trains nothing now."""
+        gen = node.gen
+        assert gen is not None
+        node.message = rewritten
+        gen.merged = True
+        if gen.drift is not None:  # a merged turn is transparent: its drift no longer splits anything
+            self._drift[gen.drift.kind.value] -= 1
+        self._merged_rewrites += 1
+        self._masked_tokens += gen.response_len
+        logger.debug("merged a re-rendered assistant message onto turn %d (%d tokens masked)",
+                     gen.index, gen.response_len)
+
+    def _add_child(self, parent: Node, child: Node) -> Node:
+        root = self._root
+        if parent is root:
+            self._root_branches += 1
+            self._leaves += 1
+        elif parent.children:
+            self._forks += 1
+            self._leaves += 1
+        parent.children.append(child)
+        parent.hot = child
+        self._nodes += 1
+        return child
+
+    def _make_gen(self, turn: TurnRecord, base: Node | None, live: Node | None) -> GenTurn:
+        """Store the turn's tokens relative to ``base`` and classify it against ``live`` (its predecessor)."""
+        prompt = turn.prompt_ids
+        shared = common_prefix(prompt, base)
+        own = np.concatenate([prompt[shared:], turn.response_ids])  # a fresh array: owns its memory
+        self._stored_tokens += len(own)
+        common = shared if live is base else common_prefix(prompt, live)
+        drift = None
+        new_start = len(prompt)  # a turn with no predecessor: its whole prompt is initial context
+        if live is not None:
+            p = live.gen
+            assert p is not None
+            kind = classify_drift(common, len(prompt), p.seq_len, p.prompt_len, p.new_start)
+            new_start = p.seq_len if kind is None else common
+            if kind is not None:
+                drift = DriftInfo(kind, self._turns, p.index, common, p.seq_len, len(prompt))
+                self._drift[kind.value] += 1
+                logger.debug("TITO drift (%s) at turn %d: first mismatch at token %d",
+                             kind.value, drift.turn, common)
+        versions = turn.policy_version
+        return GenTurn(
+            index=self._turns,
+            own=own,
+            logprobs=_owned(turn.response_logprobs),
+            versions=_owned(versions) if isinstance(versions, np.ndarray) else int(versions),
+            finish_reason=turn.finish_reason,
+            prompt_len=len(prompt),
+            shared=shared,
+            base=base,
+            pred=live,
+            new_start=new_start,
+            drift=drift,
+        )
+
+    # ------------------------------------------------------------------ output
+
+    def samples(
+        self,
+        reward: float,
+        metadata: dict[str, Any] | None = None,
+        *,
+        session_id: str = "",
+        group_id: str = "",
+        reward_assignment: str = "copy",
+    ) -> list[Sample]:
+        """Linearize every root-to-leaf path into Samples (``[]`` for an empty tree).
+
+        ``reward_assignment``: ``"copy"`` gives every sample ``reward``; ``"split"`` gives each
+        ``reward / len(samples)``. ``metadata`` is copied into every sample's metadata, under the
+        linearizer's own keys (``num_turns``, ``turn_indices``, ``trained_turns``, ``merged_turns``,
+        ``merged_tokens``, ``drift``, ``leaf``), which win on a clash. Raises :class:`TITODriftError`
+        on drift when ``on_drift="raise"`` (recording never raises, so nothing is lost before that).
+        """
+        root = self._require_open()
+        return linearize(
+            root,
+            reward=reward,
+            metadata=metadata,
+            session_id=session_id,
+            group_id=group_id,
+            reward_assignment=reward_assignment,
+            raise_on_drift=self.on_drift == "raise",
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Counts for metrics; every turn and every generated token is accounted for here."""
+        return {
+            "turns": self._turns,
+            "nodes": self._nodes,
+            "leaves": self._leaves,
+            "forks": self._forks,
+            "root_branches": self._root_branches,
+            "retries": self._retries,
+            "drift": dict(self._drift),
+            "merged_rewrites": self._merged_rewrites,
+            "masked_tokens": self._masked_tokens,
+            "generated_tokens": self._generated_tokens,
+            "trainable_tokens": self._generated_tokens - self._masked_tokens,
+            "stored_tokens": self._stored_tokens,
+            "closed": self._closed,
+        }
+
+    def close(self) -> None:
+        """Free the tree. Counters stay readable; recording or linearizing afterwards raises."""
+        self._root = None
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _require_open(self) -> Node:
+        if self._root is None:
+            raise SessionClosedError("this trajectory tree is closed")
+        return self._root
+
+    # ------------------------------------------------------------------ debugging
+
+    def dump(self, decode: Callable[[np.ndarray], str] | None = None, width: int = 48) -> str:
+        """A readable picture of the tree (for test failure messages and debugging).
+
+        ``decode`` turns token arrays into text; when given, each generated node shows its stored
+        tokens (bridge | response).
+        """
+        lines = [f"TrajectoryTree {self.stats()}"]
+        if self._root is None:
+            return "\n".join(lines + ["  <closed>"])
+        stack: list[tuple[Node, int]] = [(c, 1) for c in reversed(self._root.children)]
+        while stack:
+            node, depth = stack.pop()
+            lines.append("  " * depth + _describe(node, decode, width))
+            stack.extend((c, depth + 1) for c in reversed(node.children))
+        return "\n".join(lines)
+
+
+def _describe(node: Node, decode: Callable[[np.ndarray], str] | None, width: int) -> str:
+    msg = node.message
+    text = str(msg.get("content") or "")
+    calls = msg.get("tool_calls") or []
+    if calls:
+        names = ",".join(
+            str((c.get("function") or {}).get("name", "?")) for c in calls if isinstance(c, dict)
+        )
+        text += f" calls[{names}]"
+    if len(text) > width:
+        text = text[: width - 3] + "..."
+    line = f"{node.role}: {text!r}"
+    g = node.gen
+    if g is None:
+        return line
+    flags = [f"turn {g.index}", f"prompt {g.prompt_len}"]
+    if g.base is not None:
+        assert g.base.gen is not None
+        flags.append(f"shares {g.shared} of turn {g.base.gen.index}")
+    flags.append(f"resp {g.response_len}")
+    flags.append(g.finish_reason)
+    if g.merged:
+        flags.append("MERGED")
+    if g.drift is not None:
+        flags.append(f"DRIFT {g.drift.kind.value}@{g.drift.position}")
+    line = f"* {line} [{', '.join(flags)}]"
+    if decode is not None:
+        bridge = g.own[: len(g.own) - g.response_len]
+        line += f"  tokens: {decode(bridge)} | {decode(g.response)}"
+    return line

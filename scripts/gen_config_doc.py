@@ -1,0 +1,62 @@
+"""Regenerate docs/config.md from rayrl/config.py (field comments are the documentation).
+
+    python scripts/gen_config_doc.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from rayrl import config as C
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def field_comments() -> dict[str, dict[str, str]]:
+    comments: dict[str, dict[str, str]] = {}
+    cls = None
+    for line in (ROOT / "rayrl" / "config.py").read_text().splitlines():
+        if m := re.match(r"class (\w+)", line):
+            cls = m.group(1)
+            comments[cls] = {}
+        elif cls and (m := re.match(r"    (\w+): [^=]+=.*?#\s*(.*)$", line)):
+            comments[cls][m.group(1)] = m.group(2).replace("|", "/")
+    return comments
+
+
+def main() -> None:
+    comments = field_comments()
+    root = C.RunConfig()
+    out = [
+        "# Configuration reference",
+        "",
+        "One YAML file maps onto `rayrl.config.RunConfig` (typed dataclasses, OmegaConf structured config).",
+        "Unknown keys, wrong types and invalid values fail at load with the dotted name of the field.",
+        "Override any field on the command line: "
+        "`python driver.py --config FILE trainer.steps=3 rollout.group_size=8`.",
+        "This page is generated from the comments in rayrl/config.py by scripts/gen_config_doc.py.",
+        "",
+        "## Top level",
+        "",
+        "| field | default | meaning |",
+        "|---|---|---|",
+    ]
+    for f in dataclasses.fields(root):
+        value = getattr(root, f.name)
+        if not dataclasses.is_dataclass(value):
+            out.append(f"| `{f.name}` | `{value!r}` | {comments['RunConfig'].get(f.name, '')} |")
+    for f in dataclasses.fields(root):
+        sub = getattr(root, f.name)
+        if not dataclasses.is_dataclass(sub):
+            continue
+        cname = type(sub).__name__
+        out += ["", f"## `{f.name}`: {(type(sub).__doc__ or '').strip()}", "", "| field | default | meaning |", "|---|---|---|"]
+        for g in dataclasses.fields(sub):
+            out.append(f"| `{f.name}.{g.name}` | `{getattr(sub, g.name)!r}` | {comments[cname].get(g.name, '')} |")
+    (ROOT / "docs" / "config.md").write_text("\n".join(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Shared fixtures: the tiny random model, the real SmolLM2 model, and servers on a background loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any, Awaitable
+
+import pytest
+
+from rayrl.models import build_tiny_model, provision_smollm2
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread, so sync clients (openai SDK) can call servers it runs."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Awaitable[Any], timeout: float = 120) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer random Llama with SmolLM2's tokenizer and chat template."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct (converted once into the cache)."""
+    return provision_smollm2()
+
+
+@pytest.fixture
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.close()

@@ -1,0 +1,33 @@
+"""Pieces the end-to-end test plugs in through config (``module:name``), as a user would.
+
+The tiny random model never writes a valid tool call, so the reward here scores the text itself to
+give GRPO some variance; the harness misbehaves on purpose for two episodes of each step.
+"""
+
+from __future__ import annotations
+
+import openai
+
+from rayrl.agents.base import AgentResult, EpisodeContext
+from rayrl.agents.python_agent import PythonToolAgent
+from rayrl.types import Task
+
+
+def parity_reward(task: Task, result: AgentResult) -> float:
+    """1.0 when the final answer has an even number of characters: arbitrary, but it varies."""
+    return 1.0 if len(result.final_answer or "") % 2 == 0 else 0.0
+
+
+class FlakyAgent(PythonToolAgent):
+    """The python agent, except: episode 0 of task 0 crashes, episode 1 of task 0 loops forever."""
+
+    def run(self, task: Task, ctx: EpisodeContext) -> AgentResult:
+        index = ctx.episode_index
+        if task.task_id.endswith("first") and index == 0:
+            raise RuntimeError("agent bug on purpose")
+        if task.task_id.endswith("first") and index == 1:
+            client = openai.OpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            while True:  # stopped by the episode deadline, then by the gateway's 409
+                client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "again"}],
+                                               max_tokens=4)
+        return super().run(task, ctx)
