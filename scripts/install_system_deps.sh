@@ -1,0 +1,26 @@
+#!/bin/sh
+# System packages the local sandbox needs: bubblewrap (namespaces) and a system python3 inside /usr
+# (the calculator tool runs `python3 calc.py` in the sandbox, which only sees /usr, not ~/.pyenv).
+# As root with apt-get: installs what is missing. Otherwise: prints what to install and exits 0, so
+# `make` keeps going; the sandbox itself reports SandboxUnavailable naming anything still missing.
+set -eu
+
+missing=""
+command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
+[ -x /usr/bin/python3 ] || [ -x /usr/local/bin/python3 ] || missing="$missing python3"
+command -v prlimit >/dev/null 2>&1 || missing="$missing util-linux"
+
+if [ -z "$missing" ]; then
+    echo "system deps: ok (bwrap $(bwrap --version 2>/dev/null | cut -d' ' -f2), $(/usr/bin/python3 --version 2>/dev/null || echo python3))"
+    exit 0
+fi
+
+if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "system deps: installing$missing"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    # shellcheck disable=SC2086
+    apt-get install -y -qq --no-install-recommends $missing
+else
+    echo "system deps: please install:$missing (e.g. sudo apt-get install -y$missing)" >&2
+fi
