@@ -18,6 +18,7 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examp
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train an LLM agent with RL on Ray.")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML run config (default: the calculator example)")
+    parser.add_argument("--resume", action="store_true", help="continue from the run's newest checkpoint")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=3")
     args = parser.parse_args(argv)
 
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     pipeline = None
     try:
         pipeline = Pipeline(cfg)
+        if args.resume:
+            pipeline.resume()
         pipeline.run()
     except ModelNotFoundError as err:
         print(f"model error: {err}", file=sys.stderr)

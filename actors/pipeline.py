@@ -131,6 +131,19 @@ class Pipeline:
                                     error="step deadline reached"))
         return episodes
 
+    def _trajectory_metrics(self) -> dict[str, float]:
+        """Gateway and trajectory totals over all shards (cumulative since the run started)."""
+        totals: dict[str, float] = defaultdict(float)
+        for shard in self.trajectories.stats():
+            for key, value in shard.items():
+                if isinstance(value, (int, float)):
+                    totals[key] += value
+        keep = ("requests", "errors_4xx", "errors_engine", "tool_parse_errors", "cumulative_hits", "full_renders",
+                "turns", "forks", "merged_rewrites")
+        out = {f"gateway/{k}": totals[k] for k in keep if k in totals}
+        out.update({f"trajectory/{k}": v for k, v in totals.items() if k.startswith("drift_")})
+        return out
+
     def _write_episodes(self, episodes: list[Episode]) -> None:
         """One JSON line per episode (reward, status, answer, error, timings) under runs/<exp>/episodes/."""
         directory = self.run_dir / "episodes"
@@ -236,6 +249,7 @@ class Pipeline:
             logger.info("step %d: every group had equal rewards; no gradient step", self.step)
             metrics["train/trained_samples"] = 0
         metrics["train/policy_version"] = self.version
+        metrics.update(self._trajectory_metrics())
         metrics["time/step_s"] = time.monotonic() - t_step
         self.metrics.log(self.step, metrics)
         print(summary_line(self.step, cfg.trainer.steps, metrics), flush=True)
@@ -243,12 +257,47 @@ class Pipeline:
 
     # -- the run -----------------------------------------------------------------------------------
 
+    @property
+    def checkpoint_root(self) -> Path:
+        return Path(self.cfg.pipeline.checkpoint_dir or self.run_dir / "checkpoints")
+
     def save_checkpoint(self) -> Path:
-        directory = Path(self.cfg.pipeline.checkpoint_dir or self.run_dir / "checkpoints") / f"step{self.step:06d}"
+        """Trainer and optimizer state with each rank's RNG, the data cursor, step and policy version.
+
+        ``pipeline.json`` is written last: a directory without it is an interrupted save and is ignored.
+        """
+        directory = self.checkpoint_root / f"step{self.step:06d}"
         self.trainer.save_checkpoint(str(directory))
-        state = {"step": self.step, "policy_version": self.version, "sampler": self.sampler.state_dict()}
-        (directory / "pipeline.json").write_text(json.dumps(state))
+        state = {
+            "step": self.step,
+            "policy_version": self.version,
+            "sampler": self.sampler.state_dict(),
+        }
+        tmp = directory / "pipeline.json.tmp"
+        tmp.write_text(json.dumps(state))
+        tmp.replace(directory / "pipeline.json")
+        print(f"[rayrl] checkpoint: {directory}", flush=True)
         return directory
+
+    def latest_checkpoint(self) -> Path | None:
+        done = sorted(p.parent for p in self.checkpoint_root.glob("step*/pipeline.json"))
+        return done[-1] if done else None
+
+    def resume(self) -> bool:
+        """Continue from the newest complete checkpoint: the next step takes exactly the next tasks."""
+        directory = self.latest_checkpoint()
+        if directory is None:
+            print(f"[rayrl] no checkpoint under {self.checkpoint_root}; starting fresh", flush=True)
+            return False
+        state = json.loads((directory / "pipeline.json").read_text())
+        self.version = self.trainer.load_checkpoint(str(directory))
+        self.step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        if self.version > 0:
+            path = self.trainer.export_weights(str(self.weights_root), self.version, self.cfg.engine.dtype)
+            ray.get(self.engines.update_weights_from_disk.remote(path, str(self.version)))
+        print(f"[rayrl] resumed from {directory} at step {self.step}, policy version {self.version}", flush=True)
+        return True
 
     def run(self) -> list[dict[str, Any]]:
         history = []
@@ -263,6 +312,8 @@ class Pipeline:
                 self.save_checkpoint()
             if eval_every and (self.step % eval_every == 0 or self.step == total):
                 self.metrics.log(self.step, self.evaluate(self.step))
+        if history and not (self.cfg.pipeline.checkpoint_interval and self.step % self.cfg.pipeline.checkpoint_interval == 0):
+            self.save_checkpoint()
         if failures := dict(self.failure_counts):
             print(f"[rayrl] failed episodes by cause: {failures}", flush=True)
         print(f"[rayrl] metrics: {self.metrics.jsonl_path}  reward curve: {self.run_dir / 'reward_curve.png'}", flush=True)

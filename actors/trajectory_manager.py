@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 from typing import Any
 
 import ray
@@ -43,6 +44,7 @@ class TrajectoryManager:
             shard=shard,
             model_type=model_type,
         )
+        self.totals: Counter = Counter()
 
     async def start(self) -> str:
         return await self.gateway.start()
@@ -53,13 +55,22 @@ class TrajectoryManager:
     async def finish_session(
         self, session_id: str, reward: float, metadata: dict[str, Any] | None = None
     ) -> list[Sample]:
+        self._count(self.gateway.session_stats(session_id))
         return await self.gateway.finish_session(session_id, reward, metadata)
+
+    def _count(self, tree_stats: dict[str, Any]) -> None:
+        """Session totals (drift by kind, merges, forks) for the step metrics."""
+        for key in ("turns", "forks", "merged_rewrites", "masked_tokens"):
+            self.totals[key] += int(tree_stats.get(key, 0))
+        for kind, n in tree_stats.get("drift", {}).items():
+            self.totals[f"drift_{kind}"] += int(n)
+        self.totals["sessions_finished"] += 1
 
     async def session_stats(self, session_id: str) -> dict[str, Any]:
         return self.gateway.session_stats(session_id)
 
     async def stats(self) -> dict[str, Any]:
-        return {**self.gateway.counters, "open_sessions": self.gateway.sessions.open_sessions}
+        return {**self.gateway.counters, **self.totals, "open_sessions": self.gateway.sessions.open_sessions}
 
     async def admin_token(self) -> str:
         return self.gateway.admin_token

@@ -80,5 +80,25 @@ def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
         assert any((cfg.run_dir / "tensorboard").iterdir())
         stats = pipeline.trajectories.stats()
         assert sum(s["requests"] for s in stats) >= 12 and all(s["open_sessions"] == 0 for s in stats)
+        assert history[1]["gateway/requests"] == sum(s["requests"] for s in stats)
+        checkpoint = pipeline.latest_checkpoint()
+        assert checkpoint is not None and checkpoint.name == "step000002"
+        seen = [e["task_id"] for step in (1, 2)
+                for e in map(json.loads, (cfg.run_dir / "episodes" / f"step{step:06d}.jsonl").read_text().splitlines())]
+        version = pipeline.version
     finally:
         pipeline.shutdown()
+
+    # resume: a new pipeline continues at step 3 with the restored weights and the next, unseen tasks
+    resumed = Pipeline(load_config(cfg.run_dir / "config.yaml", ["trainer.steps=3"]))
+    try:
+        assert resumed.resume()
+        assert resumed.step == 2 and resumed.version == version
+        for url in resumed.engine_urls:
+            with urllib.request.urlopen(f"{url}/get_weight_version", timeout=10) as resp:
+                assert json.load(resp)["weight_version"] == str(version if version else 0)
+        resumed.run()
+        step3 = [json.loads(l)["task_id"] for l in (cfg.run_dir / "episodes" / "step000003.jsonl").read_text().splitlines()]
+        assert len(set(step3)) == 2 and not set(step3) & set(seen)  # 8 tasks: no task trained twice in the epoch
+    finally:
+        resumed.shutdown()

@@ -1,0 +1,96 @@
+"""Runner: the dataclass contract, and a real `ray start --head` + job submission of driver.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from actors.runner import Runner
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_required_fields_defaults_and_passthrough():
+    with pytest.raises(ValueError, match="exp_id"):
+        Runner(exp_id="", config="c.yaml")
+    r = Runner(exp_id="e1", config="examples/calculator/config.yaml", steps=3, model_path="/m dir",
+               overrides=["rollout.group_size=8"], extra_args=["--resume"], env_vars={"A": "1"})
+    assert r.address == "http://127.0.0.1:8265" and r.working_dir == "."
+    assert r.driver_args() == ["--config", "examples/calculator/config.yaml", "exp_id=e1", "model.path=/m dir",
+                               "trainer.steps=3", "rollout.group_size=8", "--resume"]
+    assert r.entrypoint().startswith("python driver.py --config examples/calculator/config.yaml exp_id=e1 'model.path=/m dir'")
+    env = r.runtime_env()
+    assert env["working_dir"] == "." and env["env_vars"] == {"A": "1"} and ".venv" in env["excludes"]
+
+
+def test_yaml_round_trip_and_unknown_fields(tmp_path):
+    r = Runner(exp_id="e2", config="c.yaml", steps=5, overrides=["x.y=1"])
+    path = tmp_path / "runner.yaml"
+    r.to_yaml(path)
+    assert Runner.from_yaml(path) == r
+    assert Runner.from_yaml(r.to_yaml()) == r
+    with pytest.raises(ValueError, match="unknown field"):
+        Runner.from_yaml("exp_id: a\nconfig: b\ngpus: 8\n")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """`ray start --head --block` on loopback; terminating it stops exactly the processes it started."""
+    gcs, dash = _free_port(), _free_port()
+    temp = Path("/tmp") / f"rayrl-test-{os.getpid()}-{gcs}"  # short path: Ray's socket names are long
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+         f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=4",
+         "--include-dashboard=true", f"--temp-dir={temp}", "--disable-usage-stats"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{dash}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/api/version", timeout=2):
+                break
+        except OSError:
+            if proc.poll() is not None:
+                pytest.fail("ray start failed:\n" + proc.stdout.read())
+            time.sleep(1)
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow  # starting a Ray head and its dashboard takes minutes on a loaded 2-core machine
+def test_ray_job_submit_runs_driver(ray_head, tiny_model_dir):
+    runner = Runner(
+        exp_id="job-e2e",
+        config="examples/calculator/config.yaml",
+        address=ray_head,
+        working_dir=str(ROOT),
+        model_path=str(tiny_model_dir),
+        steps=1,
+        overrides=["engine.dtype=float32", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                   "rollout.max_tokens=8", "rollout.max_turns=1", "logging.tensorboard=false"],
+    )
+    job_id = runner.submit()
+    status = runner.wait(job_id, timeout_s=400)
+    logs = runner.logs(job_id)
+    assert status == "SUCCEEDED", logs[-3000:]
+    assert "step 1/1 |" in logs and "[rayrl] metrics:" in logs
