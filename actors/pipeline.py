@@ -320,9 +320,14 @@ class Pipeline:
         return history
 
     def shutdown(self) -> None:
+        """Stop every actor gracefully, then release it (names become free for the next pipeline)."""
         self.metrics.close()
-        for handle in self.trajectories.handles:
-            ray.get(handle.shutdown.remote())
-        ray.get(self.engines.shutdown.remote())
-        ray.get(self.pool.shutdown.remote())
+        graceful = [h.shutdown.remote() for h in self.trajectories.handles]
+        graceful += [self.engines.shutdown.remote(), self.pool.shutdown.remote()]
+        try:
+            ray.get(graceful, timeout=60)
+        except Exception as err:  # an actor that already died cannot be stopped politely
+            logger.warning("graceful shutdown incomplete: %s", err)
+        for handle in [*self.trajectories.handles, *self.workers, self.engines, self.pool]:
+            ray.kill(handle)
         self.trainer.shutdown()

@@ -8,6 +8,8 @@ placement group, and the weight sync back to the engine.
 from __future__ import annotations
 
 import json
+import socket
+import time
 import urllib.request
 from pathlib import Path
 
@@ -19,12 +21,34 @@ from rayrl.config import load_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture
 def ray_local():
+    """A local Ray whose node exports metrics in Prometheus format on a known port."""
+    port = _free_port()
     # the test's own reward and harness (tests/e2e_support.py) must import in the workers
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    yield
+    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=port,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    yield port
     ray.shutdown()
+
+
+def _scrape(port: int, names: list[str], timeout_s: float = 60.0) -> str:
+    """Poll the metrics endpoint until every name appears (Ray exports every few seconds)."""
+    deadline = time.monotonic() + timeout_s
+    text = ""
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        if all(n in text for n in names):
+            return text
+        time.sleep(2)
+    return text
 
 
 def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
@@ -86,6 +110,10 @@ def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
         seen = [e["task_id"] for step in (1, 2)
                 for e in map(json.loads, (cfg.run_dir / "episodes" / f"step{step:06d}.jsonl").read_text().splitlines())]
         version = pipeline.version
+        # step metrics and sandbox-pool metrics reach the node's Prometheus endpoint
+        names = ["ray_rayrl_step_metric", 'metric="rollout/reward_mean"', "ray_rayrl_sandbox_acquire_latency_s_bucket"]
+        text = _scrape(ray_local, names)
+        assert all(n in text for n in names), [n for n in names if n not in text]
     finally:
         pipeline.shutdown()
 

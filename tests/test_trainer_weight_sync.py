@@ -102,3 +102,11 @@ def test_checkpoint_round_trip(tiny_model_dir, tmp_path):
     b.train_step([s], [1.0])
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.allclose(pa, pb, atol=1e-7)  # optimizer state restored too
+
+
+def test_write_weights_keeps_the_version_just_written(tmp_path):
+    state = {"w": torch.ones(2)}
+    write_weights(state, tmp_path, version=5)
+    kept = write_weights(state, tmp_path, version=3)  # e.g. after resuming an older checkpoint
+    assert kept.name == "v000003" and (kept / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.glob("v*")] == ["v000003"]

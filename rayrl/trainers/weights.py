@@ -37,8 +37,12 @@ def shared_memory_root() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def write_weights(state: dict[str, torch.Tensor], root: Path, version: int, keep: int = 1) -> Path:
-    """Write ``state`` as ``root/v{version}/model.safetensors`` atomically; prune older versions."""
+def write_weights(state: dict[str, torch.Tensor], root: Path, version: int) -> Path:
+    """Write ``state`` as ``root/v{version}/model.safetensors`` atomically and remove every other version.
+
+    Only the version just written is kept (not the highest number: after a resume, the version written
+    can be lower than one left on disk by the run before).
+    """
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"v{version:06d}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".writing-"))
@@ -46,7 +50,7 @@ def write_weights(state: dict[str, torch.Tensor], root: Path, version: int, keep
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
-    versions = sorted(p for p in root.glob("v*") if p.is_dir())
-    for old in versions[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    for old in root.glob("v*"):
+        if old.is_dir() and old != final:
+            shutil.rmtree(old, ignore_errors=True)
     return final
