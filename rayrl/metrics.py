@@ -108,6 +108,10 @@ class MetricsLogger:
             smooth = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
                       for i in range(len(values))]
             ax.plot(steps, smooth, linewidth=2.5, alpha=0.6, label=f"moving mean ({window})")
+        evals = [(h["step"], h["eval/success_rate"]) for h in sorted(self.history, key=lambda h: h["step"])
+                 if "eval/success_rate" in h]
+        if evals:
+            ax.plot(*zip(*evals), marker="s", linestyle="--", linewidth=1.5, label="held-out success")
         ax.set_xlabel("step")
         ax.set_ylabel("reward")
         ax.set_title(self.run_dir.name)
@@ -124,3 +128,16 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def main() -> None:
+    """``python -m rayrl.metrics runs/<exp_id>`` redraws that run's reward_curve.png from metrics.jsonl."""
+    import sys
+
+    run_dir = Path(sys.argv[1])
+    logger_ = MetricsLogger(LoggingConfig(tensorboard=False), run_dir)
+    print(logger_.plot_reward_curve())
+
+
+if __name__ == "__main__":
+    main()
