@@ -23,12 +23,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from rayrl.config import ConfigError, load_config
-    from rayrl.models import ModelNotFoundError
+    from rayrl.models import ModelNotFoundError, resolve_model_path
 
     try:
         cfg = load_config(args.config, args.overrides)
+        resolve_model_path(cfg.model.path)  # fail before starting Ray; provisions the built-in model once
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except ModelNotFoundError as err:
+        print(f"model error: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.logging.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -46,9 +50,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             pipeline.resume()
         pipeline.run()
-    except ModelNotFoundError as err:
-        print(f"model error: {err}", file=sys.stderr)
-        return 2
     finally:
         if pipeline is not None:
             pipeline.shutdown()

@@ -38,7 +38,7 @@ def test_ppo_clip_by_hand():
     # token 2: min(0.6065*-1, 0.8*-1) = -0.8 -> loss 0.8
     # token 3: min(1*0.5, 1*0.5) = 0.5 -> loss -0.5
     expected = -2.56 + 0.8 - 0.5
-    assert float(out.loss) == pytest.approx(expected, abs=1e-5)
+    assert float(out.loss.detach()) == pytest.approx(expected, abs=1e-5)
     assert float(out.tokens) == 3
     assert float(out.clip_fraction) == 2  # tokens 1 and 2 are clipped
     out.loss.backward()
@@ -51,7 +51,7 @@ def test_tis_weights_truncate_and_ratio_is_proximal():
     rollout = torch.tensor([-3.0, -0.9])  # weights exp(2)=7.39 -> capped 2.0 ; exp(-0.1)=0.905
     adv = torch.tensor([1.0, 1.0])
     out = ppo_clip_token_loss(logp, rollout, adv, torch.ones(2), clip_eps=0.2, tis_cap=2.0)
-    assert float(out.loss) == pytest.approx(-(2.0 + math.exp(-0.1)), abs=1e-5)
+    assert float(out.loss.detach()) == pytest.approx(-(2.0 + math.exp(-0.1)), abs=1e-5)
     out.loss.backward()
     assert logp.grad.tolist() == pytest.approx([-2.0, -math.exp(-0.1)], abs=1e-5)
     assert float(out.tis_weight) == pytest.approx(2.0 + math.exp(-0.1), abs=1e-5)
