@@ -21,6 +21,7 @@ import ray
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from rayrl.config import SandboxConfig, SandboxPoolConfig
+from rayrl.sandboxes.base import create_sandbox
 from rayrl.sandboxes.local import remove_orphans
 from rayrl.sandboxes.pool import LATENCY_BUCKETS_S, Lease, SandboxPool
 
@@ -60,10 +61,13 @@ class SandboxPoolActor:
     """Leases sandboxes to rollout workers; ``owner`` is the caller's Ray actor id (hex)."""
 
     def __init__(self, sandbox_config: SandboxConfig, pool_config: SandboxPoolConfig,
-                 tick_s: float = 1.0) -> None:
+                 tick_s: float = 1.0, root: str | None = None) -> None:
+        # ``root``: where local sandboxes live (default: the node-wide rayrl-sandboxes dir). Tests and
+        # benchmarks pass their own so they never share a directory with a running job's pool.
         if sandbox_config.backend == "local":
-            remove_orphans()  # sandboxes left on this node by a pool that crashed
-        self.pool = SandboxPool(sandbox_config, pool_config)
+            remove_orphans(root)  # sandboxes left on this node by a pool that crashed
+        self.pool = SandboxPool(sandbox_config, pool_config,
+                                factory=lambda: create_sandbox(sandbox_config, root=root))
         self.config = pool_config
         self._tick_s = max(0.05, min(tick_s, pool_config.health_interval_s))
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sandbox-pool")
