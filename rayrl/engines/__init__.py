@@ -1,0 +1,38 @@
+"""Inference engines behind SGLang's native HTTP API.
+
+- ``client.EngineClient`` / ``router.Router``: what callers use (SGLang on GPU, the CPU engine here).
+- ``cpu_engine.CPUEngine`` + ``server.EngineServer`` (``python -m rayrl.engines.cpu_server``): a
+  transformers model with continuous batching, serving the same endpoints as SGLang.
+- ``launcher.EngineProcess``: one engine server as a managed subprocess.
+
+Names are imported lazily so that using the client does not import torch/transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "EngineClient": "client",
+    "EngineError": "client",
+    "EngineUnavailable": "client",
+    "GenerateOutput": "client",
+    "Router": "router",
+    "CPUEngine": "cpu_engine",
+    "GenerationResult": "cpu_engine",
+    "SamplingParams": "sampling",
+    "EngineServer": "server",
+    "EngineProcess": "launcher",
+    "EngineLaunchError": "launcher",
+    "cpu_server_command": "launcher",
+    "sglang_command": "launcher",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"rayrl.engines.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'rayrl.engines' has no attribute {name!r}")

@@ -1,0 +1,288 @@
+"""EngineClient: async client for SGLang's native HTTP API (SGLang on GPU, the CPU engine elsewhere).
+
+One shared aiohttp session per client, created lazily on first use in the running event loop. Every
+non-2xx answer raises :class:`EngineError` (status + the server's message); connection failures and
+timeouts raise :class:`EngineUnavailable`. Cancelling a :meth:`EngineClient.generate` call aborts the
+request on the engine, so an abandoned agent turn does not keep a batch slot busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import aiohttp
+import numpy as np
+
+
+class EngineError(RuntimeError):
+    """The engine answered with a non-2xx status."""
+
+    def __init__(self, status: Optional[int], message: str, url: str = "") -> None:
+        super().__init__(f"{url}: HTTP {status}: {message}" if status is not None else f"{url}: {message}")
+        self.status = status
+        self.message = message
+        self.url = url
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached (connection refused or reset, timeout).
+
+    ``connect_failed`` is True when no connection was made at all, so the request surely did not run.
+    """
+
+    def __init__(self, message: str, url: str = "", connect_failed: bool = False) -> None:
+        super().__init__(None, message, url)
+        self.connect_failed = connect_failed
+
+
+@dataclass
+class GenerateOutput:
+    """One finished generation. ``versions`` holds per-token policy versions (int32) only when the
+    weights changed during the request (else None: every token has ``weight_version``)."""
+
+    output_ids: np.ndarray
+    output_logprobs: np.ndarray
+    text: str
+    finish_reason: dict[str, Any]
+    weight_version: str
+    versions: Optional[np.ndarray]
+    prompt_tokens: int
+    completion_tokens: int
+    rid: str
+    meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def token_versions(self) -> Optional[np.ndarray]:
+        return self.versions
+
+
+def _version_int(v: Any) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1  # non-integer version strings cannot be ordered; policy versions are ints by convention
+
+
+def parse_generate_response(body: Mapping[str, Any]) -> GenerateOutput:
+    """A /generate JSON object (SGLang shape) as a GenerateOutput with numpy arrays."""
+    meta = body.get("meta_info") or {}
+    ids = np.asarray(body.get("output_ids") or [], dtype=np.int32)
+    entries = meta.get("output_token_logprobs")
+    if entries:
+        lps = np.asarray([e[0] if e[0] is not None else np.nan for e in entries], dtype=np.float32)
+    else:
+        lps = np.zeros(0, dtype=np.float32)
+    per_token = meta.get("output_token_versions")
+    versions = np.asarray([_version_int(v) for v in per_token], dtype=np.int32) if per_token else None
+    return GenerateOutput(
+        output_ids=ids,
+        output_logprobs=lps,
+        text=body.get("text", ""),
+        finish_reason=meta.get("finish_reason") or {},
+        weight_version=str(meta.get("weight_version", "")),
+        versions=versions,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        completion_tokens=int(meta.get("completion_tokens", len(ids))),
+        rid=str(meta.get("id", "")),
+        meta_info=dict(meta),
+    )
+
+
+class EngineClient:
+    """Async client of one engine server at ``base_url``."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = float(timeout_s)
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.base_url!r})"
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            # A session belongs to one event loop; a client reused from another loop gets a fresh one.
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+            self._loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        timeout_s: Optional[float] = None,
+        expect_json: bool = True,
+    ) -> Any:
+        url = self.base_url + path
+        session = self._get_session()
+        kwargs: dict[str, Any] = {}
+        if payload is not None:
+            kwargs["data"] = json.dumps(payload)
+            kwargs["headers"] = {"Content-Type": "application/json"}
+        if timeout_s is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            async with session.request(method, url, **kwargs) as resp:
+                raw = await resp.read()
+                if resp.status >= 300:
+                    raise EngineError(resp.status, _error_message(raw), self.base_url)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"no answer from {path} within the timeout", self.base_url) from None
+        except aiohttp.ClientError as err:
+            refused = isinstance(err, aiohttp.ClientConnectorError)
+            raise EngineUnavailable(
+                f"{type(err).__name__}: {err}", self.base_url, connect_failed=refused
+            ) from None
+        if not expect_json:
+            return raw.decode("utf-8", "replace")
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            raise EngineError(resp.status, f"{path} answered with non-JSON data", self.base_url) from None
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(
+        self,
+        input_ids: Sequence[int] | np.ndarray,
+        sampling_params: Optional[Mapping[str, Any]] = None,
+        rid: Optional[str] = None,
+        return_logprob: bool = True,
+    ) -> GenerateOutput:
+        """Generate from token ids. Cancelling this coroutine aborts the request on the engine."""
+        rid = rid or uuid.uuid4().hex
+        payload = {
+            "input_ids": np.asarray(input_ids).astype(np.int64).tolist(),
+            "sampling_params": dict(sampling_params or {}),
+            "rid": rid,
+            "return_logprob": bool(return_logprob),
+        }
+        try:
+            body = await self._request("POST", "/generate", payload)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._abort_quietly(rid))
+            raise
+        if not isinstance(body, dict):
+            raise EngineError(200, "/generate answered with an unexpected body", self.base_url)
+        return parse_generate_response(body)
+
+    async def _abort_quietly(self, rid: str) -> None:
+        try:
+            await self.abort(rid)
+        except EngineError:
+            pass  # the engine is gone: nothing left to abort
+
+    async def abort(self, rid: str) -> None:
+        await self._request("POST", "/abort_request", {"rid": rid}, timeout_s=30.0, expect_json=False)
+
+    async def abort_all(self) -> None:
+        await self._request("POST", "/abort_request", {"abort_all": True}, timeout_s=30.0, expect_json=False)
+
+    # ------------------------------------------------------------------ status
+
+    async def health(self, timeout_s: float = 10.0) -> bool:
+        """True when /health answers 200 within ``timeout_s``."""
+        try:
+            await self._request("GET", "/health", timeout_s=timeout_s, expect_json=False)
+            return True
+        except EngineError:
+            return False
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self._request("GET", "/get_model_info", timeout_s=30.0)
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self._request("GET", "/get_server_info", timeout_s=30.0)
+
+    async def get_weight_version(self) -> str:
+        body = await self._request("GET", "/get_weight_version", timeout_s=30.0)
+        return str(body["weight_version"])
+
+    # ------------------------------------------------------------------ weights and memory
+
+    async def update_weights_from_disk(
+        self, path: str, weight_version: Optional[str] = None, *, abort_all_requests: bool = False
+    ) -> dict[str, Any]:
+        payload: dict[str, Any] = {"model_path": str(path), "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return await self._request("POST", "/update_weights_from_disk", payload)
+
+    async def update_weights_from_tensor(
+        self,
+        named_tensors: Mapping[str, Any],
+        weight_version: Optional[str] = None,
+        *,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Send tensors in the CPU engine's safe form (base64 safetensors, ``load_format="safetensors"``).
+
+        SGLang on GPU expects CUDA-IPC handles instead; the GPU weight transfer lives in rayrl.trainers.
+        """
+        from rayrl.engines.weights import encode_named_tensors  # torch only when weights are sent
+
+        payload: dict[str, Any] = {
+            "serialized_named_tensors": [encode_named_tensors(named_tensors)],
+            "load_format": "safetensors",
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return await self._request("POST", "/update_weights_from_tensor", payload)
+
+    async def update_weight_version(self, new_version: str) -> dict[str, Any]:
+        return await self._request("POST", "/update_weight_version", {"new_version": str(new_version)})
+
+    async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        return await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> dict[str, Any]:
+        return await self._request("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> str:
+        return await self._request("POST", "/flush_cache", expect_json=False)
+
+    async def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
+        await self._request(
+            "POST", "/release_memory_occupation", {"tags": list(tags) if tags is not None else None}
+        )
+
+    async def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
+        await self._request(
+            "POST", "/resume_memory_occupation", {"tags": list(tags) if tags is not None else None}
+        )
+
+
+def _error_message(raw: bytes) -> str:
+    """The message of an SGLang error body (either error shape), else the raw text."""
+    text = raw.decode("utf-8", "replace")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return text.strip()[:1000]
+    if isinstance(body, dict):
+        if isinstance(body.get("message"), str):
+            return body["message"]
+        err = body.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+    return text.strip()[:1000]

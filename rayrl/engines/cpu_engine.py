@@ -1,0 +1,642 @@
+"""CPUEngine: a transformers causal LM behind a continuous-batching decode loop.
+
+One background thread owns the model. Requests are submitted from any thread; at the top of every
+iteration the loop runs queued commands (weight updates, pause), applies aborts, prefills newly
+arrived requests (several at once, left-padded) and merges them into the running batch, then runs one
+decode step for the whole batch. Finished requests leave the batch right after the step that finished
+them. Cache data moves only at those join/leave events (see kv_cache.py); a decode step writes one
+column in place.
+
+Every result carries the weight version that produced it. Weight updates are applied between decode
+steps; a request that spans an update records which version produced each token.
+
+Log-probs are the RAW model distribution's (``log_softmax`` of the logits, no temperature, no top-p),
+as float32 — see sampling.py for why.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+from transformers.cache_utils import DynamicCache
+
+from rayrl.engines.kv_cache import ATTENTION_NAME, BatchKV, KVBlock, prefill_mask
+from rayrl.engines.requests import GenerationResult, RequestHandle, SequenceState, final_text
+from rayrl.engines.sampling import BatchSampler, SamplingParams
+from rayrl.engines.weights import copy_into, read_checkpoint
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+PAUSE_MODES = ("abort", "in_place", "retract")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class CPUEngine:
+    """Continuous-batching generation over a transformers causal LM on CPU (thread-safe API)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "bfloat16",
+        max_batch_size: int = 32,
+        context_length: int = 4096,
+        num_threads: int = 0,
+        weight_version: str = "0",
+        prefill_budget_tokens: int = 4096,
+        seed: int = 0,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        self.model_path = str(model_path)
+        self.dtype = dtype
+        self.max_batch_size = int(max_batch_size)
+        self.prefill_budget_tokens = int(prefill_budget_tokens)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=DTYPES[dtype], attn_implementation=ATTENTION_NAME
+        )
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self._params = self.model.state_dict(keep_vars=True)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        max_pos = getattr(self.model.config, "max_position_embeddings", None) or context_length
+        self.context_length = int(min(context_length, max_pos))
+        self.eos_token_ids = frozenset(self._collect_eos_ids())
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else next(iter(sorted(self.eos_token_ids)), 0))
+        self._generator = torch.Generator().manual_seed(seed)
+
+        self._weight_version = str(weight_version)
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._waiting: collections.deque[RequestHandle] = collections.deque()
+        self._active: dict[str, RequestHandle] = {}  # rid -> waiting or running request
+        self._abort_rids: set[str] = set()
+        self._commands: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self._paused = False
+        self._stopping = False
+        self._released: set[str] = set()
+        self._thread: Optional[threading.Thread] = None
+        self._loop_error: Optional[BaseException] = None
+        self._loop_ident: Optional[int] = None
+
+        # running batch (owned by the loop thread)
+        self._seqs: list[SequenceState] = []
+        self._kv: Optional[BatchKV] = None  # created at the first join, kept (buffers reused) after
+        self._admitting: list[RequestHandle] = []  # popped from the queue, not yet in the batch
+        self._positions = torch.zeros(0, dtype=torch.long)
+        self._next_ids = torch.zeros(0, 1, dtype=torch.long)
+        self._sampler = BatchSampler([])
+        self._counters = collections.Counter()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _collect_eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (
+            self.tokenizer.eos_token_id,
+            getattr(self.model.generation_config, "eos_token_id", None),
+            getattr(self.model.config, "eos_token_id", None),
+        ):
+            if source is None:
+                continue
+            ids.update(int(i) for i in (source if isinstance(source, (list, tuple)) else [source]))
+        return ids
+
+    def start(self) -> "CPUEngine":
+        """Start the decode loop thread (idempotent)."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return self
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="cpu-engine-loop", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop; requests still in flight finish with finish_reason abort."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_all("the engine is shutting down")
+        self._fail_commands()
+
+    def __enter__(self) -> "CPUEngine":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def alive(self) -> bool:
+        """True while the decode loop thread runs."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(
+        self,
+        input_ids: Sequence[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        rid: Optional[str] = None,
+        *,
+        return_logprob: bool = True,
+        logprob_start_len: int = -1,
+        stream: bool = False,
+        on_update: Optional[Callable[[RequestHandle], None]] = None,
+    ) -> RequestHandle:
+        """Queue a request; it joins the running batch at the next step. Raises ValueError on bad input.
+
+        ``on_update(handle)`` runs on the engine thread after each step that added tokens (only when
+        ``stream``) and once when the request finishes; keep it cheap (e.g. ``call_soon_threadsafe``).
+        """
+        if not isinstance(params, SamplingParams):
+            params = SamplingParams.from_dict(params, self.vocab_size)
+        ids = self.validate_prompt(input_ids, params)
+        if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int):
+            raise ValueError("logprob_start_len must be an integer")
+        if logprob_start_len >= len(ids):
+            raise ValueError(
+                f"logprob_start_len ({logprob_start_len}) must be < the prompt length ({len(ids)})"
+            )
+        handle = RequestHandle(
+            rid or uuid.uuid4().hex, ids, params, bool(return_logprob), logprob_start_len, stream, on_update
+        )
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            if handle.rid in self._active:
+                raise ValueError(f"rid {handle.rid!r} is already in use by a running request")
+            self._active[handle.rid] = handle
+            self._waiting.append(handle)
+            self._cv.notify_all()
+        return handle
+
+    def generate(
+        self,
+        input_ids: Sequence[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        rid: Optional[str] = None,
+        timeout: Optional[float] = None,
+        **kwargs: Any,
+    ) -> GenerationResult:
+        """Blocking convenience: submit and wait (needs :meth:`start`)."""
+        return self.submit(input_ids, params, rid, **kwargs).result(timeout)
+
+    def validate_prompt(self, input_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """Token ids as a list of ints, checked against the vocabulary and the context length."""
+        if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__iter__"):
+            raise ValueError("input_ids must be a list of integers")
+        ids = list(input_ids)
+        if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+            raise ValueError("input_ids must be a list of integers")
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise ValueError("input_ids must not be empty")
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"input_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(ids) >= self.context_length:
+            raise ValueError(
+                f"The input ({len(ids)} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+        if len(ids) + params.max_new_tokens > self.context_length:
+            raise ValueError(
+                "Requested token count exceeds the model's maximum context length of "
+                f"{self.context_length} tokens. You requested a total of {len(ids) + params.max_new_tokens} "
+                f"tokens: {len(ids)} tokens from the input messages and {params.max_new_tokens} tokens for "
+                "the completion."
+            )
+        return ids
+
+    def abort(self, rid: str) -> bool:
+        """Finish ``rid`` with finish_reason abort (partial output kept); False if unknown or done."""
+        with self._cv:
+            if rid not in self._active:
+                return False
+            self._abort_rids.add(rid)
+            self._cv.notify_all()
+        if not self.alive():
+            self._drain_aborts_without_loop()
+        return True
+
+    def abort_all(self) -> int:
+        """Abort every waiting and running request; returns how many."""
+        with self._cv:
+            rids = list(self._active)
+            self._abort_rids.update(rids)
+            self._cv.notify_all()
+        if not self.alive():
+            self._drain_aborts_without_loop()
+        return len(rids)
+
+    # ------------------------------------------------------------------ control
+
+    def pause(self, mode: str = "abort") -> None:
+        """Stop decoding; new requests wait. ``abort`` aborts in-flight requests; ``in_place`` and
+        ``retract`` keep them (the CPU engine keeps their KV cache either way) and resume later."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        with self._cv:
+            self._paused = True
+            self._cv.notify_all()
+        if mode == "abort":
+            self.abort_all()
+        self._call_in_loop(lambda: None)  # returns once the loop is between steps and sees the pause
+
+    def resume(self) -> None:
+        """Continue decoding after :meth:`pause`."""
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    def set_weight_version(self, version: str) -> None:
+        """Rename the current weights' version (tokens generated from now on carry it)."""
+        self._call_in_loop(lambda: self._set_version(str(version)))
+
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: Optional[str] = None) -> int:
+        """Copy ``named_tensors`` (HF names) into the model between decode steps; returns the count.
+
+        Names and shapes are validated before anything is copied (WeightUpdateError, a ValueError).
+        Dtypes are cast to the engine's. Running requests continue with the new weights and record
+        per-token versions.
+        """
+
+        def apply() -> int:
+            count = copy_into(named_tensors, self._params)
+            if version is not None:
+                self._set_version(str(version))
+            return count
+
+        return self._call_in_loop(apply)
+
+    def load_weights_from_disk(self, path: str | Path, version: Optional[str] = None) -> int:
+        """Read a safetensors checkpoint (a directory of ``*.safetensors`` or one file) and apply it."""
+        tensors = read_checkpoint(path, self._params)
+        return self.update_weights(tensors, version)
+
+    def flush_cache(self) -> bool:
+        """No prefix cache on CPU: nothing to flush. Always succeeds."""
+        return True
+
+    def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
+        """CPU no-op that records the state: on GPU this frees weights/KV memory for the trainer."""
+        self._released.update(self._check_tags(tags))
+
+    def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
+        """CPU no-op counterpart of :meth:`release_memory_occupation` (weights stay valid on CPU)."""
+        self._released.difference_update(self._check_tags(tags))
+
+    @staticmethod
+    def _check_tags(tags: Optional[Sequence[str]]) -> list[str]:
+        if tags is None:
+            return list(MEMORY_TAGS)
+        if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
+            raise ValueError("tags must be null or a list of strings")
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise ValueError(f"unknown memory tag(s) {unknown}; valid: {', '.join(MEMORY_TAGS)}")
+        return list(tags)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for /get_server_info and load balancing."""
+        with self._lock:
+            waiting = len(self._waiting)
+            active = len(self._active)
+        kv = self._kv
+        return {
+            "running": max(active - waiting, 0),
+            "waiting": waiting,
+            "max_batch_size": self.max_batch_size,
+            "tokens_generated": self._counters["tokens"],
+            "prompt_tokens": self._counters["prompt_tokens"],
+            "requests_finished": self._counters["finished"],
+            "decode_steps": self._counters["steps"],
+            "paused": self._paused,
+            "released_memory": sorted(self._released),
+            "weight_version": self._weight_version,
+            "kv_cache_reserved_bytes": kv.nbytes() if kv is not None else 0,
+            "last_error": repr(self._loop_error) if self._loop_error is not None else None,
+        }
+
+    # ------------------------------------------------------------------ loop internals
+
+    def _call_in_loop(self, fn: Callable[[], Any], timeout: Optional[float] = None) -> Any:
+        """Run ``fn`` on the loop thread between steps (directly when no loop runs) and return its result."""
+        if threading.get_ident() == self._loop_ident or not self.alive():
+            with torch.inference_mode():
+                return fn()
+        fut: Future = Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            self._commands.append((fn, fut))
+            self._cv.notify_all()
+        return fut.result(timeout)
+
+    def _set_version(self, version: str) -> None:
+        if version == self._weight_version:
+            return
+        self._weight_version = version
+        for seq in self._seqs:
+            seq.handle.version_changes.append((len(seq.handle.output_ids), version))
+
+    def _has_work(self) -> bool:
+        return bool(
+            self._stopping
+            or self._commands
+            or self._abort_rids
+            or (not self._paused and (self._waiting or self._seqs))
+        )
+
+    def _loop(self) -> None:
+        self._loop_ident = threading.get_ident()
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not self._has_work():
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    commands = list(self._commands)
+                    self._commands.clear()
+                    aborts = set(self._abort_rids)
+                    self._abort_rids.clear()
+                    # aborted waiting requests leave the queue before admission can pick them up
+                    dropped = [h for h in self._waiting if h.rid in aborts]
+                    for h in dropped:
+                        self._waiting.remove(h)
+                    admitted = self._take_admissions() if not self._paused else []
+                for h in dropped:
+                    self._finish(h, {"type": "abort", "message": "Aborted before prefill"})
+                for fn, fut in commands:
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as err:  # reported to the caller, the loop goes on
+                        fut.set_exception(err)
+                try:
+                    if aborts:
+                        self._apply_aborts(aborts)
+                    if admitted:
+                        self._admitting = admitted
+                        self._admit(admitted)
+                        self._admitting = []
+                    if self._seqs and not self._paused:
+                        self._decode_step()
+                except Exception as err:
+                    logger.exception("decode loop error; aborting the running batch")
+                    self._loop_error = err
+                    self._reset_batch(f"engine error: {type(err).__name__}: {err}")
+        self._reset_batch("the engine is shutting down")
+        self._fail_commands()
+
+    def _fail_commands(self) -> None:
+        with self._lock:
+            commands = list(self._commands)
+            self._commands.clear()
+        for _, fut in commands:
+            if not fut.done():
+                fut.set_exception(RuntimeError("the engine is shutting down"))
+
+    def _take_admissions(self) -> list[RequestHandle]:
+        """Pop waiting requests that fit the batch and this iteration's prefill budget (lock held)."""
+        free = self.max_batch_size - len(self._seqs)
+        out: list[RequestHandle] = []
+        budget = self.prefill_budget_tokens
+        while self._waiting and len(out) < free:
+            nxt = self._waiting[0]
+            if out and budget - len(nxt.prompt_ids) < 0:
+                break
+            budget -= len(nxt.prompt_ids)
+            out.append(self._waiting.popleft())
+        return out
+
+    def _apply_aborts(self, rids: set[str]) -> None:
+        """Finish and remove running requests in ``rids`` (waiting ones were dropped from the queue)."""
+        leave = []
+        for i, seq in enumerate(self._seqs):
+            if seq.handle.rid in rids:
+                self._finish(seq.handle, {"type": "abort", "message": "Aborted"})
+                leave.append(i)
+        if leave:
+            self._leave(set(leave))
+
+    def _drain_aborts_without_loop(self) -> None:
+        with self._lock:
+            rids = set(self._abort_rids)
+            self._abort_rids.clear()
+            waiting = [h for h in self._waiting if h.rid in rids]
+            for h in waiting:
+                self._waiting.remove(h)
+        for h in waiting:
+            self._finish(h, {"type": "abort", "message": "Aborted"})
+
+    def _reset_batch(self, message: str) -> None:
+        for seq in self._seqs:
+            self._finish(seq.handle, {"type": "abort", "message": message})
+        for handle in self._admitting:
+            self._finish(handle, {"type": "abort", "message": message})
+        self._admitting = []
+        self._seqs = []
+        if self._kv is not None:
+            self._kv.clear()
+        self._positions = torch.zeros(0, dtype=torch.long)
+        self._next_ids = torch.zeros(0, 1, dtype=torch.long)
+        self._sampler = BatchSampler([])
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for h in waiting:
+            self._finish(h, {"type": "abort", "message": message})
+
+    # ------------------------------------------------------------------ prefill / join
+
+    def _prefill_groups(self, handles: list[RequestHandle]) -> list[list[RequestHandle]]:
+        """Group by similar length so padding stays small; prompt log-prob requests prefill alone."""
+        alone = [[h] for h in handles if h.wants_prompt_logprobs]
+        rest = sorted((h for h in handles if not h.wants_prompt_logprobs), key=lambda h: len(h.prompt_ids))
+        groups: list[list[RequestHandle]] = []
+        for h in rest:
+            if groups and (len(groups[-1]) + 1) * len(h.prompt_ids) <= self.prefill_budget_tokens:
+                groups[-1].append(h)
+            else:
+                groups.append([h])
+        return groups + alone
+
+    def _admit(self, handles: list[RequestHandle]) -> None:
+        """Prefill new requests group by group and append the rows still running to the batch."""
+        joined = False
+        for group in self._prefill_groups(handles):
+            block, group_seqs, group_pos, group_next, keep = self._prefill(group)
+            if not keep:
+                continue  # every request of the group finished at its first token
+            if self._kv is None:
+                self._kv = BatchKV(len(block.keys), self.max_batch_size)
+            idx = torch.tensor(keep, dtype=torch.long)
+            self._kv.append(block, idx)
+            self._seqs.extend(group_seqs[i] for i in keep)
+            self._positions = torch.cat([self._positions, group_pos[idx]])
+            self._next_ids = torch.cat([self._next_ids, group_next[idx]])
+            joined = True
+        if joined:
+            self._sampler = BatchSampler([s.row for s in self._seqs])
+
+    def _prefill(self, group: list[RequestHandle]):
+        """Prefill one left-padded group; sample each request's first token; returns rows still running."""
+        length = max(len(h.prompt_ids) for h in group)
+        ids = torch.full((len(group), length), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(group), length, dtype=torch.bool)
+        for i, h in enumerate(group):
+            n = len(h.prompt_ids)
+            ids[i, length - n :] = torch.tensor(h.prompt_ids, dtype=torch.long)
+            mask[i, length - n :] = True
+        positions = (mask.long().cumsum(1) - 1).clamp_(min=0)
+        want_prompt_lps = any(h.wants_prompt_logprobs for h in group)
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=ids,
+            # no padding (one prompt, or equal lengths): plain causal attention, SDPA's fastest path
+            attention_mask=None if bool(mask.all()) else prefill_mask(mask),
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if want_prompt_lps else 1,
+        )
+        logits = out.logits[:, -1]
+        if want_prompt_lps:
+            self._prompt_logprobs(group, ids, out.logits)
+        seqs = [SequenceState(h, self.eos_token_ids, self.vocab_size, self.context_length) for h in group]
+        version = self._weight_version
+        for h in group:
+            h.start_version = version
+            self._counters["prompt_tokens"] += len(h.prompt_ids)
+        sampler = BatchSampler([s.row for s in seqs])
+        tokens, logprobs = sampler.sample(logits, self._blocked(seqs), self._generator)
+        keep = []
+        for i, (seq, tok, lp) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
+            if seq.handle.params.max_new_tokens == 0:
+                self._finish(seq.handle, {"type": "length", "length": 0})
+                continue
+            if not self._append(seq, tok, lp):
+                keep.append(i)
+        next_pos = mask.sum(1)
+        return KVBlock.from_cache(cache, mask), seqs, next_pos, tokens.view(-1, 1), keep
+
+    def _prompt_logprobs(self, group: list[RequestHandle], ids: torch.Tensor, logits: torch.Tensor) -> None:
+        length = ids.shape[1]
+        for i, h in enumerate(group):
+            if not h.wants_prompt_logprobs:
+                continue
+            n = len(h.prompt_ids)
+            row_logits = logits[i, length - n : length - 1].float()
+            targets = ids[i, length - n + 1 :].view(-1, 1)
+            lps = torch.log_softmax(row_logits, dim=-1).gather(1, targets).view(-1).tolist()
+            values: list[Optional[float]] = [None] + lps
+            h.input_logprobs = values[h.logprob_start_len :]
+
+    # ------------------------------------------------------------------ decode / leave
+
+    def _blocked(self, seqs: list[SequenceState]) -> list[tuple[int, torch.Tensor]]:
+        return [(i, s.blocked) for i, s in enumerate(seqs) if s.blocks_now()]
+
+    def _decode_step(self) -> None:
+        kv = self._kv
+        assert kv is not None and kv.rows == len(self._seqs)
+        attention = kv.decode_mask()
+        out = self.model(
+            input_ids=self._next_ids,
+            attention_mask=attention,
+            position_ids=self._positions.view(-1, 1),
+            past_key_values=kv.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        kv.commit()
+        tokens, logprobs = self._sampler.sample(out.logits[:, -1], self._blocked(self._seqs), self._generator)
+        self._positions += 1
+        self._next_ids = tokens.view(-1, 1)
+        self._counters["steps"] += 1
+        leave = set()
+        for i, (seq, tok, lp) in enumerate(zip(self._seqs, tokens.tolist(), logprobs.tolist())):
+            if self._append(seq, tok, lp):
+                leave.add(i)
+        if leave:
+            self._leave(leave)
+
+    def _append(self, seq: SequenceState, token: int, logprob: float) -> bool:
+        """Record one generated token; finish the request when a stop condition holds. True = finished."""
+        self._counters["tokens"] += 1
+        reason = seq.append(token, logprob, self.tokenizer)
+        if reason is not None:
+            self._finish(seq.handle, reason)
+            return True
+        if seq.handle.stream:
+            seq.handle.notify()
+        return False
+
+    def _leave(self, rows: set[int]) -> None:
+        assert self._kv is not None
+        order = self._kv.remove(sorted(rows))
+        idx = torch.tensor(order, dtype=torch.long)
+        self._seqs = [self._seqs[i] for i in order]
+        self._positions = self._positions[idx]
+        self._next_ids = self._next_ids[idx]
+        self._sampler = BatchSampler([s.row for s in self._seqs])
+
+    # ------------------------------------------------------------------ finishing
+
+    def _finish(self, handle: RequestHandle, reason: dict[str, Any]) -> None:
+        if handle.done.is_set():
+            return
+        versions = handle.token_versions()
+        if versions:
+            version = versions[-1]
+        elif handle.output_ids and handle.start_version is not None:
+            version = handle.start_version
+        else:
+            version = self._weight_version
+        result = GenerationResult(
+            rid=handle.rid,
+            prompt_tokens=len(handle.prompt_ids),
+            output_ids=list(handle.output_ids),
+            output_logprobs=list(handle.output_logprobs),
+            text=final_text(handle, reason, self.tokenizer),
+            finish_reason=reason,
+            weight_version=version,
+            token_versions=versions,
+            input_token_logprobs=handle.input_logprobs,
+            e2e_latency=time.perf_counter() - handle.submitted_at,
+        )
+        with self._lock:
+            self._active.pop(handle.rid, None)
+        self._counters["finished"] += 1
+        handle.finish(result)

@@ -1,0 +1,105 @@
+"""``python -m rayrl.engines.cpu_server``: the CPU engine behind SGLang's HTTP API, as a process.
+
+Flags mirror ``sglang.launch_server`` where they overlap (``--model-path``, ``--host``, ``--port``,
+``--dtype``, ``--context-length``, ``--weight-version``), so the launcher builds both commands the same
+way. Binds loopback unless told otherwise. Exits non-zero with a one-line reason when the model cannot
+be loaded (the launcher shows that line in its error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Optional, Sequence
+
+from rayrl.models import resolve_model_path
+
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+logger = logging.getLogger("rayrl.engines.cpu_server")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m rayrl.engines.cpu_server", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--model-path", required=True, help="HF model directory or a built-in model name")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
+    ap.add_argument("--max-batch-size", type=int, default=32, help="sequences decoded together")
+    ap.add_argument("--context-length", type=int, default=4096)
+    ap.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: all cores)")
+    ap.add_argument("--weight-version", default="0")
+    ap.add_argument(
+        "--prefill-budget-tokens", type=int, default=4096, help="padded prompt tokens per prefill"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slow-request-s", type=float, default=120.0, help="log requests slower than this")
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    for name in ("max_batch_size", "context_length", "prefill_budget_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.num_threads < 0:
+        ap.error("--num-threads must be >= 0")
+    return args
+
+
+async def serve(args: argparse.Namespace) -> None:
+    # Resolve the model before importing torch/transformers, so a wrong path fails in well under a second.
+    path = resolve_model_path(args.model_path)
+    from rayrl.engines.cpu_engine import CPUEngine
+    from rayrl.engines.server import EngineServer
+
+    engine = CPUEngine(
+        path,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        context_length=args.context_length,
+        num_threads=args.num_threads,
+        weight_version=args.weight_version,
+        prefill_budget_tokens=args.prefill_budget_tokens,
+        seed=args.seed,
+    ).start()
+    server = EngineServer(
+        engine,
+        host=args.host,
+        port=args.port,
+        server_args={
+            "model_path": args.model_path,
+            "tokenizer_path": str(path),
+            "max_batch_size": args.max_batch_size,
+        },
+        slow_request_s=args.slow_request_s,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    url = await server.start()
+    print(f"rayrl cpu engine ready at {url} (model {path}, dtype {args.dtype})", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+        await loop.run_in_executor(None, engine.shutdown)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(args))
+    except FileNotFoundError as err:  # ModelNotFoundError included
+        print(f"rayrl cpu engine: cannot load the model: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except OSError as err:
+        print(f"rayrl cpu engine: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""EngineProcess: one engine server as a subprocess (the CPU engine here, SGLang on GPU).
+
+The process runs in its own process group (so stopping it also stops anything it spawned, e.g. SGLang's
+scheduler processes), writes stdout/stderr to a log file, and counts as started only once ``/health``
+answers 200. If it dies or times out first, :class:`EngineLaunchError` says so with the log's tail —
+the actual reason (a missing model, a port in use, an OOM) is almost always there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Mapping, Optional
+
+from rayrl.config import EngineConfig
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
+
+
+class EngineLaunchError(RuntimeError):
+    """An engine server died or did not become healthy in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free right now on ``host`` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def cpu_server_command(
+    cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable
+) -> list[str]:
+    """``python -m rayrl.engines.cpu_server ...`` for ``cfg``."""
+    return [
+        python, "-m", "rayrl.engines.cpu_server",
+        "--model-path", str(model_path),
+        "--host", cfg.host,
+        "--port", str(port),
+        "--dtype", cfg.dtype,
+        "--max-batch-size", str(cfg.max_batch_size),
+        "--context-length", str(cfg.context_length),
+        "--num-threads", str(cfg.num_threads),
+        "--weight-version", "0",
+        *cfg.extra_args,
+    ]  # fmt: skip
+
+
+def sglang_command(cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable) -> list[str]:
+    """``python -m sglang.launch_server ...`` for ``cfg`` (GPU; memory saver on for colocation)."""
+    return [
+        python, "-m", "sglang.launch_server",
+        "--model-path", str(model_path),
+        "--tp-size", str(cfg.tp_size),
+        "--mem-fraction-static", str(cfg.mem_fraction_static),
+        "--enable-memory-saver",
+        "--dtype", cfg.dtype,
+        "--context-length", str(cfg.context_length),
+        "--max-running-requests", str(cfg.max_batch_size),
+        "--weight-version", "0",
+        "--host", cfg.host,
+        "--port", str(port),
+        *cfg.extra_args,
+    ]  # fmt: skip
+
+
+def resolve_backend(cfg: EngineConfig) -> str:
+    """``cpu`` or ``sglang``; ``auto`` means sglang exactly when CUDA is present."""
+    if cfg.backend != "auto":
+        return cfg.backend
+    try:
+        import torch
+
+        return "sglang" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+class EngineProcess:
+    """A managed engine server process. ``start()`` returns once it is healthy."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_path: str,
+        log_path: str | Path,
+        *,
+        backend: str = "cpu",
+        port: Optional[int] = None,
+        env: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        if backend not in ("cpu", "sglang"):
+            raise ValueError(f"backend must be cpu or sglang, got {backend!r}")
+        self.cfg = cfg
+        self.model_path = str(model_path)
+        self.log_path = Path(log_path)
+        self.backend = backend
+        self.port = port or free_port(cfg.host)
+        self.env = dict(env or {})
+        self.restarts = 0
+        self._proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None else None
+
+    def command(self) -> list[str]:
+        build = cpu_server_command if self.backend == "cpu" else sglang_command
+        return build(self.cfg, self.model_path, self.port)
+
+    def start(self, timeout_s: Optional[float] = None) -> "EngineProcess":
+        """Launch and wait for /health; raises EngineLaunchError (with the log tail) on failure."""
+        if self.alive():
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        with open(self.log_path, "ab") as log:
+            log.write(
+                f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.command())}\n".encode()
+            )
+            log.flush()
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # own process group: stop() reaches its children too
+            )
+        self._wait_healthy(self.cfg.startup_timeout_s if timeout_s is None else timeout_s)
+        return self
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self._proc.poll() if self._proc is not None else -1
+            if code is not None:
+                raise EngineLaunchError(
+                    f"the {self.backend} engine server exited with code {code} before it became healthy "
+                    f"(log: {self.log_path}):\n{self.log_tail()}"
+                )
+            if self.healthy(timeout_s=2.0):
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EngineLaunchError(
+                    f"the {self.backend} engine server at {self.url} was not healthy after {timeout_s:.0f} s "
+                    f"(log: {self.log_path}):\n{self.log_tail()}"
+                )
+            time.sleep(0.25)
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        """True when the process runs and GET /health answers 200."""
+        if not self.alive():
+            return False
+        try:
+            with _NO_PROXY.open(self.url + "/health", timeout=timeout_s) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 64 * 1024))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def restart(self, timeout_s: Optional[float] = None) -> "EngineProcess":
+        """Stop (if running) and start again on the same port, so the URL stays valid."""
+        self.stop()
+        self.restarts += 1
+        return self.start(timeout_s)
+
+    def stop(self, grace_s: float = 10.0) -> Optional[int]:
+        """SIGTERM the process group, SIGKILL after ``grace_s``; returns the exit code."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            self._signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(proc, signal.SIGKILL)
+                proc.wait(10)
+        else:
+            self._signal_group(proc, signal.SIGKILL)  # the leader is gone; reap stragglers in its group
+        return proc.returncode
+
+    @staticmethod
+    def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def __enter__(self) -> "EngineProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

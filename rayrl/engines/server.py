@@ -1,0 +1,672 @@
+"""SGLang's native HTTP API served over a :class:`CPUEngine` (aiohttp).
+
+The point is byte-level compatibility: EngineClient, the router and every RL caller talk to this server
+exactly as they talk to SGLang on GPU (see /work/shared/reference/sglang_api.md for the contract), so
+the CPU tests exercise the GPU path's client code.
+
+Errors: bad input is answered 400 with SGLang's body ``{"object":"error","message":...,"type":"Bad
+Request","param":null,"code":400}``, never a 5xx. Weight/handler failures use the endpoint's own
+``{"success": false, "message": ...}`` shape, as SGLang does. Only non-2xx and slow requests are logged.
+A client that disconnects from ``/generate`` aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Callable, Optional
+
+from aiohttp import web
+
+from rayrl import __version__
+from rayrl.engines.cpu_engine import PAUSE_MODES, CPUEngine, GenerationResult, RequestHandle
+from rayrl.engines.sampling import SamplingParams
+from rayrl.engines.weights import decode_named_tensors
+
+logger = logging.getLogger(__name__)
+
+# Fields of SGLang's GenerateReqInput we accept. Those in _UNSUPPORTED must be absent/empty/false.
+_GENERATE_FIELDS = {
+    "text",
+    "input_ids",
+    "input_embeds",
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "token_ids_logprob",
+    "return_text_in_logprobs",
+    "stream",
+    "log_metrics",
+    "return_hidden_states",
+    "modalities",
+    "session_params",
+    "lora_path",
+    "lora_id",
+    "custom_logit_processor",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "data_parallel_rank",
+    "priority",
+    "extra_key",
+    "cache_salt",
+    "return_routed_experts",
+    "routed_dp_rank",
+    "no_logs",
+    "background",
+    "conversation_id",
+    "label",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "stream_output",
+    "return_bytes",
+    "require_reasoning",
+    "dp_balance_id",
+    "rid_prefix",
+    "external_trace_header",
+    "received_time",
+    "is_single",
+    "batch_size",
+}
+_UNSUPPORTED = (
+    "input_embeds",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "lora_path",
+    "lora_id",
+    "session_params",
+    "custom_logit_processor",
+    "return_hidden_states",
+    "token_ids_logprob",
+    "return_routed_experts",
+)
+HEALTH_TIMEOUT_S = 20.0
+MAX_BATCH_ITEMS = 4096  # bounds the work one request can queue (prompts x sampling_params.n)
+
+
+class RequestError(ValueError):
+    """Bad client input: answered with a 4xx JSON error body."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def error_response(status: int, message: str) -> web.Response:
+    """SGLang's error body (the OpenAI-style error object)."""
+    phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
+    body = {"object": "error", "message": message, "type": phrase, "param": None, "code": status}
+    return web.json_response(body, status=status)
+
+
+async def read_json(request: web.Request, allow_empty: bool = False) -> dict[str, Any]:
+    """The request body as a JSON object; empty bodies become ``{}`` where the endpoint allows it."""
+    raw = await request.read()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise RequestError("the request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RequestError(f"invalid JSON body: {err}") from None
+    if body is None and allow_empty:
+        return {}
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def _flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{key} must be a boolean")
+    return value
+
+
+def _per_item(value: Any, n: int, name: str, check: Callable[[Any], bool], default: Any) -> list[Any]:
+    """A scalar applies to every batch item; a list must have one entry per item."""
+    if value is None:
+        return [default] * n
+    if isinstance(value, list):
+        if len(value) != n:
+            raise RequestError(f"{name} has {len(value)} entries for a batch of {n}")
+        if not all(check(v) for v in value):
+            raise RequestError(f"{name} has an invalid entry")
+        return list(value)
+    if not check(value):
+        raise RequestError(f"{name} has an invalid value {value!r}")
+    return [value] * n
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class _Item:
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str
+    return_logprob: bool
+    logprob_start_len: int
+
+
+@dataclass
+class _Batch:
+    items: list[_Item]
+    single: bool
+    stream: bool
+    text_in_logprobs: bool
+
+
+class EngineServer:
+    """The aiohttp application; ``start()`` binds it (loopback by default) and returns the base URL."""
+
+    def __init__(
+        self,
+        engine: CPUEngine,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        server_args: Optional[dict[str, Any]] = None,
+        slow_request_s: float = 120.0,
+        max_body_mb: float = 4096.0,
+    ) -> None:
+        self.engine = engine
+        self.host = host
+        self.port = port
+        self.server_args = dict(server_args or {})
+        self.slow_request_s = slow_request_s
+        self.app = web.Application(
+            client_max_size=int(max_body_mb * 1024 * 1024), middlewares=[self._middleware]
+        )
+        self._routes()
+        self._runner: Optional[web.AppRunner] = None
+        self.url = ""
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> str:
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+        self.port = sockets[0].getsockname()[1] if sockets else self.port
+        self.url = f"http://{self.host}:{self.port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def _routes(self) -> None:
+        r = self.app.router
+        r.add_post("/generate", self.generate)
+        r.add_put("/generate", self.generate)
+        for path in ("/health", "/health_generate"):
+            r.add_get(path, self.health)
+        for path in ("/get_model_info", "/model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/get_server_info", "/server_info"):
+            r.add_get(path, self.server_info)
+        r.add_get("/get_load", self.get_load)
+        r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        for path, handler in (
+            ("/release_memory_occupation", self.release_memory),
+            ("/resume_memory_occupation", self.resume_memory),
+            ("/flush_cache", self.flush_cache),
+        ):
+            r.add_get(path, handler)
+            r.add_post(path, handler)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/abort_request", self.abort_request)
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        start = time.perf_counter()
+        try:
+            response = await handler(request)
+        except RequestError as err:
+            response = error_response(err.status, str(err))
+        except ValueError as err:  # engine-side validation (SamplingParams, prompts, tags)
+            response = error_response(400, str(err))
+        except web.HTTPRequestEntityTooLarge as err:
+            response = error_response(413, err.text or "request body too large")
+        except web.HTTPException as err:
+            if err.status < 400:
+                raise
+            response = error_response(err.status, err.reason)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as err:
+            logger.exception("%s %s failed", request.method, request.path)
+            response = error_response(500, f"internal error: {type(err).__name__}: {err}")
+        elapsed = time.perf_counter() - start
+        if response.status >= 300 or elapsed > self.slow_request_s:
+            message = ""
+            if isinstance(response, web.Response) and response.status >= 300 and response.body is not None:
+                message = bytes(response.body)[:300].decode("utf-8", "replace")
+            logger.warning(
+                "%s %s -> %d in %.2fs %s", request.method, request.path, response.status, elapsed, message
+            )
+        return response
+
+    # ------------------------------------------------------------------ generate
+
+    def _parse_generate(self, body: dict[str, Any]) -> _Batch:
+        unknown = sorted(k for k in body if k not in _GENERATE_FIELDS)
+        if unknown:
+            raise RequestError(f"unknown field(s) {', '.join(unknown)}")
+        for key in _UNSUPPORTED:
+            if body.get(key) not in (None, False, [], {}, ""):
+                raise RequestError(f"{key} is not supported by the CPU engine")
+        top = body.get("top_logprobs_num")
+        if top not in (None, 0):
+            raise RequestError("top_logprobs_num is not supported by the CPU engine")
+        has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
+        if has_text == has_ids:
+            raise RequestError("give exactly one of text or input_ids")
+        tok = self.engine.tokenizer
+        if has_text:
+            text = body["text"]
+            single = isinstance(text, str)
+            texts = [text] if single else text
+            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+                raise RequestError("text must be a string or a non-empty list of strings")
+            prompts = [tok.encode(t) for t in texts]
+        else:
+            ids = body["input_ids"]
+            if not isinstance(ids, list) or not ids:
+                raise RequestError("input_ids must be a non-empty list of token ids")
+            single = not isinstance(ids[0], list)
+            prompts = [ids] if single else ids
+            for p in prompts:
+                if not isinstance(p, list) or not all(_is_int(i) for i in p):
+                    raise RequestError("input_ids must be a list of integers or a list of lists of integers")
+        n_prompts = len(prompts)
+        raw_params = body.get("sampling_params")
+        if isinstance(raw_params, list):
+            if len(raw_params) != n_prompts:
+                raise RequestError(
+                    f"sampling_params has {len(raw_params)} entries for a batch of {n_prompts}"
+                )
+        elif raw_params is not None and not isinstance(raw_params, dict):
+            raise RequestError("sampling_params must be an object or a list of objects")
+        param_list = raw_params if isinstance(raw_params, list) else [raw_params] * n_prompts
+        params = [SamplingParams.from_dict(p, self.engine.vocab_size) for p in param_list]
+        copies = {p.n for p in params}
+        if len(copies) > 1:
+            raise RequestError("sampling_params.n must be the same for every item")
+        n_copies = copies.pop()
+        if n_prompts * n_copies > MAX_BATCH_ITEMS:
+            raise RequestError(f"a /generate batch may hold at most {MAX_BATCH_ITEMS} items (prompts x n)")
+        if n_copies > 1:  # SGLang expands inputs * n: [p0, p1, p0, p1]
+            prompts, params, single = prompts * n_copies, params * n_copies, False
+        size = len(prompts)
+        rid = body.get("rid")
+        if rid is None:
+            rids = [uuid.uuid4().hex for _ in range(size)]
+        elif isinstance(rid, str):
+            rids = [rid] if size == 1 and single else [f"{rid}_{i}" for i in range(size)]
+        elif isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+            if len(rid) != size:
+                raise RequestError(f"rid has {len(rid)} entries for a batch of {size}")
+            rids = list(rid)
+        else:
+            raise RequestError("rid must be a string or a list of strings")
+        if len(set(rids)) != len(rids):
+            raise RequestError("duplicate request ids in the batch")
+        return_lp = _per_item(
+            body.get("return_logprob"), size, "return_logprob", lambda v: isinstance(v, bool), False
+        )
+        start_len = _per_item(body.get("logprob_start_len"), size, "logprob_start_len", _is_int, -1)
+        items = []
+        for i in range(size):
+            ids = self.engine.validate_prompt(prompts[i], params[i])
+            if start_len[i] >= len(ids):
+                raise RequestError(
+                    f"logprob_start_len ({start_len[i]}) must be < the prompt length ({len(ids)})"
+                )
+            items.append(_Item(ids, params[i], rids[i], return_lp[i], start_len[i]))
+        return _Batch(items, single, _flag(body, "stream"), _flag(body, "return_text_in_logprobs"))
+
+    def _submit_all(self, batch: _Batch, wake: Callable[[RequestHandle], None]) -> list[RequestHandle]:
+        handles: list[RequestHandle] = []
+        try:
+            for item in batch.items:
+                handles.append(
+                    self.engine.submit(
+                        item.input_ids,
+                        item.params,
+                        item.rid,
+                        return_logprob=item.return_logprob,
+                        logprob_start_len=item.logprob_start_len,
+                        stream=batch.stream,
+                        on_update=wake,
+                    )
+                )
+        except Exception:
+            for h in handles:
+                self.engine.abort(h.rid)
+            raise
+        return handles
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        batch = self._parse_generate(await read_json(request))
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+
+        def wake(_: RequestHandle) -> None:
+            loop.call_soon_threadsafe(changed.set)
+
+        handles = self._submit_all(batch, wake)
+        try:
+            if batch.stream:
+                return await self._stream(request, batch, handles, changed)
+            while not all(h.finished for h in handles):
+                await changed.wait()
+                changed.clear()
+            results = [
+                self._result_json(h.result(), item, batch.text_in_logprobs)
+                for h, item in zip(handles, batch.items)
+            ]
+            return web.json_response(results[0] if batch.single else results)
+        finally:
+            for h in handles:  # client gone (handler cancelled) or stream broken: stop generating
+                if not h.finished:
+                    self.engine.abort(h.rid)
+
+    async def _stream(
+        self, request: web.Request, batch: _Batch, handles: list[RequestHandle], changed: asyncio.Event
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        sent = [0] * len(handles)
+        done = [False] * len(handles)
+        while not all(done):
+            await changed.wait()
+            changed.clear()
+            for i, (h, item) in enumerate(zip(handles, batch.items)):
+                if done[i]:
+                    continue
+                if h.finished:
+                    chunk = self._result_json(h.result(), item, batch.text_in_logprobs)
+                    done[i] = True
+                elif len(h.output_ids) > sent[i]:
+                    chunk = self._partial_json(h, item, batch.text_in_logprobs)
+                else:
+                    continue
+                sent[i] = len(chunk["output_ids"])
+                if not batch.single:
+                    chunk["index"] = i
+                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _logprob_entries(
+        self, ids: list[int], lps: list[Optional[float]], with_text: bool
+    ) -> list[list[Any]]:
+        tok = self.engine.tokenizer
+        if with_text:
+            return [[lp, i, tok.decode([i])] for lp, i in zip(lps, ids)]
+        return [[lp, i, None] for lp, i in zip(lps, ids)]
+
+    def _result_json(self, res: GenerationResult, item: _Item, text_in_lps: bool) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": res.rid,
+            "finish_reason": res.finish_reason,
+            "prompt_tokens": res.prompt_tokens,
+            "completion_tokens": len(res.output_ids),
+            "cached_tokens": 0,
+            "weight_version": res.weight_version,
+            "e2e_latency": res.e2e_latency,
+        }
+        if item.return_logprob:
+            meta["output_token_logprobs"] = self._logprob_entries(
+                res.output_ids, res.output_logprobs, text_in_lps
+            )
+            inputs = res.input_token_logprobs or []
+            first = item.logprob_start_len
+            meta["input_token_logprobs"] = (
+                self._logprob_entries(item.input_ids[first:], inputs, text_in_lps) if first >= 0 else []
+            )
+        if res.token_versions is not None:
+            meta["output_token_versions"] = res.token_versions
+        return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}
+
+    def _partial_json(self, h: RequestHandle, item: _Item, text_in_lps: bool) -> dict[str, Any]:
+        ids = list(h.output_ids)
+        lps = list(h.output_logprobs)
+        n = min(len(ids), len(lps))
+        ids, lps = ids[:n], lps[:n]
+        meta: dict[str, Any] = {
+            "id": h.rid,
+            "finish_reason": None,
+            "prompt_tokens": len(h.prompt_ids),
+            "completion_tokens": n,
+            "cached_tokens": 0,
+            "weight_version": self.engine.weight_version,
+        }
+        if item.return_logprob:
+            meta["output_token_logprobs"] = self._logprob_entries(ids, lps, text_in_lps)
+        text = self.engine.tokenizer.decode(ids, skip_special_tokens=item.params.skip_special_tokens)
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    # ------------------------------------------------------------------ status
+
+    async def health(self, request: web.Request) -> web.Response:
+        """/health: 200 while the decode loop runs. /health_generate also runs a 1-token generation
+        (skipped while paused, when generation is intentionally stopped)."""
+        if not self.engine.alive():
+            return web.Response(status=503)
+        if request.path == "/health_generate" and not self.engine.paused:
+            loop = asyncio.get_running_loop()
+            finished = asyncio.Event()
+            try:
+                handle = self.engine.submit(
+                    [0],
+                    {"max_new_tokens": 1, "temperature": 0.0},
+                    f"HEALTH_CHECK_{time.time_ns()}",
+                    on_update=lambda _: loop.call_soon_threadsafe(finished.set),
+                )
+            except RuntimeError:  # shutting down
+                return web.Response(status=503)
+            try:
+                await asyncio.wait_for(finished.wait(), HEALTH_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                self.engine.abort(handle.rid)
+                return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        config = self.engine.model.config
+        return web.json_response(
+            {
+                "model_path": self.server_args.get("model_path", self.engine.model_path),
+                "tokenizer_path": self.server_args.get("tokenizer_path", self.engine.model_path),
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.engine.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": getattr(config, "model_type", None),
+                "architectures": getattr(config, "architectures", None),
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        stats = self.engine.stats()
+        info = {
+            "model_path": self.engine.model_path,
+            "tokenizer_path": self.engine.model_path,
+            "host": self.host,
+            "port": self.port,
+            "dtype": self.engine.dtype,
+            "context_length": self.engine.context_length,
+            "max_running_requests": self.engine.max_batch_size,
+            "max_total_num_tokens": self.engine.max_batch_size * self.engine.context_length,
+            "max_req_input_len": self.engine.context_length - 1,
+            "tp_size": 1,
+            "dp_size": 1,
+            "skip_tokenizer_init": False,
+            "enable_memory_saver": False,
+            "weight_version": self.engine.weight_version,
+            "backend": "rayrl-cpu",
+            **self.server_args,
+            "internal_states": [stats],
+            "version": f"rayrl-cpu-{__version__}",
+        }
+        return web.json_response(info)
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        s = self.engine.stats()
+        return web.json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": s["running"] + s["waiting"],
+                    "num_waiting_reqs": s["waiting"],
+                    "num_tokens": 0,
+                }
+            ]
+        )
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.engine.weight_version})
+
+    # ------------------------------------------------------------------ weights
+
+    @staticmethod
+    def _version_field(body: dict[str, Any], key: str = "weight_version") -> Optional[str]:
+        value = body.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise RequestError(f"{key} must be a string")
+        return str(value)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        version = self._version_field(body, "new_version")
+        if version is None:
+            raise RequestError("new_version is required")
+        if _flag(body, "abort_all_requests"):
+            self.engine.abort_all()
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.set_weight_version, version)
+        return web.json_response(
+            {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+        )
+
+    async def _apply_weights(self, body: dict[str, Any], load: Callable[[], int], what: str) -> web.Response:
+        version = self._version_field(body)
+        if _flag(body, "abort_all_requests"):
+            self.engine.abort_all()
+        try:
+            count = await asyncio.get_running_loop().run_in_executor(None, load)
+        except (ValueError, OSError) as err:  # WeightUpdateError is a ValueError
+            return web.json_response(
+                {"success": False, "message": f"Failed to update weights: {err}", "num_paused_requests": 0},
+                status=400,
+            )
+        message = f"Succeeded to update model weights ({count} tensors {what})."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise RequestError("model_path must be a non-empty string")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise RequestError(
+                "load_format: the CPU engine reads safetensors checkpoints only (null, auto, safetensors)"
+            )
+        version = self._version_field(body)
+        return await self._apply_weights(
+            body, lambda: self.engine.load_weights_from_disk(path, version), f"from {path}"
+        )
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        if body.get("load_format") != "safetensors":
+            raise RequestError(
+                'load_format must be "safetensors": the CPU engine accepts only safetensors payloads '
+                "(serialized_named_tensors[0] = base64 of safetensors.torch.save({name: tensor})); SGLang's "
+                f"pickled CUDA-IPC forms cannot be used on CPU (got load_format={body.get('load_format')!r})"
+            )
+        entries = body.get("serialized_named_tensors")
+        if not isinstance(entries, list) or not entries or not isinstance(entries[0], str):
+            raise RequestError("serialized_named_tensors must be a non-empty list of base64 strings")
+        version = self._version_field(body)
+
+        def load() -> int:
+            return self.engine.update_weights(decode_named_tensors(entries[0]), version)
+
+        return await self._apply_weights(body, load, "from the request")
+
+    # ------------------------------------------------------------------ control
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        body = await read_json(request, allow_empty=True)
+        self.engine.release_memory_occupation(body.get("tags"))
+        return web.json_response(None)
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        body = await read_json(request, allow_empty=True)
+        self.engine.resume_memory_occupation(body.get("tags"))
+        return web.json_response(None)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await read_json(request, allow_empty=True)
+        mode = body.get("mode") or "abort"
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"mode must be one of {', '.join(PAUSE_MODES)}")
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.pause, mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await read_json(request, allow_empty=True)
+        self.engine.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await read_json(request, allow_empty=True)
+        rid = body.get("rid", "") or ""
+        if not isinstance(rid, str):
+            raise RequestError("rid must be a string")
+        if _flag(body, "abort_all"):
+            self.engine.abort_all()
+        elif rid:
+            self.engine.abort(rid)
+        return web.Response(status=200)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        self.engine.flush_cache()
+        return web.Response(
+            text="Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n"
+        )

@@ -1,0 +1,58 @@
+"""Fixtures for the engine tests: a tiny random model, in-process engines and real HTTP servers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from _engine_kit import ServerThread, model_with_weights
+
+from rayrl.engines.cpu_engine import CPUEngine
+from rayrl.models import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """2-layer random Llama with SmolLM2's real tokenizer, re-drawn so greedy outputs vary."""
+    base = build_tiny_model(tmp_path_factory.mktemp("tiny"))
+    return model_with_weights(base, tmp_path_factory.mktemp("tiny-varied"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def reference_model(tiny_model):
+    """The same weights in a plain transformers model (stock attention, float32)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def _engine(path: Path, **kw) -> CPUEngine:
+    return CPUEngine(path, dtype="float32", max_batch_size=8, weight_version="0", **kw).start()
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model) -> Iterator[CPUEngine]:
+    """A float32 engine shared by tests that neither change its weights nor pause it."""
+    eng = _engine(tiny_model)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture
+def fresh_engine(tiny_model) -> Iterator[CPUEngine]:
+    """A private engine for tests that update weights or pause."""
+    eng = _engine(tiny_model)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model) -> Iterator[ServerThread]:
+    """A real HTTP engine server on loopback over a private float32 engine."""
+    eng = _engine(tiny_model)
+    st = ServerThread(eng)
+    yield st
+    st.close()
+    eng.shutdown()
