@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 PAUSE_MODES = ("abort", "in_place", "retract")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+PAD_WASTE = 0.2  # largest share of padding in a prefill group
 
 
 class CPUEngine:
@@ -481,15 +482,23 @@ class CPUEngine:
     # ------------------------------------------------------------------ prefill / join
 
     def _prefill_groups(self, handles: list[RequestHandle]) -> list[list[RequestHandle]]:
-        """Group by similar length so padding stays small; prompt log-prob requests prefill alone."""
+        """Prompts sorted by length, cut into groups whose left padding stays under PAD_WASTE of the
+        padded tokens and whose padded size fits the prefill budget (padding is wasted compute).
+        Requests that want prompt log-probs (full logits) prefill alone."""
         alone = [[h] for h in handles if h.wants_prompt_logprobs]
         rest = sorted((h for h in handles if not h.wants_prompt_logprobs), key=lambda h: len(h.prompt_ids))
         groups: list[list[RequestHandle]] = []
+        real = 0
         for h in rest:
-            if groups and (len(groups[-1]) + 1) * len(h.prompt_ids) <= self.prefill_budget_tokens:
-                groups[-1].append(h)
-            else:
-                groups.append([h])
+            n = len(h.prompt_ids)
+            if groups:
+                padded = (len(groups[-1]) + 1) * n  # n is the group's longest prompt (sorted)
+                if padded <= self.prefill_budget_tokens and padded - (real + n) <= PAD_WASTE * padded:
+                    groups[-1].append(h)
+                    real += n
+                    continue
+            groups.append([h])
+            real = n
         return groups + alone
 
     def _admit(self, handles: list[RequestHandle]) -> None:
