@@ -45,7 +45,9 @@ test-all: $(TDEPS) model
 	$(BIN)/python -m pytest -q -ra -m "slow or not slow"
 
 bench: $(TDEPS) model
+	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/engine_throughput.py
+	$(BIN)/python bench/gateway_overhead.py
 	$(BIN)/python bench/trajectory_scaling.py
 	$(BIN)/python bench/sandbox_pool.py
 

@@ -61,6 +61,8 @@ class GatewayConfig:
     cumulative_token_mode: bool = True  # reuse recorded tokens when a request's history matches exactly
     inject_tool_schemas: bool = True  # chat templates without tool support: describe tools in the system message
     slow_request_log_s: float = 120.0  # requests slower than this are logged (others are not)
+    max_tokens_cap: int = 0  # clamp every request's max tokens to this (0: no cap); agent CLIs ask for 32K-64K
+    served_model_names: list[str] = field(default_factory=list)  # model names requests may use; empty accepts any (CLIs send e.g. claude-opus-4-8)
 
 
 @dataclass
@@ -274,6 +276,7 @@ _NON_NEGATIVE: tuple[str, ...] = (
     "rollout.step_deadline_s",
     "sandbox_pool.min_warm",
     "gateway.port",
+    "gateway.max_tokens_cap",
 )
 
 

@@ -11,13 +11,21 @@ def make_harness(name: str, **kwargs) -> BaseHarness:
         from rayrl.agents.python_agent import PythonToolAgent
 
         return PythonToolAgent(**kwargs)
+    if name == "claude_code":
+        from rayrl.agents.claude_code import ClaudeCodeHarness
+
+        return ClaudeCodeHarness(**kwargs)
+    if name == "codex":
+        from rayrl.agents.codex import CodexHarness
+
+        return CodexHarness(**kwargs)
     if ":" in name:
         import importlib
 
         module, _, attr = name.partition(":")
         cls = getattr(importlib.import_module(module), attr)
         return cls(**kwargs)
-    raise ValueError(f"rollout.agent: unknown harness {name!r} (python_tool_agent, or module:Class)")
+    raise ValueError(f"rollout.agent: unknown harness {name!r} (python_tool_agent, claude_code, codex, or module:Class)")
 
 
 __all__ = ["AgentResult", "BaseHarness", "EpisodeContext", "make_harness"]

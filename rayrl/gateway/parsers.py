@@ -3,6 +3,12 @@
 A parser turns the model's raw completion text into an OpenAI-shape assistant message (content,
 tool_calls, reasoning) and back: ``format_tool_calls`` writes tool calls in the exact text form the
 family generates, which the renderer uses for chat templates that know nothing about tools.
+
+Streaming: ``safe_content`` (tool parsers) and ``partial`` (reasoning parser) give, for an unfinished
+completion, the part of the final content/reasoning that no later token can change. A streaming
+response sends exactly those prefixes as deltas, so the text a client reassembles from the stream is
+the same ``content`` the non-streaming parse records, and an echoed history still matches the
+recorded turn (cumulative token mode keeps working for streaming clients).
 """
 
 from __future__ import annotations
@@ -28,10 +34,27 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def _tool_call(name: str, arguments: Any) -> dict[str, Any]:
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+def _tool_call(name: str, arguments: Any) -> dict[str, Any] | None:
+    """An OpenAI tool call, or None when ``arguments`` is not a JSON object (every API we serve
+    needs an object: Anthropic's ``input``, JSON-schema ``parameters``)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    text = json.dumps(arguments, ensure_ascii=False)
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def partial_marker_len(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker`` (held back while
+    streaming: the next token may complete the marker)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
 
 
 class ToolParser:
@@ -41,6 +64,10 @@ class ToolParser:
 
     def parse(self, text: str) -> ParsedOutput:
         return ParsedOutput(content=text)
+
+    def safe_content(self, text: str) -> str:
+        """The prefix of ``parse(text + anything).content`` already certain for a partial ``text``."""
+        return text
 
     def format_tool_calls(self, tool_calls: list[dict[str, Any]]) -> str:
         return ""
@@ -55,8 +82,12 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
+    marker = "<tool_call>"
+
     def parse(self, text: str) -> ParsedOutput:
-        if "<tool_call>" not in text:
+        """Content is the text before the first ``<tool_call>`` (trailing whitespace dropped). When
+        no block parses, the raw text is the content, so the client still sees what the model wrote."""
+        if self.marker not in text:
             return ParsedOutput(content=text)
         calls: list[dict[str, Any]] = []
         errors: list[str] = []
@@ -71,9 +102,20 @@ class HermesToolParser(ToolParser):
                 if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
                     errors.append("<tool_call> must hold an object with a non-empty string 'name'")
                     continue
-                calls.append(_tool_call(item["name"], item.get("arguments", item.get("parameters", {}))))
-        content = text[: text.index("<tool_call>")].strip()
+                call = _tool_call(item["name"], item.get("arguments", item.get("parameters", {})))
+                if call is None:
+                    errors.append("<tool_call> arguments must be a JSON object")
+                    continue
+                calls.append(call)
+        if not calls:
+            return ParsedOutput(content=text, errors=errors)
+        content = text[: text.index(self.marker)].rstrip()
         return ParsedOutput(content=content, tool_calls=calls, errors=errors)
+
+    def safe_content(self, text: str) -> str:
+        if self.marker in text:
+            return text[: text.index(self.marker)].rstrip()
+        return text[: len(text) - partial_marker_len(text, self.marker)].rstrip()
 
     def format_tool_calls(self, tool_calls: list[dict[str, Any]]) -> str:
         parts = []
@@ -121,14 +163,25 @@ class Llama3JsonToolParser(ToolParser):
             except json.JSONDecodeError as err:
                 errors.append(f"invalid JSON tool call: {err.msg}")
                 break
+            call = None
             if isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"]:
-                calls.append(_tool_call(obj["name"], obj.get("parameters", obj.get("arguments", {}))))
-            else:
+                call = _tool_call(obj["name"], obj.get("parameters", obj.get("arguments", {})))
+            if call is None:
                 return ParsedOutput(content=text)
+            calls.append(call)
             pos = end
             while pos < len(stripped) and stripped[pos] in " \n;":
                 pos += 1
         return ParsedOutput(content="" if calls else text, tool_calls=calls, errors=errors)
+
+    def safe_content(self, text: str) -> str:
+        """A completion that starts (after whitespace) with ``{`` or the python tag may be a call:
+        nothing is certain until it ends. Anything else is plain content from the first token."""
+        head = text.lstrip()
+        tag = "<|python_tag|>"
+        if not head or head.startswith("{") or head.startswith(tag) or tag.startswith(head):
+            return ""
+        return text
 
     def format_tool_calls(self, tool_calls: list[dict[str, Any]]) -> str:
         out = []
@@ -141,18 +194,51 @@ class Llama3JsonToolParser(ToolParser):
 
 
 class ThinkReasoningParser:
-    """``<think>...</think>`` reasoning (Qwen3, DeepSeek-R1 style), split from the answer."""
+    """``<think>...</think>`` reasoning (Qwen3, DeepSeek-R1 style), split from the answer.
+
+    ``opened_in_prompt``: the chat template's generation prompt already opens ``<think>`` (DeepSeek-R1
+    distills, QwQ), so the completion starts inside the reasoning and only ``</think>`` appears. Else
+    a completion has reasoning only when it starts with ``<think>``; a stray ``</think>`` later in an
+    answer is content.
+    """
 
     name = "think"
+    open_tag = "<think>"
+    close_tag = "</think>"
+
+    def __init__(self, opened_in_prompt: bool = False) -> None:
+        self.opened_in_prompt = opened_in_prompt
+
+    def _inner(self, text: str) -> str | None:
+        """The text after the opening tag, or None when this completion has no reasoning."""
+        head = text.lstrip()
+        if head.startswith(self.open_tag):
+            return head[len(self.open_tag) :]
+        return text if self.opened_in_prompt else None
 
     def split(self, text: str) -> tuple[str | None, str]:
-        if "</think>" not in text:
-            if text.lstrip().startswith("<think>"):
-                return text.lstrip()[len("<think>") :], ""
+        """(reasoning or None, content) of a finished completion."""
+        inner = self._inner(text)
+        if inner is None:
             return None, text
-        head, _, tail = text.partition("</think>")
-        reasoning = head.split("<think>", 1)[-1].strip("\n")
-        return reasoning, tail.lstrip("\n")
+        head, sep, tail = inner.partition(self.close_tag)
+        if not sep:
+            return inner.strip("\n"), ""  # cut off while reasoning
+        return head.strip("\n"), tail.lstrip("\n")
+
+    def partial(self, text: str) -> tuple[str, str | None]:
+        """(certain reasoning prefix, certain content-so-far or None while still reasoning or undecided)."""
+        head = text.lstrip()
+        if len(head) < len(self.open_tag) and self.open_tag.startswith(head):
+            return "", None  # empty, or may still become "<think>": undecided
+        inner = self._inner(text)
+        if inner is None:
+            return "", text
+        if self.close_tag in inner:
+            head_text, _, tail = inner.partition(self.close_tag)
+            return head_text.strip("\n"), tail.lstrip("\n")
+        cut = len(inner) - partial_marker_len(inner, self.close_tag)
+        return inner[:cut].lstrip("\n").rstrip("\n"), None
 
 
 TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
@@ -167,8 +253,9 @@ def infer_family(model_name: str, model_type: str = "") -> tuple[str, str]:
     name = f"{model_name} {model_type}".lower()
     if "llama-3" in name or "llama3" in name:
         return "llama3", "none"
-    if "qwen3" in name or "deepseek-r1" in name:
+    if "qwen3" in name or "deepseek-r1" in name or "qwq" in name:
         return "hermes", "think"
+    # Qwen2/2.5, Hermes, SmolLM2 and most other chat models write <tool_call>{...}</tool_call>
     return "hermes", "none"
 
 
@@ -180,7 +267,7 @@ def get_tool_parser(name: str) -> ToolParser:
 
 
 def parse_completion(text: str, tool_parser: ToolParser, reasoning: ThinkReasoningParser | None) -> ParsedOutput:
-    """Split reasoning (if a reasoning parser is set), then tool calls, from one completion."""
+    """Split reasoning (if a reasoning parser is set), then tool calls, from one finished completion."""
     thought = None
     if reasoning is not None:
         thought, text = reasoning.split(text)

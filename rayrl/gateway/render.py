@@ -76,6 +76,8 @@ def normalize_message(msg: Any, index: int) -> dict[str, Any]:
     if not isinstance(msg, dict):
         raise RequestError(f"{where} must be an object")
     role = msg.get("role")
+    if not isinstance(role, str):
+        raise RequestError(f"{where}.role must be a string")
     if role == "developer":
         role = "system"
     if role not in _ROLES:
@@ -118,6 +120,19 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
             raise RequestError(f"tools[{i}].function.parameters must be an object", param="tools")
         out.append({"type": "function", "function": fn})
     return out or None
+
+
+def fold_late_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """System messages after the first message merged into a leading system message (the same list
+    object when there are none)."""
+    late = [i for i, m in enumerate(messages) if m["role"] == "system" and i > 0]
+    if not late:
+        return messages
+    extra = "\n\n".join(messages[i]["content"] for i in late)
+    rest = [m for i, m in enumerate(messages) if i not in set(late)]
+    if rest and rest[0]["role"] == "system":
+        return [{**rest[0], "content": rest[0]["content"] + "\n\n" + extra}] + rest[1:]
+    return [{"role": "system", "content": extra}] + rest
 
 
 class ChatRenderer:
@@ -174,13 +189,25 @@ class ChatRenderer:
             kwargs["chat_template"] = self.chat_template
         if tools and self.supports_tools:
             kwargs["tools"] = tools
+        templated = self._template_messages(messages, tools)
         try:
-            return self.tokenizer.apply_chat_template(self._template_messages(messages, tools), **kwargs)
+            return self.tokenizer.apply_chat_template(templated, **kwargs)
         except Exception as err:  # template errors are the request's fault (e.g. role order)
+            folded = fold_late_system_messages(templated)
+            if folded is not templated:
+                # Claude Code puts a system message in the middle of `messages`; templates that insist
+                # on one leading system message get its text appended to that message instead.
+                try:
+                    return self.tokenizer.apply_chat_template(folded, **kwargs)
+                except Exception:
+                    pass
             raise RequestError(f"the chat template rejected these messages: {err}") from None
 
     def tokenize(self, text: str) -> np.ndarray:
-        ids = self.tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        try:
+            ids = self.tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        except Exception as err:  # e.g. a lone surrogate (valid JSON, not valid text)
+            raise RequestError(f"the request text cannot be tokenized: {type(err).__name__}") from None
         return np.asarray(ids, dtype=np.int32)
 
     def render(self, messages: list[dict[str, Any]], tools: list | None) -> np.ndarray:
@@ -211,7 +238,23 @@ class ChatRenderer:
         delta = self.tokenize(glue + full[len(history) :])
         return np.concatenate([prev.prompt_ids, prev.response_ids, delta]).astype(np.int32, copy=False)
 
+    def count_tokens(self, messages: list[dict[str, Any]], tools: list | None) -> int:
+        """Prompt length of a request, exactly as it would be sent to the engine (full render)."""
+        return len(self.render(messages, tools))
+
     # -- template probes ---------------------------------------------------------------------------
+
+    def generation_prompt_opens_think(self) -> bool:
+        """Whether the template's generation prompt already opens a ``<think>`` block (R1-style)."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True,
+                chat_template=self.chat_template,
+            )
+        except Exception:
+            return False
+        tail = text[text.rfind("hi") :]
+        return "<think>" in tail and "</think>" not in tail
 
     def _probe_assistant_tail(self) -> str | None:
         """The text a template writes after an assistant message's content (end marker + glue)."""

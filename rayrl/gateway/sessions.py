@@ -13,6 +13,7 @@ import numpy as np
 from rayrl.config import TrajectoryConfig
 from rayrl.gateway.errors import RequestError
 from rayrl.trajectory import TrajectoryTree
+from rayrl.trajectory.messages import messages_equal
 from rayrl.types import Sample, TurnRecord
 
 _RECENT_TURNS = 8  # turns kept as candidates for cumulative token mode
@@ -36,7 +37,8 @@ class Session:
     created: float = field(default_factory=time.monotonic)
     finished: bool = False
     recent: list[TurnRecord] = field(default_factory=list)
-    requests: int = 0
+    api_calls: int = 0  # authenticated API requests (what a client POSTed), whatever their outcome
+    requests: int = 0  # requests that reached an engine
     failed_requests: int = 0
     cumulative_hits: int = 0
     in_flight: set = field(default_factory=set)
@@ -47,10 +49,17 @@ class Session:
             del self.recent[0]
 
     def history_match(self, messages: list[dict[str, Any]]) -> TurnRecord | None:
-        """The most recent recorded turn whose messages + response start ``messages`` exactly."""
+        """The most recent recorded turn whose messages + response start ``messages``.
+
+        Messages compare structurally (trajectory.messages.messages_equal: key order, empty fields
+        and reasoning fields never matter), the same rule routing uses, so whatever routes onto a turn
+        also reuses its exact tokens. The newest message is compared first: it differs most often.
+        """
         for turn in reversed(self.recent):
             k = len(turn.messages)
-            if len(messages) > k + 1 and messages[k] == turn.response_message and messages[:k] == turn.messages:
+            if len(messages) <= k + 1 or not messages_equal(messages[k], turn.response_message):
+                continue
+            if all(messages_equal(a, b) for a, b in zip(messages[:k], turn.messages)):
                 return turn
         return None
 

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from rayrl.gateway.errors import RequestError
-from rayrl.gateway.parsers import HermesToolParser, Llama3JsonToolParser, ThinkReasoningParser, parse_completion
+from rayrl.gateway.parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    ThinkReasoningParser,
+    parse_completion,
+)
 from rayrl.gateway.render import ChatRenderer, normalize_messages, normalize_tools
 from rayrl.types import TurnRecord
 

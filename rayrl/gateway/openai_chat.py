@@ -1,0 +1,140 @@
+"""``POST /v1/chat/completions``: OpenAI Chat Completions, streaming and not.
+
+Streaming is incremental: content deltas go out as the engine generates (held back only while they
+might still be a tool-call marker, see streaming.DeltaTracker); tool calls go out at the end, once
+parsed, one ``tool_calls`` delta per call (name first, then the arguments), then the finish chunk,
+an optional usage chunk (``stream_options.include_usage``) and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from rayrl.gateway import params as p
+from rayrl.gateway.errors import RequestError
+from rayrl.gateway.params import TurnSpec
+from rayrl.gateway.render import normalize_messages, normalize_tools
+from rayrl.gateway.streaming import SSEStream
+from rayrl.gateway.turns import TurnResult
+
+_WIRE_FINISH = {"abort": "stop"}
+
+
+def parse_request(body: dict[str, Any], default_model: str) -> TurnSpec:
+    """A Chat Completions body as a TurnSpec (400 naming the field on anything malformed)."""
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        raise RequestError("only n=1 is supported", param="n")
+    tools = normalize_tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice is not None and not isinstance(choice, (str, dict)):
+        raise RequestError("tool_choice must be a string or an object", param="tool_choice")
+    if choice == "none":
+        tools = None
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise RequestError("logprobs must be a boolean", param="logprobs")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise RequestError("stream_options must be an object", param="stream_options")
+    penalties = {k: p.number(body, k, -2.0, 2.0, None) for k in ("frequency_penalty", "presence_penalty")}
+    return TurnSpec(
+        messages=normalize_messages(body.get("messages")),
+        tools=tools,
+        model=p.string(body, "model", default_model) or default_model,
+        stream=p.boolean(body, "stream"),
+        max_tokens=p.positive_int(body, "max_completion_tokens") or p.positive_int(body, "max_tokens"),
+        temperature=p.number(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=p.number(body, "top_p", 1e-9, 1.0, 1.0),
+        stop=p.stop_list(body.get("stop")),
+        seed=p.seed(body),
+        frequency_penalty=penalties["frequency_penalty"],
+        presence_penalty=penalties["presence_penalty"],
+        want_logprobs=bool(logprobs),
+        id_prefix="call_",
+    )
+
+
+def _usage(result: TurnResult) -> dict[str, int]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
+
+
+def _wire_message(result: TurnResult) -> dict[str, Any]:
+    content = result.message["content"]
+    message: dict[str, Any] = {"role": "assistant", "content": content if (content or not result.tool_calls) else None}
+    if result.tool_calls:
+        message["tool_calls"] = result.tool_calls
+    if result.reasoning is not None:
+        message["reasoning_content"] = result.reasoning
+    return message
+
+
+async def handle(gateway: Any, request: web.Request) -> web.StreamResponse:
+    session = gateway.session_for(request)
+    body = await gateway.json_body(request)
+    spec = parse_request(body, gateway.model_name)
+    completion_id = "chatcmpl-" + uuid.uuid4().hex
+    created = int(time.time())
+    if not spec.stream:
+        result = await gateway.turns.run(session, spec)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": _wire_message(result),
+            "finish_reason": _WIRE_FINISH.get(result.finish, result.finish),
+            "logprobs": {"content": gateway.logprob_content(result.output)} if spec.want_logprobs else None,
+        }
+        return web.json_response(
+            {"id": completion_id, "object": "chat.completion", "created": created, "model": spec.model,
+             "choices": [choice], "usage": _usage(result)}
+        )
+    return await _stream(gateway, request, session, spec, body, completion_id, created)
+
+
+async def _stream(
+    gateway: Any, request: web.Request, session: Any, spec: TurnSpec, body: dict[str, Any],
+    completion_id: str, created: int,
+) -> web.StreamResponse:
+    prepared = gateway.turns.prepare(session, spec)
+    sse = SSEStream(request)
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": spec.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+
+    class Sink:
+        async def reasoning(self, delta: str) -> None:
+            await sse.send(chunk({"reasoning_content": delta}))
+
+        async def content(self, delta: str) -> None:
+            await sse.send(chunk({"content": delta}))
+
+    # The role chunk goes out before generation starts, as OpenAI does; errors after this point can
+    # only be reported inside the stream.
+    await sse.send(chunk({"role": "assistant", "content": ""}))
+    try:
+        result = await gateway.turns.run(session, spec, Sink(), prepared)
+    except RequestError as err:
+        await sse.send(err.openai_body())
+        await sse.send("[DONE]")
+        return await sse.close()
+    for i, call in enumerate(result.tool_calls):
+        fn = call["function"]
+        head = {"index": i, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}
+        await sse.send(chunk({"tool_calls": [head]}))
+        await sse.send(chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}))
+    logprobs = {"content": gateway.logprob_content(result.output)} if spec.want_logprobs else None
+    await sse.send(chunk({}, _WIRE_FINISH.get(result.finish, result.finish), logprobs))
+    options = body.get("stream_options") or {}
+    if options.get("include_usage"):
+        await sse.send({"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                        "model": spec.model, "choices": [], "usage": _usage(result)})
+    await sse.send("[DONE]")
+    return await sse.close()

@@ -1,0 +1,227 @@
+"""One LLM call, whatever API it came through: render, generate, parse, record.
+
+The API modules (openai_chat, openai_responses, anthropic_messages) only translate: request body ->
+:class:`TurnSpec`, :class:`TurnResult` -> their wire format. Everything that touches tokens is here,
+once: the prompt is rendered with the model's chat template (or extended from the recorded tokens in
+cumulative token mode), sent to an engine as token ids with log-probs on, parsed back into a canonical
+assistant message and recorded as a TurnRecord in the session's trajectory tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from rayrl.config import GatewayConfig
+from rayrl.engines.client import GenerateOutput
+from rayrl.gateway.errors import RequestError
+from rayrl.gateway.params import TurnSpec
+from rayrl.gateway.parsers import ParsedOutput, ThinkReasoningParser, ToolParser, parse_completion
+from rayrl.gateway.render import ChatRenderer
+from rayrl.gateway.sessions import Session, versions_from
+from rayrl.gateway.streaming import DeltaTracker
+from rayrl.gateway.upstream import StreamingUpstream
+from rayrl.types import TurnRecord
+
+logger = logging.getLogger("rayrl.gateway")
+
+
+class DeltaSink(Protocol):
+    """Where a streaming API writes deltas as they become certain."""
+
+    async def reasoning(self, delta: str) -> None: ...
+
+    async def content(self, delta: str) -> None: ...
+
+
+@dataclass
+class TurnResult:
+    """A finished call, in canonical form; each API formats it its own way."""
+
+    message: dict[str, Any]  # canonical assistant message (what was recorded)
+    reasoning: str | None
+    finish: str  # stop | length | tool_calls | abort
+    matched_stop: str | None  # the stop string that ended generation, if any
+    prompt_tokens: int
+    output: GenerateOutput
+    parse_errors: list[str] = field(default_factory=list)
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return self.message.get("tool_calls", [])
+
+    @property
+    def completion_tokens(self) -> int:
+        return int(len(self.output.output_ids))
+
+
+@dataclass
+class Prepared:
+    """A rendered prompt and its engine sampling parameters."""
+
+    prompt_ids: np.ndarray
+    params: dict[str, Any]
+
+
+class TurnPipeline:
+    """Render -> engine -> parse -> record, with the gateway's counters."""
+
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        renderer: ChatRenderer,
+        tool_parser: ToolParser,
+        reasoning_parser: ThinkReasoningParser | None,
+        router: Any,
+        upstream: StreamingUpstream,
+        context_length: int,
+        counters: dict[str, int],
+    ) -> None:
+        self.cfg = cfg
+        self.renderer = renderer
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
+        self.router = router
+        self.upstream = upstream
+        self.context_length = context_length
+        self.counters = counters
+
+    # -- prompt ------------------------------------------------------------------------------------
+
+    def prompt_ids(self, session: Session, messages: list[dict[str, Any]], tools: list | None) -> np.ndarray:
+        """Cumulative token mode when the history matches a recorded turn exactly, else a full render."""
+        if self.cfg.cumulative_token_mode:
+            prev = session.history_match(messages)
+            if prev is not None:
+                ids = self.renderer.extend(prev, messages, tools)
+                if ids is not None:
+                    self.counters["cumulative_hits"] += 1
+                    session.cumulative_hits += 1
+                    return ids
+        self.counters["full_renders"] += 1
+        return self.renderer.render(messages, tools)
+
+    def max_new_tokens(self, spec: TurnSpec, prompt_len: int) -> int:
+        room = self.context_length - prompt_len
+        if room < 1:
+            raise RequestError(
+                f"the prompt has {prompt_len} tokens; this model's context is {self.context_length}",
+                code="context_length_exceeded",
+            )
+        wanted = spec.max_tokens or self.cfg.default_max_tokens
+        if self.cfg.max_tokens_cap > 0:
+            wanted = min(wanted, self.cfg.max_tokens_cap)
+        return min(wanted, room)
+
+    # -- the call ----------------------------------------------------------------------------------
+
+    def prepare(self, session: Session, spec: TurnSpec) -> Prepared:
+        """Render and size the prompt. Streaming handlers call this before sending any byte, so a bad
+        request (template error, context overflow) is still an HTTP 4xx, not an in-stream error."""
+        if session.finished:
+            raise RequestError("this session has finished; open a new one", status=409)
+        served = self.cfg.served_model_names
+        if served and spec.model not in served:
+            raise RequestError(f"model {spec.model!r} is not served here (served: {', '.join(served)})",
+                               status=404, param="model", code="model_not_found")
+        prompt_ids = self.prompt_ids(session, spec.messages, spec.tools)
+        return Prepared(prompt_ids, spec.sampling_params(self.max_new_tokens(spec, len(prompt_ids))))
+
+    async def run(
+        self, session: Session, spec: TurnSpec, sink: DeltaSink | None = None, prepared: Prepared | None = None
+    ) -> TurnResult:
+        """One call. With a ``sink`` the engine streams and certain deltas go to the sink as they come."""
+        prepared = prepared or self.prepare(session, spec)
+        if session.finished:
+            raise RequestError("this session has finished; open a new one", status=409)
+        prompt_ids, params = prepared.prompt_ids, prepared.params
+        session.requests += 1
+        task = asyncio.current_task()
+        session.in_flight.add(task)
+        tracker = DeltaTracker(self.tool_parser, self.reasoning_parser) if sink is not None else None
+        try:
+            if sink is None:
+                out = await self.router.generate(session.session_id, prompt_ids, params, return_logprob=True)
+            else:
+
+                async def on_text(text: str) -> None:
+                    d_reasoning, d_content = tracker.feed(text)
+                    if d_reasoning:
+                        await sink.reasoning(d_reasoning)
+                    if d_content:
+                        await sink.content(d_content)
+
+                out = await self.upstream.generate(session.session_id, prompt_ids, params, on_text)
+        except asyncio.CancelledError:
+            self.counters["client_disconnects"] += 1
+            raise
+        except (ConnectionError, RequestError):
+            raise
+        except Exception as err:
+            session.failed_requests += 1
+            self.counters["errors_engine"] += 1
+            status = getattr(err, "status", None)
+            if isinstance(status, int) and 400 <= status < 500:
+                raise RequestError(f"the engine rejected the request: {err}") from None
+            logger.warning("engine call failed for session %s: %s", session.session_id, err)
+            raise RequestError(f"the inference engine is unavailable: {err}", status=503) from None
+        finally:
+            session.in_flight.discard(task)
+
+        result = self._finish(session, spec, prompt_ids, out)
+        if tracker is not None:
+            d_reasoning, d_content = tracker.finish(
+                ParsedOutput(content=result.message["content"], reasoning=result.reasoning),
+                result.message["content"],
+            )
+            if tracker.mismatch:
+                self.counters["stream_mismatches"] += 1
+            if d_reasoning:
+                await sink.reasoning(d_reasoning)
+            if d_content:
+                await sink.content(d_content)
+        return result
+
+    def _finish(self, session: Session, spec: TurnSpec, prompt_ids: np.ndarray, out: GenerateOutput) -> TurnResult:
+        """Parse the completion and record the turn (unless the session finished meanwhile)."""
+        reason = out.finish_reason or {}
+        kind = reason.get("type", "stop")
+        parsed = parse_completion(out.text, self.tool_parser, self.reasoning_parser)
+        if parsed.errors:
+            self.counters["tool_parse_errors"] += 1
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["tool_calls"] = [
+                {**c, "id": spec.id_prefix + uuid.uuid4().hex[:24]} for c in parsed.tool_calls
+            ]
+        turn = TurnRecord(
+            messages=spec.messages,
+            response_message=message,
+            prompt_ids=prompt_ids,
+            response_ids=out.output_ids,
+            response_logprobs=out.output_logprobs,
+            policy_version=versions_from(out.weight_version, out.versions),
+            tools=spec.tools,
+            finish_reason=kind,
+        )
+        if not session.finished:
+            session.tree.record_turn(turn)
+            session.remember(turn)
+        self.counters["generated_tokens"] += len(out.output_ids)
+        matched = reason.get("matched")
+        finish = "tool_calls" if parsed.tool_calls else {"length": "length", "abort": "abort"}.get(kind, "stop")
+        return TurnResult(
+            message=message,
+            reasoning=parsed.reasoning,
+            finish=finish,
+            matched_stop=matched if isinstance(matched, str) else None,
+            prompt_tokens=int(len(prompt_ids)),
+            output=out,
+            parse_errors=parsed.errors,
+        )
+

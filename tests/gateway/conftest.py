@@ -1,0 +1,94 @@
+"""Gateway stacks for the tests: real HTTP servers on loopback, on a background event loop.
+
+``tiny_stack``: the CPU engine serving the tiny random model (real token ids and log-probs, random
+text). ``scripted``: a factory for a gateway in front of tests/gateway/scripted_engine.py, for tests
+that need exact completions (tool calls). Both use SmolLM2's tokenizer and chat template.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+
+from rayrl.config import GatewayConfig, TrajectoryConfig
+from rayrl.engines.router import Router
+from rayrl.gateway.app import Gateway
+from rayrl.gateway.sessions import SessionInfo
+from tests.conftest import LoopThread
+from tests.gateway.scripted_engine import ScriptedEngine
+
+
+@dataclass
+class Stack:
+    loop: LoopThread
+    gateway: Gateway
+    engine: Any  # CPUEngine or ScriptedEngine
+    router: Router
+
+    def open(self, **metadata: Any) -> SessionInfo:
+        return self.gateway.open_session(metadata)
+
+    @property
+    def root(self) -> str:
+        return self.gateway.base_url[: -len("/v1")]
+
+    def stats(self, info: SessionInfo) -> dict[str, Any]:
+        session = self.gateway.sessions.get(info.session_id)
+        return {**session.tree.stats(), "api_calls": session.api_calls, "cumulative_hits": session.cumulative_hits}
+
+
+def _gateway(tokenizer: Any, router: Router, cfg: GatewayConfig | None = None, context_length: int = 4096) -> Gateway:
+    return Gateway(cfg or GatewayConfig(tool_parser="hermes"), TrajectoryConfig(), tokenizer, router,
+                   model_name="tiny", context_length=context_length)
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from rayrl.engines.cpu_engine import CPUEngine
+    from rayrl.engines.server import EngineServer
+
+    loop = LoopThread()
+    engine = CPUEngine(tiny_model_dir, dtype="float32", max_batch_size=8, context_length=4096).start()
+    server = EngineServer(engine)
+    url = loop.run(server.start())
+    router = Router([url])
+    gateway = _gateway(AutoTokenizer.from_pretrained(tiny_model_dir), router)
+    loop.run(gateway.start())
+    yield Stack(loop, gateway, engine, router)
+    loop.run(gateway.stop())
+    loop.run(router.close())
+    loop.run(server.stop())
+    engine.shutdown()
+    loop.close()
+
+
+@pytest.fixture
+def scripted(tiny_model_dir):
+    """``scripted(script, cfg=None, token_delay_s=0)`` -> Stack over a ScriptedEngine."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    made: list[Stack] = []
+
+    def make(script: Callable[[str], str], cfg: GatewayConfig | None = None, token_delay_s: float = 0.0,
+             context_length: int = 8192) -> Stack:
+        loop = LoopThread()
+        engine = ScriptedEngine(tokenizer, script, token_delay_s)
+        url = loop.run(engine.start())
+        router = Router([url])
+        gateway = _gateway(tokenizer, router, cfg, context_length)
+        loop.run(gateway.start())
+        stack = Stack(loop, gateway, engine, router)
+        made.append(stack)
+        return stack
+
+    yield make
+    for stack in made:
+        stack.loop.run(stack.gateway.stop())
+        stack.loop.run(stack.router.close())
+        stack.loop.run(stack.engine.stop())
+        stack.loop.close()
