@@ -45,6 +45,7 @@ class EngineConfig:
     request_timeout_s: float = 600.0  # client-side limit for one /generate
     tp_size: int = 1  # SGLang tensor parallel size (GPU)
     mem_fraction_static: float = 0.7  # SGLang --mem-fraction-static (GPU)
+    enable_memory_saver: bool = True  # SGLang --enable-memory-saver: /release_memory_occupation frees GPU memory (colocation)
     extra_args: list[str] = field(default_factory=list)  # passed verbatim to the engine launcher
 
 
@@ -82,7 +83,7 @@ class SandboxConfig:
     backend: str = "local"  # local | e2b
     isolation: str = "auto"  # auto | bwrap | unshare | none  (none: trusted development only)
     network: bool = False  # no network unless enabled
-    allowed_hosts: list[str] = field(default_factory=list)  # with network on, the only hosts reachable
+    allowed_hosts: list[str] = field(default_factory=list)  # network on: only these, proxied ([]: host net)
     memory_mb: int = 1024  # address-space limit per process
     cpu_seconds: int = 60  # CPU-time limit per exec
     max_processes: int = 64  # process limit inside the sandbox
@@ -108,7 +109,7 @@ class SandboxPoolConfig:
 class RolloutConfig:
     """Episodes: which agent, how many, how long."""
 
-    agent: str = "python_tool_agent"  # harness: python_tool_agent | claude_code | codex | module:Class
+    agent: str = "python_tool_agent"  # harness: python_tool_agent | claude_code | codex | agentcore | module:Class
     tools: list[str] = field(default_factory=lambda: ["calculator"])  # tools of the python agent
     reward: str = "calculator"  # reward function: a registered name or module:function
     prompts_per_step: int = 4  # distinct tasks per training step
@@ -122,15 +123,42 @@ class RolloutConfig:
     max_tokens: int = 96  # per LLM call
     system_prompt: Optional[str] = None  # overrides the python agent's system prompt
     few_shot_examples: int = 2  # worked tool-use examples the python agent puts before the question
+    tool_delay_s: list[float] = field(default_factory=list)  # [min, max]: each tool call also sleeps that long (uniform) in the sandbox, as slow real tools do; [] none
     step_deadline_s: float = 0.0  # a step stops waiting for episodes after this (0: no deadline)
     min_groups_fraction: float = 1.0  # finish the step once this fraction of groups completed
+
+
+@dataclass
+class AgentCoreConfig:
+    """Agents hosted on Amazon Bedrock AgentCore Runtime (``rollout.agent: agentcore``); docs/agentcore.md."""
+
+    runtime_arn: str = ""  # the agent runtime's ARN (local mode: may stay empty, a local ARN is used)
+    qualifier: Optional[str] = None  # runtime endpoint qualifier (None: the DEFAULT endpoint)
+    region: str = "us-west-2"  # AWS region of the runtime and the result bucket
+    endpoint_url: Optional[str] = None  # AgentCore Runtime endpoint override (local mode sets the emulator's)
+    s3_bucket: str = ""  # bucket the agents write results to (local mode: created in the moto server)
+    s3_prefix: str = "rollouts"  # results at s3://<bucket>/<prefix>/<exp_id>/<task_id>/<session_id>.json
+    s3_endpoint_url: Optional[str] = None  # S3 endpoint override (local mode sets the moto server's)
+    max_concurrent: int = 100  # AgentCore sessions in flight for the whole run (all rollout workers together)
+    acr_tps_limit: float = 25.0  # invoke requests per second for the whole run, retries included
+    acr_burst: int = 1  # requests the rate limiter lets through back to back after an idle spell
+    max_pool_connections: int = 256  # botocore HTTP connection pool size (>= max_concurrent avoids pool churn)
+    session_timeout_s: float = 900.0  # a session with no result this long after its invoke fails (rollout.episode_timeout_s bounds it too)
+    max_retries: int = 6  # retries of a throttled / 429 / 5xx invoke, exponential backoff with full jitter
+    backoff_base_s: float = 0.5  # the first retry waits up to this long; each further retry doubles it
+    backoff_max_s: float = 20.0  # longest wait between two retries
+    poll_interval_s: float = 2.0  # how often S3 is checked for a session's result
+    connect_timeout_s: float = 10.0  # botocore connect timeout
+    read_timeout_s: float = 60.0  # botocore read timeout of one request
+    gateway_public_host: Optional[str] = None  # host agents use to reach the gateway (None: the host it bound)
+    local_agent_command: list[str] = field(default_factory=list)  # local mode: run this agent app with the emulator and a moto S3 server
 
 
 @dataclass
 class TrainerConfig:
     """Policy optimisation."""
 
-    backend: str = "torch"  # torch (CPU or GPU); megatron (GPU) is tracked in the issue tracker
+    backend: str = "torch"  # torch (CPU or GPU) | megatron (GPU: megatron-core + mbridge, rayrl[gpu])
     num_ranks: int = 1  # trainer ranks in the placement group (torch.distributed)
     steps: int = 12  # training steps (one rollout batch each)
     lr: float = 2.0e-5  # AdamW learning rate
@@ -142,11 +170,29 @@ class TrainerConfig:
     clip_eps_high: float = 0.28  # PPO upper clip range (asymmetric, "clip-higher")
     normalize_advantage_std: bool = True  # GRPO: divide group-centred rewards by the group std
     kl_coef: float = 0.0  # KL penalty against the rollout log-probs (0: off)
-    tis_cap: float = 0.0  # truncated importance sampling cap for off-policy tokens (0: off; async schedules use 2.0)
+    tis_cap: Optional[float] = None  # truncated importance sampling cap (0: off); unset: 0 for sync, 2.0 for the async schedules
     micro_batch_tokens: int = 4096  # tokens per forward/backward micro-batch
     dtype: str = "float32"  # master weights dtype
     gradient_checkpointing: bool = False  # trade compute for memory
     num_threads: int = 0  # torch CPU threads per rank (0: all cores)
+    tp_size: int = 1  # megatron: tensor-parallel ranks
+    pp_size: int = 1  # megatron: pipeline-parallel stages
+    cp_size: int = 1  # megatron: context-parallel ranks (long sequences)
+    sequence_packing: bool = True  # megatron: a micro-batch is one packed (THD) sequence, no padding
+    distributed_optimizer: bool = True  # megatron: shard optimizer state across data-parallel ranks
+    memory_saver: bool = False  # GPU: params, grads and optimizer state in torch_memory_saver regions (colocation)
+    weight_bucket_mb: int = 512  # weights go to the engines in buckets of this size (CUDA IPC / NCCL)
+
+
+@dataclass
+class PlacementConfig:
+    """GPU placement: one placement group shared by the trainer ranks and the engines (actors/placement.py)."""
+
+    mode: str = "none"  # none | colocated | split  (none: each group places itself; CPU runs)
+    num_gpus: int = 8  # GPU bundles in the shared placement group
+    trainer_gpus: int = 4  # split: bundles that train (the rest serve)
+    trainer_gpu_fraction: float = 0.5  # colocated: the share of its GPU a trainer rank claims in Ray (engines get the rest)
+    cpus_per_bundle: float = 4.0  # CPUs reserved with each GPU bundle
 
 
 @dataclass
@@ -163,9 +209,16 @@ class DataConfig:
 class PipelineConfig:
     """How rollout and training are scheduled."""
 
-    schedule: str = "sync"  # sync (async and colocated_async are tracked in the issue tracker)
+    schedule: str = "sync"  # sync | async | colocated_async (order of phases: actors/pipeline.py)
+    max_staleness: int = 1  # async schedules: samples from more than this many policy versions ago are dropped
+    groups_in_flight: int = 0  # async schedules: task groups kept running ahead (0: 2 x rollout.prompts_per_step)
+    partial_rollout: bool = False  # colocated_async: abort generations at a weight update and continue them on the new weights (False: they finish first)
+    generation_wait_timeout_s: float = 600.0  # colocated_async: an LLM call waits at most this long at the gateway while engines are paused
+    weight_sync_timeout_s: float = 300.0  # a weight update to the engines that takes longer fails the step with a clear error
+    max_episode_retries: int = 2  # an episode whose rollout worker died is re-queued at most this many times
     checkpoint_interval: int = 0  # save every N steps (0: only at the end)
-    checkpoint_dir: Optional[str] = None  # defaults to runs/<exp_id>/checkpoints
+    checkpoint_dir: Optional[str] = None  # a directory or s3://bucket/prefix (boto3 config, e.g. AWS_ENDPOINT_URL_S3); default runs/<exp_id>/checkpoints
+    keep_checkpoints: int = 0  # keep only the newest N complete checkpoints (0: keep all)
     eval_interval: int = 0  # validate on data.val_path before step 1 and every N steps (0: never)
     eval_tasks: int = 64  # validation tasks per evaluation (0: the whole set)
     eval_max_concurrent: int = 16  # episodes in flight during validation
@@ -209,7 +262,9 @@ class RunConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     sandbox_pool: SandboxPoolConfig = field(default_factory=SandboxPoolConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    agentcore: AgentCoreConfig = field(default_factory=AgentCoreConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     data: DataConfig = field(default_factory=DataConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -220,6 +275,8 @@ class RunConfig:
         return Path(self.logging.output_dir) / self.exp_id
 
 
+DEFAULT_ASYNC_TIS_CAP = 2.0  # trainer.tis_cap when unset and the schedule is async or colocated_async
+
 _CHOICES: dict[str, tuple[str, ...]] = {
     "engine.backend": ("auto", "cpu", "sglang"),
     "engine.dtype": ("bfloat16", "float32", "float16"),
@@ -229,10 +286,11 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "trajectory.reward_assignment": ("copy", "split"),
     "sandbox.backend": ("local", "e2b"),
     "sandbox.isolation": ("auto", "bwrap", "unshare", "none"),
-    "trainer.backend": ("torch",),
+    "trainer.backend": ("torch", "megatron"),
+    "placement.mode": ("none", "colocated", "split"),
     "trainer.loss": ("grpo", "ppo"),
     "trainer.dtype": ("float32", "bfloat16"),
-    "pipeline.schedule": ("sync",),
+    "pipeline.schedule": ("sync", "async", "colocated_async"),
     "logging.wandb_mode": ("online", "offline"),
     "logging.log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
@@ -256,6 +314,8 @@ _POSITIVE: tuple[str, ...] = (
     "sandbox_pool.max_size",
     "sandbox_pool.lease_s",
     "gateway.default_max_tokens",
+    "pipeline.generation_wait_timeout_s",
+    "pipeline.weight_sync_timeout_s",
     "gateway.max_body_mb",
 )
 
@@ -265,10 +325,13 @@ _NON_NEGATIVE: tuple[str, ...] = (
     "trainer.weight_decay",
     "trainer.grad_clip",
     "trainer.kl_coef",
-    "trainer.tis_cap",
     "trainer.clip_eps",
     "trainer.clip_eps_high",
     "pipeline.checkpoint_interval",
+    "pipeline.keep_checkpoints",
+    "pipeline.max_staleness",
+    "pipeline.groups_in_flight",
+    "pipeline.max_episode_retries",
     "pipeline.eval_interval",
     "pipeline.eval_tasks",
     "rollout.temperature",
@@ -285,6 +348,19 @@ def _get(cfg: RunConfig, dotted: str) -> Any:
     for part in dotted.split("."):
         value = getattr(value, part)
     return value
+
+
+def _validate_allowed_hosts(sandbox: SandboxConfig) -> None:
+    """Entries are ``host``/``host:port``/``*.domain``; they need the network on to mean anything."""
+    from rayrl.sandboxes.netpolicy import parse_rules  # lazy: rayrl.sandboxes imports this module
+
+    try:
+        parse_rules(list(sandbox.allowed_hosts))
+    except ValueError as err:
+        raise ConfigError(f"sandbox.allowed_hosts{err}") from None
+    if sandbox.allowed_hosts and not sandbox.network:
+        raise ConfigError("sandbox.allowed_hosts: set while sandbox.network is false (nothing would be "
+                          "reachable); set sandbox.network: true or drop allowed_hosts")
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -307,17 +383,60 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("rollout.min_groups_fraction: must be in (0, 1]")
     if len(cfg.trainer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.trainer.betas):
         raise ConfigError(f"trainer.betas: need two values in [0, 1), got {list(cfg.trainer.betas)}")
+    _validate_allowed_hosts(cfg.sandbox)
     if cfg.sandbox_pool.min_warm > cfg.sandbox_pool.max_size:
         raise ConfigError("sandbox_pool.min_warm: must not exceed sandbox_pool.max_size")
     if not cfg.exp_id or "/" in cfg.exp_id or cfg.exp_id in (".", ".."):
         raise ConfigError(f"exp_id: must be a plain name, got {cfg.exp_id!r}")
     if cfg.pipeline.eval_interval and not cfg.data.val_path:
         raise ConfigError("pipeline.eval_interval: set data.val_path to validate")
+    if cfg.trainer.tis_cap is None:  # off-policy correction is on by default where samples can be stale
+        cfg.trainer.tis_cap = 0.0 if cfg.pipeline.schedule == "sync" else DEFAULT_ASYNC_TIS_CAP
+    if cfg.trainer.tis_cap < 0:
+        raise ConfigError(f"trainer.tis_cap: must be >= 0, got {cfg.trainer.tis_cap!r}")
+    if cfg.pipeline.schedule != "sync" and 0 < cfg.pipeline.groups_in_flight < cfg.rollout.prompts_per_step:
+        raise ConfigError("pipeline.groups_in_flight: must be 0 or at least rollout.prompts_per_step")
+    delay = list(cfg.rollout.tool_delay_s)
+    if delay and (len(delay) != 2 or not 0.0 <= delay[0] <= delay[1]):
+        raise ConfigError(f"rollout.tool_delay_s: need [] or [min, max] with 0 <= min <= max, got {delay}")
     if cfg.pipeline.eval_max_concurrent < 1:
         raise ConfigError("pipeline.eval_max_concurrent: must be >= 1")
     if not cfg.model.path:
         raise ConfigError("model.path: must not be empty")
+    _validate_gpu_layout(cfg)
+    _validate_agentcore(cfg)
+    _validate_checkpoint_dir(cfg.pipeline.checkpoint_dir)
     return cfg
+
+
+def _validate_checkpoint_dir(location: Optional[str]) -> None:
+    """An s3:// location needs a bucket and boto3; catching both at load beats failing at the first save."""
+    if not location or not location.startswith("s3://"):
+        return
+    if not location[len("s3://"):].split("/")[0]:
+        raise ConfigError(f"pipeline.checkpoint_dir: {location!r} names no bucket (s3://bucket/prefix)")
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        raise ConfigError("pipeline.checkpoint_dir: s3:// checkpoints need boto3 (pip install 'rayrl[aws]')") from None
+
+
+def _validate_agentcore(cfg: RunConfig) -> None:
+    """Ranges always; a runtime ARN and a bucket when the agentcore harness runs outside local mode."""
+    ac = cfg.agentcore
+    for name in ("max_concurrent", "acr_tps_limit", "acr_burst", "max_pool_connections", "session_timeout_s",
+                 "poll_interval_s", "connect_timeout_s", "read_timeout_s"):
+        if not getattr(ac, name) > 0:
+            raise ConfigError(f"agentcore.{name}: must be > 0, got {getattr(ac, name)!r}")
+    for name in ("max_retries", "backoff_base_s", "backoff_max_s"):
+        if getattr(ac, name) < 0:
+            raise ConfigError(f"agentcore.{name}: must be >= 0, got {getattr(ac, name)!r}")
+    if cfg.rollout.agent != "agentcore" or ac.local_agent_command:
+        return
+    if not ac.runtime_arn.startswith("arn:"):
+        raise ConfigError(f"agentcore.runtime_arn: rollout.agent=agentcore needs a runtime ARN, got {ac.runtime_arn!r}")
+    if not ac.s3_bucket:
+        raise ConfigError("agentcore.s3_bucket: rollout.agent=agentcore needs a result bucket")
 
 
 def _describe(err: OmegaConfBaseException) -> str:
@@ -357,3 +476,34 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
 def to_yaml(cfg: RunConfig) -> str:
     """The resolved configuration as YAML (saved next to each run's outputs)."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _validate_gpu_layout(cfg: RunConfig) -> None:
+    """Megatron parallel sizes and the shared placement plan must fit the numbers of ranks and GPUs."""
+    t = cfg.trainer
+    for name in ("tp_size", "pp_size", "cp_size", "weight_bucket_mb"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"trainer.{name}: must be >= 1, got {getattr(t, name)}")
+    model_parallel = t.tp_size * t.pp_size * t.cp_size
+    if t.backend != "megatron" and model_parallel > 1:
+        raise ConfigError("trainer.tp_size: tp/pp/cp sizes above 1 need trainer.backend megatron")
+    if t.num_ranks % model_parallel:
+        raise ConfigError(
+            f"trainer.num_ranks: {t.num_ranks} is not a multiple of tp_size x pp_size x cp_size ({model_parallel})"
+        )
+    if cfg.engine.tp_size < 1:
+        raise ConfigError(f"engine.tp_size: must be >= 1, got {cfg.engine.tp_size}")
+    if cfg.placement.mode != "none":
+        from rayrl.placement import plan_placement
+
+        plan_placement(
+            cfg.placement.mode,
+            cfg.placement.num_gpus,
+            trainer_ranks=t.num_ranks,
+            num_engines=cfg.engine.num_engines,
+            tp_size=cfg.engine.tp_size,
+            trainer_gpus=cfg.placement.trainer_gpus,
+            trainer_gpu_fraction=cfg.placement.trainer_gpu_fraction,
+        )
+        if cfg.placement.cpus_per_bundle < 0:
+            raise ConfigError("placement.cpus_per_bundle: must be >= 0")

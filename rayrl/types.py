@@ -152,6 +152,12 @@ class Sample:
     def num_trained_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def oldest_version(self) -> int | None:
+        """The oldest policy version among the trained tokens (None when nothing is trained): how stale
+        the sample is, once compared with the weights it would train."""
+        trained = self.policy_versions[self.loss_mask.astype(bool)]
+        return int(trained.min()) if len(trained) else None
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form (lists instead of arrays), used by the gateway's HTTP API."""
         return {

@@ -249,6 +249,78 @@ class EngineClient:
             payload["weight_version"] = str(weight_version)
         return await self._request("POST", "/update_weights_from_tensor", payload)
 
+    async def update_weights_from_serialized(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: Optional[str] = None,
+        flush_cache: bool = True,
+        weight_version: Optional[str] = None,
+        abort_all_requests: bool = False,
+        timeout_s: Optional[float] = None,
+    ) -> dict[str, Any]:
+        """``/update_weights_from_tensor`` in SGLang's form: one serialized payload per engine TP rank
+        (rayrl.engines.weights.serialize_for_engine; CUDA IPC handles on GPU, shared memory on CPU)."""
+        payload: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return await self._request("POST", "/update_weights_from_tensor", payload, timeout_s=timeout_s)
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout_s: Optional[float] = None,
+    ) -> dict[str, Any]:
+        """Ask the engine to join the trainer's broadcast group; returns once every rank has joined."""
+        payload = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._request("POST", "/init_weights_update_group", payload, timeout_s=timeout_s)
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: Optional[str] = None,
+        load_format: Optional[str] = None,
+        timeout_s: Optional[float] = None,
+    ) -> dict[str, Any]:
+        """Announce one bucket; the engine then receives the tensors by broadcast, in ``names`` order."""
+        payload: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        if load_format is not None:
+            payload["load_format"] = load_format
+        return await self._request("POST", "/update_weights_from_distributed", payload, timeout_s=timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
     async def update_weight_version(self, new_version: str) -> dict[str, Any]:
         return await self._request("POST", "/update_weight_version", {"new_version": str(new_version)})
 

@@ -36,7 +36,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def cpu_server_command(
-    cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable
+    cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable, weight_version: str = "0"
 ) -> list[str]:
     """``python -m rayrl.engines.cpu_server ...`` for ``cfg``."""
     return [
@@ -48,23 +48,31 @@ def cpu_server_command(
         "--max-batch-size", str(cfg.max_batch_size),
         "--context-length", str(cfg.context_length),
         "--num-threads", str(cfg.num_threads),
-        "--weight-version", "0",
+        "--weight-version", str(weight_version),
         *cfg.extra_args,
     ]  # fmt: skip
 
 
-def sglang_command(cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable) -> list[str]:
-    """``python -m sglang.launch_server ...`` for ``cfg`` (GPU; memory saver on for colocation)."""
+def sglang_command(
+    cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable, weight_version: str = "0"
+) -> list[str]:
+    """``python -m sglang.launch_server ...`` for ``cfg`` (GPU).
+
+    ``--enable-memory-saver`` (on by default) puts the weights, KV cache and CUDA graphs in
+    torch_memory_saver regions, which is what makes ``/release_memory_occupation`` free memory for a
+    colocated trainer. The GPUs come from CUDA_VISIBLE_DEVICES (the placement group's bundles), so
+    ``--tp-size`` GPUs must be visible. ``--weight-version`` is the version the loaded checkpoint has.
+    """
     return [
         python, "-m", "sglang.launch_server",
         "--model-path", str(model_path),
         "--tp-size", str(cfg.tp_size),
         "--mem-fraction-static", str(cfg.mem_fraction_static),
-        "--enable-memory-saver",
+        *(["--enable-memory-saver"] if cfg.enable_memory_saver else []),
         "--dtype", cfg.dtype,
         "--context-length", str(cfg.context_length),
         "--max-running-requests", str(cfg.max_batch_size),
-        "--weight-version", "0",
+        "--weight-version", str(weight_version),
         "--host", cfg.host,
         "--port", str(port),
         *cfg.extra_args,
@@ -95,6 +103,7 @@ class EngineProcess:
         backend: str = "cpu",
         port: Optional[int] = None,
         env: Optional[Mapping[str, str]] = None,
+        weight_version: str = "0",
     ) -> None:
         if backend not in ("cpu", "sglang"):
             raise ValueError(f"backend must be cpu or sglang, got {backend!r}")
@@ -104,6 +113,7 @@ class EngineProcess:
         self.backend = backend
         self.port = port or free_port(cfg.host)
         self.env = dict(env or {})
+        self.weight_version = str(weight_version)  # what the checkpoint at model_path is; a restart reloads it
         self.restarts = 0
         self._proc: Optional[subprocess.Popen] = None
 
@@ -117,7 +127,7 @@ class EngineProcess:
 
     def command(self) -> list[str]:
         build = cpu_server_command if self.backend == "cpu" else sglang_command
-        return build(self.cfg, self.model_path, self.port)
+        return build(self.cfg, self.model_path, self.port, weight_version=self.weight_version)
 
     def start(self, timeout_s: Optional[float] = None) -> "EngineProcess":
         """Launch and wait for /health; raises EngineLaunchError (with the log tail) on failure."""

@@ -25,6 +25,7 @@ from rayrl.gateway import params as p
 from rayrl.gateway.errors import RequestError
 from rayrl.gateway.params import TurnSpec
 from rayrl.gateway.streaming import SSEStream
+from rayrl.gateway.tools import anthropic_tool_choice, anthropic_tools, apply_tool_choice
 from rayrl.gateway.turns import TurnResult
 
 _IMAGE_PLACEHOLDER = "[image omitted: this model reads text only]"
@@ -143,53 +144,19 @@ def canonical_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def canonical_tools(raw: Any) -> list[dict[str, Any]] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise RequestError("tools must be a list", param="tools")
-    out = []
-    for i, tool in enumerate(raw):
-        if not isinstance(tool, dict):
-            raise RequestError(f"tools[{i}] must be an object", param="tools")
-        if tool.get("type") not in (None, "custom"):
-            continue  # server tools run at Anthropic, not here
-        name, schema, description = tool.get("name"), tool.get("input_schema"), tool.get("description")
-        if not isinstance(name, str) or not name:
-            raise RequestError(f"tools[{i}].name must be a non-empty string", param="tools")
-        if not isinstance(schema, dict):
-            raise RequestError(f"tools[{i}].input_schema must be an object", param="tools")
-        if description is not None and not isinstance(description, str):
-            raise RequestError(f"tools[{i}].description must be a string", param="tools")
-        fn: dict[str, Any] = {"name": name}
-        if description:
-            fn["description"] = description
-        fn["parameters"] = schema
-        out.append({"type": "function", "function": fn})
-    return out or None
-
-
-def _tool_choice_none(choice: Any) -> bool:
-    if choice is None:
-        return False
-    if not isinstance(choice, dict) or not isinstance(choice.get("type"), str):
-        raise RequestError("tool_choice must be an object with a string type", param="tool_choice")
-    return choice["type"] == "none"
-
-
 def parse_request(body: dict[str, Any], default_model: str) -> TurnSpec:
     thinking = body.get("thinking")
     if thinking is not None and not isinstance(thinking, dict):
         raise RequestError("thinking must be an object", param="thinking")
-    tools = canonical_tools(body.get("tools"))
-    if _tool_choice_none(body.get("tool_choice")):
-        tools = None
+    choice = anthropic_tool_choice(body)
+    tools = apply_tool_choice(anthropic_tools(body.get("tools")), choice)
     top_k = body.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise RequestError("top_k must be a positive integer", param="top_k")
     return TurnSpec(
         messages=canonical_messages(body),
         tools=tools,
+        tool_choice=choice,
         model=p.string(body, "model", default_model) or default_model,
         stream=p.boolean(body, "stream"),
         max_tokens=p.positive_int(body, "max_tokens"),
@@ -319,5 +286,5 @@ async def count_tokens(gateway: Any, request: web.Request) -> web.Response:
     gateway.session_for(request)
     body = await gateway.json_body(request)
     messages = canonical_messages(body)
-    tools = canonical_tools(body.get("tools"))
+    tools = anthropic_tools(body.get("tools"))
     return web.json_response({"input_tokens": gateway.renderer.count_tokens(messages, tools)})

@@ -42,8 +42,10 @@ class Gateway:
 
     ``router`` needs ``async generate(session_key, input_ids, sampling_params, rid=None,
     return_logprob=True)`` returning an object with ``output_ids``, ``output_logprobs``, ``text``,
-    ``finish_reason``, ``weight_version`` and ``versions``, plus ``pick(session_key, exclude)``,
-    ``urls`` and ``clients`` for streaming (see rayrl.engines.router.Router).
+    ``finish_reason``, ``weight_version`` and ``versions``, plus ``generate_stream(session_key,
+    input_ids, sampling_params, on_text)`` for streaming clients (see rayrl.engines.router.Router).
+    ``on_text(text, output_ids=None, output_logprobs=None)`` takes the tokens so far when the router
+    reports them (Chat Completions then streams log-probs with each content chunk).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class Gateway:
             "errors_engine": 0,
             "errors_internal": 0,
             "tool_parse_errors": 0,
+            "tool_choice_unmet": 0,
             "cumulative_hits": 0,
             "full_renders": 0,
             "generated_tokens": 0,
@@ -245,8 +248,12 @@ class Gateway:
 
     def logprob_content(self, out: GenerateOutput) -> list[dict[str, Any]]:
         """OpenAI ``logprobs.content`` entries for a completion."""
+        return self.logprob_entries(out.output_ids.tolist(), out.output_logprobs.tolist())
+
+    def logprob_entries(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+        """OpenAI ``logprobs.content`` entries for some output tokens."""
         items = []
-        for tid, lp in zip(out.output_ids.tolist(), out.output_logprobs.tolist()):
+        for tid, lp in zip(ids, logprobs):
             token = self.tokenizer.convert_ids_to_tokens(tid)
             items.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []})
         return items

@@ -3,7 +3,8 @@
 Streaming is incremental: content deltas go out as the engine generates (held back only while they
 might still be a tool-call marker, see streaming.DeltaTracker); tool calls go out at the end, once
 parsed, one ``tool_calls`` delta per call (name first, then the arguments), then the finish chunk,
-an optional usage chunk (``stream_options.include_usage``) and ``[DONE]``.
+an optional usage chunk (``stream_options.include_usage``) and ``[DONE]``. With ``logprobs``, each
+content chunk carries the log-probs of its tokens and the finish chunk the rest (streaming.TokenProgress).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from aiohttp import web
 from rayrl.gateway import params as p
 from rayrl.gateway.errors import RequestError
 from rayrl.gateway.params import TurnSpec
-from rayrl.gateway.render import normalize_messages, normalize_tools
-from rayrl.gateway.streaming import SSEStream
+from rayrl.gateway.render import normalize_messages
+from rayrl.gateway.streaming import SSEStream, TokenProgress
+from rayrl.gateway.tools import apply_tool_choice, chat_tool_choice, chat_tools
 from rayrl.gateway.turns import TurnResult
 
 _WIRE_FINISH = {"abort": "stop"}
@@ -29,12 +31,8 @@ def parse_request(body: dict[str, Any], default_model: str) -> TurnSpec:
     n = body.get("n", 1)
     if n is not None and n != 1:
         raise RequestError("only n=1 is supported", param="n")
-    tools = normalize_tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    if choice is not None and not isinstance(choice, (str, dict)):
-        raise RequestError("tool_choice must be a string or an object", param="tool_choice")
-    if choice == "none":
-        tools = None
+    choice = chat_tool_choice(body)
+    tools = apply_tool_choice(chat_tools(body.get("tools")), choice)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise RequestError("logprobs must be a boolean", param="logprobs")
@@ -45,6 +43,7 @@ def parse_request(body: dict[str, Any], default_model: str) -> TurnSpec:
     return TurnSpec(
         messages=normalize_messages(body.get("messages")),
         tools=tools,
+        tool_choice=choice,
         model=p.string(body, "model", default_model) or default_model,
         stream=p.boolean(body, "stream"),
         max_tokens=p.positive_int(body, "max_completion_tokens") or p.positive_int(body, "max_tokens"),
@@ -104,23 +103,30 @@ async def _stream(
 ) -> web.StreamResponse:
     prepared = gateway.turns.prepare(session, spec)
     sse = SSEStream(request)
+    progress = TokenProgress() if spec.want_logprobs else None
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
         return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": spec.model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+
+    def new_logprobs() -> dict[str, Any] | None:
+        """The log-probs of the tokens generated since the last content chunk (see TokenProgress)."""
+        if progress is None:
+            return None
+        return {"content": gateway.logprob_entries(*progress.take()), "refusal": None}
 
     class Sink:
         async def reasoning(self, delta: str) -> None:
             await sse.send(chunk({"reasoning_content": delta}))
 
         async def content(self, delta: str) -> None:
-            await sse.send(chunk({"content": delta}))
+            await sse.send(chunk({"content": delta}, logprobs=new_logprobs()))
 
     # The role chunk goes out before generation starts, as OpenAI does; errors after this point can
     # only be reported inside the stream.
     await sse.send(chunk({"role": "assistant", "content": ""}))
     try:
-        result = await gateway.turns.run(session, spec, Sink(), prepared)
+        result = await gateway.turns.run(session, spec, Sink(), prepared, progress)
     except RequestError as err:
         await sse.send(err.openai_body())
         await sse.send("[DONE]")
@@ -130,8 +136,7 @@ async def _stream(
         head = {"index": i, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}
         await sse.send(chunk({"tool_calls": [head]}))
         await sse.send(chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}))
-    logprobs = {"content": gateway.logprob_content(result.output)} if spec.want_logprobs else None
-    await sse.send(chunk({}, _WIRE_FINISH.get(result.finish, result.finish), logprobs))
+    await sse.send(chunk({}, _WIRE_FINISH.get(result.finish, result.finish), new_logprobs()))
     options = body.get("stream_options") or {}
     if options.get("include_usage"):
         await sse.send({"id": completion_id, "object": "chat.completion.chunk", "created": created,

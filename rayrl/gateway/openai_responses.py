@@ -9,7 +9,8 @@ Non-function tools (``namespace``, ``web_search``, ``custom``, ...) are skipped:
 them here. ``previous_response_id`` is refused: nothing is stored, clients replay the input.
 
 The stream emits the event sequence the API defines (created, in_progress, output items with their
-content parts and deltas, function-call argument deltas, completed with usage); every event carries a
+content parts and deltas, function-call argument deltas, then ``response.completed`` with usage, or
+``response.incomplete`` when ``max_output_tokens`` cut the generation); every event carries a
 ``sequence_number``.
 """
 
@@ -27,6 +28,7 @@ from rayrl.gateway.errors import RequestError
 from rayrl.gateway.params import TurnSpec
 from rayrl.gateway.render import normalize_message
 from rayrl.gateway.streaming import SSEStream
+from rayrl.gateway.tools import apply_tool_choice, responses_tool_choice, responses_tools
 from rayrl.gateway.turns import TurnResult
 
 _IMAGE_PLACEHOLDER = "[image omitted: this model reads text only]"
@@ -119,48 +121,16 @@ def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def function_tools(raw: Any) -> list[dict[str, Any]] | None:
-    """Function tools in canonical (Chat Completions) shape; other tool types are skipped."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise RequestError("tools must be a list", param="tools")
-    out = []
-    for i, tool in enumerate(raw):
-        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
-            raise RequestError(f"tools[{i}] must be an object with a string type", param="tools")
-        if tool["type"] != "function":
-            continue  # namespace, web_search, custom, mcp...: not callable through this gateway
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise RequestError(f"tools[{i}].name must be a non-empty string", param="tools")
-        params = tool.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise RequestError(f"tools[{i}].parameters must be an object", param="tools")
-        description = tool.get("description")
-        if description is not None and not isinstance(description, str):
-            raise RequestError(f"tools[{i}].description must be a string", param="tools")
-        fn: dict[str, Any] = {"name": name}
-        if description:
-            fn["description"] = description
-        fn["parameters"] = params or {"type": "object", "properties": {}}
-        out.append({"type": "function", "function": fn})
-    return out or None
-
-
 def parse_request(body: dict[str, Any], default_model: str) -> TurnSpec:
     if body.get("previous_response_id") is not None:
         raise RequestError("previous_response_id is not supported: responses are not stored; send the "
                            "whole input (store=false)", param="previous_response_id")
-    tools = function_tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    if choice is not None and not isinstance(choice, (str, dict)):
-        raise RequestError("tool_choice must be a string or an object", param="tool_choice")
-    if choice == "none":
-        tools = None
+    choice = responses_tool_choice(body)
+    tools = apply_tool_choice(responses_tools(body.get("tools")), choice)
     return TurnSpec(
         messages=input_messages(body),
         tools=tools,
+        tool_choice=choice,
         model=p.string(body, "model", default_model) or default_model,
         stream=p.boolean(body, "stream"),
         max_tokens=p.positive_int(body, "max_output_tokens"),
@@ -344,5 +314,6 @@ async def _stream(gateway: Any, request: web.Request, session: Any, spec: TurnSp
         await events.function_call(call)
     status = "incomplete" if result.finish == "length" else "completed"
     final = _response(ids, spec, body, created, status, events.items, result)
-    await events.event("response.completed", response=final)
+    # generation cut off by max_output_tokens: the API ends such a stream with response.incomplete
+    await events.event(f"response.{status}", response=final)
     return await sse.close()

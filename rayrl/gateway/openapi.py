@@ -64,7 +64,12 @@ CHAT_REQUEST = {
         **_SAMPLING,
         "messages": {"type": "array", "minItems": 1, "items": _CHAT_MESSAGE},
         "tools": {"type": "array", "items": _FUNCTION_TOOL},
-        "tool_choice": {"type": ["string", "object"], "description": "'none' hides the tools; others: auto"},
+        "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {
+            "type": "object", "required": ["type", "function"], "properties": {
+                "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
+                    "name": {"type": "string", "minLength": 1}}}}}],
+            "description": "'none' hides the tools; 'required' and a named function force a call (docs/gateway.md)"},
+        "parallel_tool_calls": {"type": "boolean", "description": "false: at most one tool call"},
         "max_tokens": {"type": "integer", "minimum": 1},
         "max_completion_tokens": {"type": "integer", "minimum": 1},
         "stop": {"type": ["string", "array"], "items": {"type": "string"}, "maxItems": 16},
@@ -93,7 +98,10 @@ RESPONSES_REQUEST = {
                   "items": {"type": "object", "required": ["type"], "properties": {
                       "type": {"type": "string"}, "name": {"type": "string"},
                       "parameters": {"type": "object"}, "description": {"type": "string"}}}},
-        "tool_choice": {"type": ["string", "object"]},
+        "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {
+            "type": "object", "required": ["type", "name"], "properties": {
+                "type": {"const": "function"}, "name": {"type": "string", "minLength": 1}}}]},
+        "parallel_tool_calls": {"type": "boolean", "description": "false: at most one tool call"},
         "max_output_tokens": {"type": "integer", "minimum": 1},
         "previous_response_id": {"type": "null", "description": "not supported: replay the input"},
     },
@@ -116,7 +124,10 @@ MESSAGES_REQUEST = {
         "tools": {"type": "array", "items": {"type": "object", "properties": {
             "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
             "input_schema": {"type": "object"}, "type": {"type": "string"}}}},
-        "tool_choice": {"type": "object", "properties": {"type": {"enum": ["auto", "any", "tool", "none"]}}},
+        "tool_choice": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string", "minLength": 1,
+                                                                       "description": "with type 'tool'"},
+            "disable_parallel_tool_use": {"type": "boolean"}}},
         "stop_sequences": {"type": "array", "items": {"type": "string"}, "maxItems": 16},
         "top_k": {"type": "integer", "minimum": 1},
         "thinking": {"type": "object", "description": "accepted (enabled, disabled, adaptive); no effect"},
@@ -133,6 +144,7 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         "model": "any", "max_tokens": 4, "temperature": 0,
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
         "tools": [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "calc"}}, "parallel_tool_calls": False,
     },
     ("post", "/v1/responses"): {
         "model": "any", "max_output_tokens": 4, "temperature": 0, "instructions": "Be brief.",
@@ -140,11 +152,13 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
                   {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
         "tools": [{"type": "function", "name": "calc", "parameters": {"type": "object"}},
                   {"type": "web_search"}],
+        "tool_choice": "required",
     },
     ("post", "/v1/messages"): {
         "model": "claude-opus-4-8", "max_tokens": 4, "temperature": 0, "system": [{"type": "text", "text": "Be brief."}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
         "tools": [{"name": "Bash", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "tool", "name": "Bash", "disable_parallel_tool_use": True},
         "thinking": {"type": "adaptive"},
     },
     ("post", "/v1/messages/count_tokens"): {

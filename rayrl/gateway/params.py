@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayrl.gateway.errors import RequestError
+from rayrl.gateway.tools import AUTO, ToolChoice
 
 MAX_STOP_SEQUENCES = 16
 
@@ -82,13 +83,15 @@ class TurnSpec:
     """One LLM call in canonical form, whichever API it arrived through.
 
     ``messages``/``tools`` are canonical OpenAI shape (see render.normalize_message); ``max_tokens``
-    None means the gateway default. ``id_prefix`` names tool-call ids the way the client's API does
+    None means the gateway default. ``tool_choice`` is already applied to ``tools`` (``none`` hides
+    them); a choice that forces a call is enforced by the turn pipeline. ``id_prefix`` names tool-call ids the way the client's API does
     (``call_`` for OpenAI, ``toolu_`` for Anthropic) so echoed ids look native and still round-trip.
     """
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     model: str
+    tool_choice: ToolChoice = AUTO
     stream: bool = False
     max_tokens: int | None = None
     temperature: float = 1.0

@@ -58,9 +58,14 @@ def partial_marker_len(text: str, marker: str) -> int:
 
 
 class ToolParser:
-    """Base class: no tool calls, text passes through."""
+    """Base class: no tool calls, text passes through.
+
+    ``call_end``: the text that closes one tool call, used as a stop string when a turn may make at
+    most one call; None when the family has no such marker (then parallel calls are not limited).
+    """
 
     name = "none"
+    call_end: str | None = None
 
     def parse(self, text: str) -> ParsedOutput:
         return ParsedOutput(content=text)
@@ -71,6 +76,16 @@ class ToolParser:
 
     def format_tool_calls(self, tool_calls: list[dict[str, Any]]) -> str:
         return ""
+
+    def forced_prefix(self, name: str | None) -> str | None:
+        """The opening of a tool call in this family's text form, appended to the prompt to force a
+        call (of function ``name``, or of any function when None); the model writes the rest and
+        the prefix + completion is parsed as one. None: this family cannot be forced.
+
+        Why a prefix: the CPU engine has no grammar-constrained decoding; forcing the start of the
+        assistant turn is exact for the forced part and leaves the rest to the model.
+        """
+        return None
 
     def tools_system_prompt(self, tools: list[dict[str, Any]]) -> str:
         return ""
@@ -83,6 +98,7 @@ class HermesToolParser(ToolParser):
     _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     marker = "<tool_call>"
+    call_end = "</tool_call>"
 
     def parse(self, text: str) -> ParsedOutput:
         """Content is the text before the first ``<tool_call>`` (trailing whitespace dropped). When
@@ -132,6 +148,12 @@ class HermesToolParser(ToolParser):
                 + "</tool_call>"
             )
         return "\n".join(parts)
+
+    def forced_prefix(self, name: str | None) -> str | None:
+        """Qwen2.5's own form (what its chat template renders for assistant tool calls)."""
+        if name is None:
+            return '<tool_call>\n{"name": "'
+        return '<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
 
     def tools_system_prompt(self, tools: list[dict[str, Any]]) -> str:
         specs = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
@@ -191,6 +213,11 @@ class Llama3JsonToolParser(ToolParser):
             args_obj = json.loads(args) if isinstance(args, str) and args.strip() else {}
             out.append(json.dumps({"name": fn.get("name", ""), "parameters": args_obj}, ensure_ascii=False))
         return "; ".join(out)
+
+    def forced_prefix(self, name: str | None) -> str | None:
+        if name is None:
+            return '{"name": "'
+        return '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "parameters": '
 
 
 class ThinkReasoningParser:

@@ -102,24 +102,24 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return [normalize_message(m, i) for i, m in enumerate(messages)]
 
 
-def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """Validate an OpenAI ``tools`` list; returns None when absent or empty."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise RequestError("tools must be a list", param="tools")
+def _with_argument_objects(msg: dict[str, Any]) -> dict[str, Any]:
+    """``msg`` with tool-call arguments as JSON objects, not strings (a copy; the canonical message is
+    recorded as is). Chat templates that render tool calls (Qwen2.5, Llama 3.1) write
+    ``arguments | tojson``: a string would come out JSON-encoded twice, a form the model never saw."""
+    calls = msg.get("tool_calls")
+    if not calls:
+        return msg
     out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise RequestError(f"tools[{i}] must be an object of type 'function'", param="tools")
-        fn = tool.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise RequestError(f"tools[{i}].function.name must be a non-empty string", param="tools")
-        params = fn.get("parameters", {})
-        if params is not None and not isinstance(params, dict):
-            raise RequestError(f"tools[{i}].function.parameters must be an object", param="tools")
-        out.append({"type": "function", "function": fn})
-    return out or None
+    for call in calls:
+        args = call["function"]["arguments"]
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError:
+            parsed = args
+        if not isinstance(parsed, dict):
+            parsed = args
+        out.append({**call, "function": {**call["function"], "arguments": parsed}})
+    return {**msg, "tool_calls": out}
 
 
 def fold_late_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -166,7 +166,7 @@ class ChatRenderer:
 
     def _template_messages(self, messages: list[dict[str, Any]], tools: list | None) -> list[dict[str, Any]]:
         if self.supports_tool_calls and (self.supports_tools or not tools):
-            return messages
+            return [_with_argument_objects(m) for m in messages]
         out = []
         for msg in messages:
             if msg["role"] == "assistant" and msg.get("tool_calls") and not self.supports_tool_calls:

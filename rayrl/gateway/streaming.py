@@ -11,7 +11,7 @@ then, once parsed.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Sequence
 
 from aiohttp import web
 
@@ -62,6 +62,32 @@ class DeltaTracker:
                 continue
             out.append(self._advance(which, final) if len(final) > len(sent) else "")
         return out[0], out[1]
+
+
+class TokenProgress:
+    """The token ids and log-probs of a streaming call so far, and how many have been sent.
+
+    Chat Completions with ``logprobs`` sends each content chunk with the log-probs of the tokens
+    generated since the previous content chunk, and the rest (tool-call text, the end token) with the
+    finish chunk: over a whole stream, every output token's log-prob is sent exactly once, in order,
+    the same list a non-streaming answer carries.
+    """
+
+    def __init__(self) -> None:
+        self.ids: Sequence[int] = ()
+        self.logprobs: Sequence[float] = ()
+        self.sent = 0
+
+    def update(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        """The cumulative ids/log-probs so far (kept by reference: called once per streamed chunk, so
+        copying would be quadratic in the completion's length)."""
+        self.ids, self.logprobs = ids, logprobs
+
+    def take(self) -> tuple[list[int], list[float]]:
+        """The tokens not sent yet (marked sent)."""
+        n = min(len(self.ids), len(self.logprobs))
+        start, self.sent = self.sent, max(self.sent, n)
+        return [int(i) for i in self.ids[start:n]], [float(x) for x in self.logprobs[start:n]]
 
 
 class SSEStream:

@@ -24,7 +24,7 @@ from rayrl.gateway.params import TurnSpec
 from rayrl.gateway.parsers import ParsedOutput, ThinkReasoningParser, ToolParser, parse_completion
 from rayrl.gateway.render import ChatRenderer
 from rayrl.gateway.sessions import Session, versions_from
-from rayrl.gateway.streaming import DeltaTracker
+from rayrl.gateway.streaming import DeltaTracker, TokenProgress
 from rayrl.gateway.upstream import StreamingUpstream
 from rayrl.types import TurnRecord
 
@@ -62,10 +62,16 @@ class TurnResult:
 
 @dataclass
 class Prepared:
-    """A rendered prompt and its engine sampling parameters."""
+    """A rendered prompt and its engine sampling parameters.
+
+    ``forced``: text that starts the assistant turn to enforce a ``tool_choice`` (see
+    :meth:`TurnPipeline.forced_text`); its tokens end ``prompt_ids`` (they are prompt: the model did
+    not choose them, so they are never trained on) and it is parsed together with the completion.
+    """
 
     prompt_ids: np.ndarray
     params: dict[str, Any]
+    forced: str = ""
 
 
 class TurnPipeline:
@@ -130,16 +136,40 @@ class TurnPipeline:
             raise RequestError(f"model {spec.model!r} is not served here (served: {', '.join(served)})",
                                status=404, param="model", code="model_not_found")
         prompt_ids = self.prompt_ids(session, spec.messages, spec.tools)
-        return Prepared(prompt_ids, spec.sampling_params(self.max_new_tokens(spec, len(prompt_ids))))
+        forced = self.forced_text(spec)
+        if forced:
+            prompt_ids = np.concatenate([prompt_ids, self.renderer.tokenize(forced)]).astype(np.int32, copy=False)
+        params = spec.sampling_params(self.max_new_tokens(spec, len(prompt_ids)))
+        if spec.tools and not spec.tool_choice.parallel and self.tool_parser.call_end:
+            # at most one call: generation stops where the first call closes
+            params["stop"] = [*params.get("stop", []), self.tool_parser.call_end]
+        return Prepared(prompt_ids, params, forced)
+
+    def forced_text(self, spec: TurnSpec) -> str:
+        """The forced start of the assistant turn for a ``tool_choice`` that requires a call ("" when
+        none is required or the parser family cannot be forced). Under a reasoning template whose
+        generation prompt opens ``<think>``, the forced text closes the (empty) reasoning first."""
+        choice = spec.tool_choice
+        if not spec.tools or not choice.forces_call:
+            return ""
+        prefix = self.tool_parser.forced_prefix(choice.name if choice.mode == "function" else None)
+        if not prefix:
+            return ""
+        if self.reasoning_parser is not None and self.reasoning_parser.opened_in_prompt:
+            prefix = self.reasoning_parser.close_tag + "\n\n" + prefix
+        return prefix
 
     async def run(
-        self, session: Session, spec: TurnSpec, sink: DeltaSink | None = None, prepared: Prepared | None = None
+        self, session: Session, spec: TurnSpec, sink: DeltaSink | None = None, prepared: Prepared | None = None,
+        progress: TokenProgress | None = None,
     ) -> TurnResult:
-        """One call. With a ``sink`` the engine streams and certain deltas go to the sink as they come."""
+        """One call. With a ``sink`` the engine streams and certain deltas go to the sink as they come;
+        ``progress`` (streaming only) is kept up to date with the tokens generated so far, before each
+        delta is sent, when the router reports them with the text."""
         prepared = prepared or self.prepare(session, spec)
         if session.finished:
             raise RequestError("this session has finished; open a new one", status=409)
-        prompt_ids, params = prepared.prompt_ids, prepared.params
+        prompt_ids, params, forced = prepared.prompt_ids, prepared.params, prepared.forced
         session.requests += 1
         task = asyncio.current_task()
         session.in_flight.add(task)
@@ -149,8 +179,10 @@ class TurnPipeline:
                 out = await self.router.generate(session.session_id, prompt_ids, params, return_logprob=True)
             else:
 
-                async def on_text(text: str) -> None:
-                    d_reasoning, d_content = tracker.feed(text)
+                async def on_text(text: str, output_ids: Any = None, output_logprobs: Any = None) -> None:
+                    if progress is not None and output_ids is not None and output_logprobs is not None:
+                        progress.update(output_ids, output_logprobs)
+                    d_reasoning, d_content = tracker.feed(forced + text)
                     if d_reasoning:
                         await sink.reasoning(d_reasoning)
                     if d_content:
@@ -173,7 +205,9 @@ class TurnPipeline:
         finally:
             session.in_flight.discard(task)
 
-        result = self._finish(session, spec, prompt_ids, out)
+        result = self._finish(session, spec, prompt_ids, out, forced)
+        if progress is not None:
+            progress.update(out.output_ids.tolist(), out.output_logprobs.tolist())
         if tracker is not None:
             d_reasoning, d_content = tracker.finish(
                 ParsedOutput(content=result.message["content"], reasoning=result.reasoning),
@@ -187,13 +221,21 @@ class TurnPipeline:
                 await sink.content(d_content)
         return result
 
-    def _finish(self, session: Session, spec: TurnSpec, prompt_ids: np.ndarray, out: GenerateOutput) -> TurnResult:
-        """Parse the completion and record the turn (unless the session finished meanwhile)."""
+    def _finish(self, session: Session, spec: TurnSpec, prompt_ids: np.ndarray, out: GenerateOutput,
+                forced: str = "") -> TurnResult:
+        """Parse the (forced start +) completion and record the turn (unless the session finished meanwhile).
+
+        A forced call the model did not complete parseably is answered as plain text (the forced start
+        included), never as an error: the client sees what the model wrote; ``tool_choice_unmet``
+        counts it.
+        """
         reason = out.finish_reason or {}
         kind = reason.get("type", "stop")
-        parsed = parse_completion(out.text, self.tool_parser, self.reasoning_parser)
+        parsed = parse_completion(forced + out.text, self.tool_parser, self.reasoning_parser)
         if parsed.errors:
             self.counters["tool_parse_errors"] += 1
+        if spec.tools and spec.tool_choice.forces_call and not parsed.tool_calls:
+            self.counters["tool_choice_unmet"] += 1
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             message["tool_calls"] = [

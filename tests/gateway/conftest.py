@@ -39,9 +39,10 @@ class Stack:
         return {**session.tree.stats(), "api_calls": session.api_calls, "cumulative_hits": session.cumulative_hits}
 
 
-def _gateway(tokenizer: Any, router: Router, cfg: GatewayConfig | None = None, context_length: int = 4096) -> Gateway:
+def _gateway(tokenizer: Any, router: Router, cfg: GatewayConfig | None = None, context_length: int = 4096,
+             model_name: str = "tiny", chat_template: str | None = None) -> Gateway:
     return Gateway(cfg or GatewayConfig(tool_parser="hermes"), TrajectoryConfig(), tokenizer, router,
-                   model_name="tiny", context_length=context_length)
+                   model_name=model_name, context_length=context_length, chat_template=chat_template)
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +69,22 @@ def tiny_stack(tiny_model_dir):
 
 @pytest.fixture
 def scripted(tiny_model_dir):
-    """``scripted(script, cfg=None, token_delay_s=0)`` -> Stack over a ScriptedEngine."""
+    """``scripted(script, cfg=None, token_delay_s=0)`` -> Stack over a ScriptedEngine (SmolLM2's
+    tokenizer unless ``tokenizer`` is given; ``chat_template``/``model_name`` go to the Gateway)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    smollm2 = AutoTokenizer.from_pretrained(tiny_model_dir)
     made: list[Stack] = []
 
     def make(script: Callable[[str], str], cfg: GatewayConfig | None = None, token_delay_s: float = 0.0,
-             context_length: int = 8192) -> Stack:
+             context_length: int = 8192, tokenizer: Any = None, chat_template: str | None = None,
+             model_name: str = "tiny") -> Stack:
+        tokenizer = tokenizer or smollm2
         loop = LoopThread()
         engine = ScriptedEngine(tokenizer, script, token_delay_s)
         url = loop.run(engine.start())
         router = Router([url])
-        gateway = _gateway(tokenizer, router, cfg, context_length)
+        gateway = _gateway(tokenizer, router, cfg, context_length, model_name, chat_template)
         loop.run(gateway.start())
         stack = Stack(loop, gateway, engine, router)
         made.append(stack)

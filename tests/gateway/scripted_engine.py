@@ -54,8 +54,12 @@ class ScriptedEngine:
             await self._runner.cleanup()
 
     def _chunk(self, ids: list[int], rid: str, prompt_len: int, finish: dict | None) -> dict[str, Any]:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        matched = (finish or {}).get("matched")
+        if isinstance(matched, str):  # SGLang trims a matched stop string from the text, not the ids
+            text = text[: text.find(matched)]
         return {
-            "text": self.tokenizer.decode(ids, skip_special_tokens=True),
+            "text": text,
             "output_ids": ids,
             "meta_info": {"id": rid, "finish_reason": finish, "prompt_tokens": prompt_len,
                           "completion_tokens": len(ids), "weight_version": "3",
@@ -70,6 +74,11 @@ class ScriptedEngine:
         ids = self.tokenizer(self.script(prompt), add_special_tokens=False)["input_ids"] + [self.eos]
         limit = int(params.get("max_new_tokens", 128))
         finish = {"type": "stop", "matched": self.eos}
+        for k in range(1, len(ids) + 1):  # stop strings end generation at the token that completes them
+            hit = next((x for x in params.get("stop") or [] if x in self.tokenizer.decode(ids[:k])), None)
+            if hit is not None:
+                ids, finish = ids[:k], {"type": "stop", "matched": hit}
+                break
         if len(ids) > limit:
             ids, finish = ids[:limit], {"type": "length", "length": limit}
         rid = body.get("rid", "r")

@@ -12,7 +12,8 @@ from rayrl.gateway.parsers import (
     ThinkReasoningParser,
     parse_completion,
 )
-from rayrl.gateway.render import ChatRenderer, normalize_messages, normalize_tools
+from rayrl.gateway.render import ChatRenderer, normalize_messages
+from rayrl.gateway.tools import chat_tools
 from rayrl.types import TurnRecord
 
 
@@ -44,14 +45,14 @@ def test_normalize_rejects_bad_messages(bad):
         normalize_messages(bad)
 
 
-def test_normalize_tools():
-    assert normalize_tools(None) is None and normalize_tools([]) is None
-    tools = normalize_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+def test_chat_tools():
+    assert chat_tools(None) is None and chat_tools([]) is None
+    tools = chat_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
     assert tools[0]["function"]["name"] == "f"
     for bad in ["x", [{"type": "web"}], [{"type": "function", "function": {"name": 3}}],
                 [{"type": "function", "function": {"name": "f", "parameters": []}}]]:
         with pytest.raises(RequestError):
-            normalize_tools(bad)
+            chat_tools(bad)
 
 
 def test_hermes_parser_object_list_and_errors():
@@ -101,7 +102,7 @@ def test_render_writes_tool_calls_for_templates_without_tool_support(tokenizer):
             {"role": "tool", "tool_call_id": "1", "content": "2"},
         ]
     )
-    tools = normalize_tools([{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}])
+    tools = chat_tools([{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}])
     text = r.render_text(msgs, tools, add_generation_prompt=True)
     assert '<tool_call>{"name": "calc", "arguments": {"e": "2"}}</tool_call>' in text
     assert "<tools>" in text and text.endswith("<|im_start|>assistant\n")
