@@ -2,7 +2,9 @@
 
 A thin async shell: the pool's blocking work (creating, resetting, health-checking sandboxes) runs in a
 small thread pool, and callers that must wait for a free sandbox wait on an asyncio condition, not on a
-thread, so hundreds of waiting episodes cost nothing. A background task expires leases, health-checks idle
+thread, so hundreds of waiting episodes cost nothing. A warm acquire never leaves the event loop: it
+takes an idle sandbox directly (``SandboxPool.take_idle``: no thread hop, no I/O, no lease scan, no
+stats copy) and returns; refills, expiry, health checks and metric export happen in the background. A background task expires leases, health-checks idle
 sandboxes, keeps ``min_warm`` ready, reclaims the leases of owners whose Ray actor died, and exports Ray
 metrics. Commands never pass through this actor: a lease carries a handle the caller opens locally with
 ``rayrl.sandboxes.open_sandbox`` (same node).
@@ -74,6 +76,7 @@ class SandboxPoolActor:
         self._changed: asyncio.Condition | None = None
         self._version = 0
         self._task: asyncio.Task | None = None
+        self._shut = False
         self._refilling = False
         self._reported = {"failures": 0, "reclaimed": 0}
         self._m_warm = Gauge("rayrl_sandbox_pool_warm", description="idle sandboxes ready to lease")
@@ -88,19 +91,26 @@ class SandboxPoolActor:
     # ------------------------------------------------------------------------------------------ API
     async def acquire(self, owner: str, lease_s: float | None = None, timeout: float | None = None) -> Lease:
         """A lease on a sandbox; waits up to ``timeout`` (default acquire_timeout_s), then PoolExhausted."""
-        self._ensure_started()
-        wait_s = self.config.acquire_timeout_s if timeout is None else float(timeout)
         start = time.monotonic()
+        self._ensure_started()
+        lease = self.pool.take_idle(owner, lease_s)  # warm: on the loop, returns at once
+        if lease is None:
+            lease = await self._acquire_waiting(owner, lease_s, timeout, start)
+        latency = time.monotonic() - start
+        self.pool.record_acquire_latency(latency)
+        self._m_latency.observe(latency)
+        self._refill_soon()
+        return lease
+
+    async def _acquire_waiting(self, owner: str, lease_s: float | None, timeout: float | None,
+                               start: float) -> Lease:
+        """No idle sandbox: expire leases, create one if under max_size, else wait for a change."""
+        wait_s = self.config.acquire_timeout_s if timeout is None else float(timeout)
         deadline = start + wait_s
         while True:
             version = self._version
             lease = await self._call(self.pool.try_acquire, owner, lease_s)
             if lease is not None:
-                latency = time.monotonic() - start
-                self.pool.record_acquire_latency(latency)
-                self._m_latency.observe(latency)
-                self._refill_soon()
-                self._export()
                 return lease
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -128,6 +138,7 @@ class SandboxPoolActor:
 
     async def shutdown(self) -> dict[str, Any]:
         """Stop upkeep and close every sandbox; returns the final stats."""
+        self._shut = True
         if self._task is not None:
             self._task.cancel()
             self._task = None
@@ -138,17 +149,19 @@ class SandboxPoolActor:
 
     # ------------------------------------------------------------------------------------ internals
     def _ensure_started(self) -> None:
-        if self._changed is None:
-            self._changed = asyncio.Condition()
-        if self._task is None and not self.pool.stats()["closed"]:
+        if self._task is None and not self._shut:
+            self._changed = self._changed or asyncio.Condition()
             self._task = asyncio.get_running_loop().create_task(self._upkeep())
+        elif self._changed is None:
+            self._changed = asyncio.Condition()
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def _bump(self) -> None:
-        """Wake waiters: capacity may have changed."""
-        assert self._changed is not None
+        """Wake waiters: capacity may have changed (none yet if nobody ever acquired)."""
+        if self._changed is None:
+            return
         async with self._changed:
             self._version += 1
             self._changed.notify_all()
@@ -162,7 +175,7 @@ class SandboxPoolActor:
                 pass
 
     def _refill_soon(self) -> None:
-        if self._refilling:
+        if self._refilling or not self.pool.wants_refill():
             return
         self._refilling = True
 
@@ -197,7 +210,7 @@ class SandboxPoolActor:
         return [o for o in self.pool.owners() if _ACTOR_ID.match(o) and _actor_state(o) == "DEAD"]
 
     def _export(self) -> None:
-        s = self.pool.stats()
+        s = self.pool.gauges()
         self._m_warm.set(s["warm"])
         self._m_leased.set(s["leased"])
         for key, metric in (("failures", self._m_failures), ("reclaimed", self._m_reclaimed)):

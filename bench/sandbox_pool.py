@@ -1,7 +1,7 @@
 """Sandbox latencies, each measured side by side with ``subprocess.run(["true"])`` in one run.
 
 (a) Cold start of a local sandbox: create it and run its first command (``true``), until the result is
-    back. The first sandbox of a process also probes which isolation works (once per process; the pool
+    back; also with ``allowed_hosts`` (filtering proxy + in-sandbox forwarder, which every exec starts). The first sandbox of a process also probes which isolation works (once per process; the pool
     actor pays it once at startup), so it is reported apart from the steady-state cold start.
 (b) ``exec("true")`` round trip in a warm sandbox (the string goes through ``/bin/sh -c``).
 (c) Warm acquire: a lease on an idle sandbox, from an in-process ``SandboxPool`` and through the
@@ -112,6 +112,17 @@ def main() -> None:
         report.add("cold sandbox: create + first exec", colds, "< 100 ms")
         report.add("  of which create (dirs, files)", creates)
         report.add("  of which first exec('true')", firsts)
+        proxied = SandboxConfig(isolation=args.isolation, network=True, allowed_hosts=["127.0.0.1:9"])
+        proxy_colds, proxy_execs = [], []
+        for _ in range(args.cold):  # allowed_hosts: + the host proxy, + the in-sandbox forwarder per exec
+            t0 = time.perf_counter()
+            sb = LocalSandbox(proxied, root=root)
+            assert sb.exec(["true"]).ok
+            proxy_colds.append(time.perf_counter() - t0)
+            proxy_execs.append(timed(lambda: sb.exec(["true"]), 1)[0])
+            sb.close()
+        report.add("cold sandbox with allowed_hosts (proxy)", proxy_colds, "< 100 ms")
+        report.add("  exec('true') with allowed_hosts (proxy)", proxy_execs)
 
         # (b) exec round trip in a warm sandbox
         with LocalSandbox(config, root=root) as sb:

@@ -9,6 +9,8 @@ missing=""
 command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
 [ -x /usr/bin/python3 ] || [ -x /usr/local/bin/python3 ] || missing="$missing python3"
 command -v prlimit >/dev/null 2>&1 || missing="$missing util-linux"
+# `ip` brings up the loopback of isolation=unshare sandboxes that use sandbox.allowed_hosts (the proxy)
+command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || missing="$missing iproute2"
 
 if [ -z "$missing" ]; then
     echo "system deps: ok (bwrap $(bwrap --version 2>/dev/null | cut -d' ' -f2), $(/usr/bin/python3 --version 2>/dev/null || echo python3))"

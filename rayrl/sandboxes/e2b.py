@@ -2,8 +2,13 @@
 
 For runs where commands must not execute on the training node at all. The SDK is imported lazily so the
 rest of rayrl does not depend on it; the API key comes from ``E2B_API_KEY`` and the template from
-``config.image``. Isolation, limits and network policy are the provider's: the local limits in
-SandboxConfig (memory_mb, cpu_seconds, ...) do not apply here, only ``timeout_s`` does.
+``config.image``. Isolation and limits are the provider's: the local limits in SandboxConfig
+(memory_mb, cpu_seconds, ...) do not apply here, only ``timeout_s`` does. ``network: false`` creates the
+sandbox without internet access; ``allowed_hosts`` is refused (not silently ignored): e2b's egress
+rules do not have the same meaning (ports, wildcards, the anti-rebinding check), so they are not mapped.
+
+Tested against tests/sandboxes/e2b_fake.py, a local fake of e2b's REST API and envd speaking their wire
+protocols through the real SDK; never against the e2b cloud here (no API key).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from rayrl.sandboxes.fs import split_path
 # The working directory inside the e2b sandbox. Paths given to write_file/read_file/cwd follow the local
 # convention (relative, or absolute under /workspace) and are mapped here; the default e2b user owns it.
 E2B_WORKDIR = "/home/user/workspace"
+_E2B_HOME = "/home/user"  # exists in every e2b template; setup commands run there (envd needs a real cwd)
 _SANDBOX_LIFETIME_S = 3600  # the provider kills an idle sandbox after this; the pool recycles earlier
 
 
@@ -59,13 +65,17 @@ class E2BSandbox:
         self._owner = _owner
         self._closed = False
         if _remote is None:
+            if config.allowed_hosts:
+                raise SandboxUnavailable(
+                    "sandbox.allowed_hosts is enforced by the local backend only; with backend=e2b use "
+                    "network: true without allowed_hosts (e2b's own egress rules are not mapped)")
             e2b, key = _sdk(), _api_key()
-            kwargs: dict[str, Any] = {"api_key": key, "timeout": _SANDBOX_LIFETIME_S}
+            kwargs: dict[str, Any] = {"api_key": key, "timeout": _SANDBOX_LIFETIME_S,
+                                      "allow_internet_access": bool(config.network)}
             if config.image:
                 kwargs["template"] = config.image
             try:
-                create = getattr(e2b.Sandbox, "create", None) or e2b.Sandbox  # SDK v2 / v1
-                _remote = create(**kwargs)
+                _remote = e2b.Sandbox.create(**kwargs)
             except Exception as err:
                 raise SandboxError(f"e2b: could not create a sandbox: {err}") from err
         self._remote = _remote
@@ -109,6 +119,9 @@ class E2BSandbox:
             raise SandboxError(f"cmd must be a string or a non-empty list of strings, got {cmd!r}")
         timeout_s = self.config.timeout_s if timeout is None else float(timeout)
         workdir = posixpath.join(E2B_WORKDIR, *split_path(cwd)) if cwd else E2B_WORKDIR
+        return self._run(line, timeout_s, workdir, env)
+
+    def _run(self, line: str, timeout_s: float, workdir: str, env: dict[str, str] | None) -> ExecResult:
         envs = {"HOME": E2B_WORKDIR, "LANG": "C.UTF-8", **(env or {})}
         e2b = _sdk()
         exit_exc = getattr(e2b, "CommandExitException", None)
@@ -182,7 +195,9 @@ class E2BSandbox:
             raise SandboxError(f"e2b sandbox {self.sandbox_id} is closed")
 
     def _run_checked(self, line: str) -> None:
-        result = self.exec(line, timeout=60)
+        """A setup command, run in the home directory (the working directory may not exist yet)."""
+        self._check_open()
+        result = self._run(line, 60.0, _E2B_HOME, None)
         if not result.ok:
             raise SandboxError(f"e2b sandbox {self.sandbox_id}: {line!r} failed: {result.stderr.strip()}")
 

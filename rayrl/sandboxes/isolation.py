@@ -10,6 +10,12 @@ Every exec is a fresh process tree in fresh namespaces over the sandbox's persis
   (tmpfs, bind mounts, pivot_root) and drops every capability before running the command.
 - ``none``: a plain child process in the working directory (trusted development only).
 
+Network (``network_mode``): ``off`` (default) and ``proxy`` give each exec its own network namespace with
+only a loopback interface and no route anywhere. ``proxy`` (``network: true`` with ``allowed_hosts``)
+also bind-mounts the directory holding the host proxy's unix socket (netproxy.py) at ``/run/rayrl-net``
+and starts the forwarder (netforward.py) on 127.0.0.1:3128 before the command, whose environment points
+HTTP(S)_PROXY there. ``host`` (``network: true``, empty ``allowed_hosts``) shares the host's network.
+
 Why each exec gets its own namespaces: the PID namespace dies with its first process, so when the
 command ends, times out, or its launcher is killed, the kernel kills every descendant (background jobs,
 ``setsid``/``nohup`` escapes included). Nothing outlives an exec; state lives in the working directory.
@@ -37,6 +43,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from rayrl.config import SandboxConfig
+from rayrl.sandboxes import netforward
 from rayrl.sandboxes.base import SandboxUnavailable
 from rayrl.sandboxes.fs import WORKSPACE
 
@@ -55,6 +62,46 @@ _TOP_LEVEL = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 _ETC_ALWAYS = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "alternatives", "nsswitch.conf",
                "protocols", "services")
 _ETC_NETWORK = ("resolv.conf", "hosts", "ssl", "ca-certificates", "gai.conf", "host.conf")
+_ETC_PROXY = ("ssl", "ca-certificates")  # TLS through the proxy's CONNECT needs the CA bundle, not DNS
+PROXY_DIR = "/run/rayrl-net"  # where the proxy socket's directory appears inside the sandbox
+PROXY_SOCKET = "proxy.sock"
+PROXY_PORT = 3128  # the forwarder's port on the sandbox's own loopback
+_FORWARDER_SOURCE = open(netforward.__file__).read()
+
+
+def network_mode(config: SandboxConfig) -> str:
+    """``off`` (loopback only), ``proxy`` (loopback + the filtering proxy) or ``host`` (host network)."""
+    if not config.network:
+        return "off"
+    return "proxy" if config.allowed_hosts else "host"
+
+
+def proxy_env() -> dict[str, str]:
+    """Environment that sends HTTP clients to the forwarder. ``localhost`` stays the sandbox's own
+    loopback; 127.0.0.1 goes through the proxy (so a rule like ``127.0.0.1:8000`` reaches the host's)."""
+    url = f"http://127.0.0.1:{PROXY_PORT}"
+    env = {"HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url,
+           "NO_PROXY": "localhost", "no_proxy": "localhost"}
+    return env
+
+
+def sandbox_python(other_uid: bool) -> str | None:
+    """A python3 that exists inside the sandbox (for the forwarder), or None."""
+    for path in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.access(path, os.X_OK):
+            return path
+    prefix = python_prefix(other_uid)
+    return os.path.join(prefix, "bin", "python3") if prefix else None
+
+
+def forwarder_argv(other_uid: bool) -> list[str]:
+    """The prefix that starts the proxy forwarder, then execs the command that follows it."""
+    python = sandbox_python(other_uid)
+    if python is None:
+        raise SandboxUnavailable("sandbox.allowed_hosts: the proxy forwarder needs python3 inside the "
+                                 "sandbox (run scripts/install_system_deps.sh)")
+    return [python, "-I", "-S", "-c", _FORWARDER_SOURCE, "rayrl-netfwd", str(PROXY_PORT),
+            f"{PROXY_DIR}/{PROXY_SOCKET}"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +125,10 @@ class SandboxPaths:
     @property
     def tmp(self) -> str:  # TMPDIR of isolation none
         return os.path.join(self.root, "tmp")
+
+    @property
+    def net(self) -> str:  # holds the proxy's unix socket; bound read-only at PROXY_DIR (proxy mode)
+        return os.path.join(self.root, "net")
 
 
 @dataclass(frozen=True)
@@ -176,13 +227,13 @@ def _top_level_layout() -> tuple[list[tuple[str, str]], list[str]]:
     return links, dirs
 
 
-def _etc_entries(network: bool) -> list[str]:
-    names = _ETC_ALWAYS + (_ETC_NETWORK if network else ())
+def _etc_entries(mode: str) -> list[str]:
+    names = _ETC_ALWAYS + {"off": (), "proxy": _ETC_PROXY, "host": _ETC_NETWORK}[mode]
     return [n for n in names if os.path.exists(os.path.join("/etc", n))]
 
 
-def write_identity_files(paths: SandboxPaths, network: bool) -> None:
-    """The sandbox's own passwd, group and (without network) hosts: no host account is revealed."""
+def write_identity_files(paths: SandboxPaths, host_network: bool) -> None:
+    """The sandbox's own passwd, group and (without the host network) hosts: no host account shows."""
     os.makedirs(paths.etc, mode=0o755, exist_ok=True)
     files = {
         "passwd": f"root:x:0:0:root:{WORKSPACE}:/bin/sh\n"
@@ -190,7 +241,7 @@ def write_identity_files(paths: SandboxPaths, network: bool) -> None:
         "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
         "group": f"root:x:0:\nsandbox:x:{INNER_UID}:\nnogroup:x:65534:\n",
     }
-    if not network:
+    if not host_network:
         files["hosts"] = "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n"
     for name, text in files.items():
         with open(os.path.join(paths.etc, name), "w") as f:
@@ -198,8 +249,8 @@ def write_identity_files(paths: SandboxPaths, network: bool) -> None:
         os.chmod(os.path.join(paths.etc, name), 0o644)
 
 
-def _identity_names(network: bool) -> list[str]:
-    return ["passwd", "group"] + ([] if network else ["hosts"])
+def _identity_names(mode: str) -> list[str]:
+    return ["passwd", "group"] + ([] if mode == "host" else ["hosts"])
 
 
 def command_env(home: str, extra: dict[str, str] | None, path_prefix: str | None = None) -> dict[str, str]:
@@ -224,7 +275,8 @@ def bwrap_launch(paths: SandboxPaths, config: SandboxConfig, cwd: list[str], env
     argv = [bwrap, "--unshare-user", "--disable-userns", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent", "--new-session",
             "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--json-status-fd", STATUS_FD]
-    if not config.network:
+    mode = network_mode(config)
+    if mode != "host":
         argv.append("--unshare-net")
     argv += ["--ro-bind", "/usr", "/usr"]
     links, dirs = _top_level_layout()
@@ -236,15 +288,18 @@ def bwrap_launch(paths: SandboxPaths, config: SandboxConfig, cwd: list[str], env
     if prefix is not None:
         argv += ["--ro-bind", prefix, prefix]
     argv += ["--dir", "/etc"]
-    for name in _etc_entries(config.network):
+    for name in _etc_entries(mode):
         argv += ["--ro-bind", os.path.join("/etc", name), os.path.join("/etc", name)]
-    for name in _identity_names(config.network):
+    for name in _identity_names(mode):
         argv += ["--ro-bind", os.path.join(paths.etc, name), os.path.join("/etc", name)]
+    if mode == "proxy":
+        argv += ["--ro-bind", paths.net, PROXY_DIR]
     argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
              "--bind", paths.work, WORKSPACE, "--chdir", "/".join([WORKSPACE, *cwd]), "--clearenv"]
     for key, value in env.items():
         argv += ["--setenv", key, value]
-    argv += ["--remount-ro", "/", "--", *limits_argv(config, enforce_nproc=True), *cmd]
+    forwarder = forwarder_argv(uid is not None) if mode == "proxy" else []
+    argv += ["--remount-ro", "/", "--", *limits_argv(config, enforce_nproc=True), *forwarder, *cmd]
     return Launch(argv=argv, env={"PATH": HOST_TOOL_PATH, MARKER_ENV: marker}, uid=uid, status="bwrap-json")
 
 
@@ -296,12 +351,16 @@ def _unshare_script(paths: SandboxPaths, config: SandboxConfig, other_uid: bool)
     prefix = python_prefix(other_uid)
     if prefix is not None:
         lines.append(f"rob {q(prefix)} {q(prefix)}")
-    for name in _etc_entries(config.network):
+    mode = network_mode(config)
+    for name in _etc_entries(mode):
         host = os.path.join("/etc", name)
         lines.append(f"{'rob' if os.path.isdir(host) else 'rof'} {q(host)} {q(host)}")
-    for name in _identity_names(config.network):
+    for name in _identity_names(mode):
         lines.append(f"rof {q(os.path.join(paths.etc, name))} {q('/etc/' + name)}")
-    lo = "" if config.network else "if command -v ip >/dev/null; then ip link set lo up; fi"
+    if mode == "proxy":
+        lines.append(f"rob {q(paths.net)} {q(PROXY_DIR)}")
+    lo = {"off": "if command -v ip >/dev/null; then ip link set lo up; fi", "host": "",
+          "proxy": "ip link set lo up"}[mode]
     return _UNSHARE_SETUP % {"layout": "\n".join(lines), "lo": lo, "ok": SETUP_OK}
 
 
@@ -314,11 +373,16 @@ def unshare_launch(paths: SandboxPaths, config: SandboxConfig, cwd: list[str], e
     nonce = secrets.token_hex(8)
     flags = ["--user", "--map-root-user", "--mount", "--pid", "--fork", "--kill-child", "--ipc", "--uts",
              "--propagation", "private"]
-    if not config.network:
+    mode = network_mode(config)
+    if mode != "host":
         flags.append("--net")
+    if mode == "proxy" and tool("ip") is None:
+        raise SandboxUnavailable("sandbox.allowed_hosts under isolation=unshare needs `ip` (iproute2) to "
+                                 "bring up the sandbox's loopback; install it or use bwrap")
+    forwarder = forwarder_argv(uid is not None) if mode == "proxy" else []
     inner = [setpriv, "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
              env_tool, "-i", *(f"{k}={v}" for k, v in env.items()),
-             *limits_argv(config, enforce_nproc=True), *cmd]
+             *limits_argv(config, enforce_nproc=True), *forwarder, *cmd]
     argv = [*die_with_caller(), unshare, *flags, "--", "/bin/sh", "-c", _unshare_script(paths, config, uid is not None),
             "rayrl-sandbox-setup", paths.mnt, paths.work, "/".join(cwd), nonce, *inner]
     return Launch(argv=argv, env={"PATH": HOST_TOOL_PATH, MARKER_ENV: marker}, uid=uid,

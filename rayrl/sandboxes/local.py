@@ -10,12 +10,18 @@ reopens the sandbox from its handle (``LocalSandbox.attach``/``open_sandbox``) a
 if the handle carries a lease id, the reopened sandbox stops working as soon as that lease ends, so a
 late episode can never touch the next episode's files or processes.
 
-Known limits: no disk quota (RLIMIT_FSIZE bounds one file, not the total); no seccomp filter; with
-``network`` on, the host network is shared and ``allowed_hosts`` cannot be enforced (refused at creation).
+Network: off by default (each exec has its own network namespace, loopback only). ``network: true`` with
+``allowed_hosts`` keeps that namespace and adds one way out, a filtering HTTP/CONNECT proxy owned by this
+object (netproxy.py) that only reaches the listed hosts; ``network: true`` with an empty
+``allowed_hosts`` shares the host's network, unfiltered (logged loudly).
+
+Known limits: no disk quota (RLIMIT_FSIZE bounds one file, not the total); no seccomp filter; with a
+proxy, only clients that speak HTTP proxying (HTTP_PROXY/HTTPS_PROXY) get out; raw TCP and UDP have no route.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -26,8 +32,8 @@ import threading
 import time
 from typing import Any
 
-from rayrl.config import SandboxConfig
-from rayrl.sandboxes import fs, isolation, procs
+from rayrl.config import ConfigError, SandboxConfig
+from rayrl.sandboxes import fs, isolation, netpolicy, procs
 from rayrl.sandboxes.base import (
     DEFAULT_MAX_OUTPUT_BYTES,
     ExecResult,
@@ -37,14 +43,17 @@ from rayrl.sandboxes.base import (
     truncate_output,
 )
 from rayrl.sandboxes.isolation import SETUP_OK, SandboxPaths
+from rayrl.sandboxes.netproxy import SandboxProxy
 
 logger = logging.getLogger(__name__)
 
 _UID_BASE, _UID_SPAN = 2_000_000, 1_000_000  # host uids for sandboxes when we are root
 _PROBE_TIMEOUT_S = 30.0
 _warned_none = False
+_warned_host_network = False
 
 
+@functools.lru_cache(maxsize=1)
 def _node_id() -> str:
     """This machine's identity (hostname + boot id): local handles are only valid on their node."""
     try:
@@ -109,16 +118,39 @@ def _warn_unisolated() -> None:
         )
 
 
+def _warn_host_network() -> None:
+    global _warned_host_network
+    if not _warned_host_network:
+        _warned_host_network = True
+        logger.warning(
+            "!!! sandbox.network=true with empty sandbox.allowed_hosts: sandboxed commands share this "
+            "host's network UNFILTERED (any address, the host's loopback services included). List the "
+            "hosts they need in sandbox.allowed_hosts to get a filtering proxy instead. !!!"
+        )
+
+
+def _network_policy(config: SandboxConfig) -> netpolicy.HostPolicy | None:
+    """The allow-list when the proxy is in use (validated: ConfigError names the field), else None."""
+    if isolation.network_mode(config) != "proxy":
+        return None
+    try:
+        rules = netpolicy.parse_rules(list(config.allowed_hosts))
+    except ValueError as err:
+        raise ConfigError(f"sandbox.allowed_hosts{err}") from None
+    if config.isolation == "none":
+        raise SandboxUnavailable("sandbox.allowed_hosts cannot be enforced with sandbox.isolation=none "
+                                 "(no network namespace); use bwrap/unshare or drop allowed_hosts")
+    return netpolicy.HostPolicy(rules)
+
+
 class LocalSandbox:
     """A sandbox on this node (see the module docstring for isolation and lifetime)."""
 
     def __init__(self, config: SandboxConfig, root: str | None = None,
                  max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> None:
-        if config.network and config.allowed_hosts:
-            raise SandboxUnavailable(
-                "sandbox.allowed_hosts: the local backend cannot restrict hosts (it shares the host "
-                "network when sandbox.network is on); leave allowed_hosts empty or use network=false"
-            )
+        policy = _network_policy(config)
+        if isolation.network_mode(config) == "host":
+            _warn_host_network()
         if max_output_bytes <= 0:
             raise ValueError("max_output_bytes must be > 0")
         self.config = config
@@ -129,6 +161,7 @@ class LocalSandbox:
         self._running: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._proxy: SandboxProxy | None = None
         switch_uid = os.geteuid() == 0 and config.isolation != "none"
         self.uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if switch_uid else None
         base = os.path.abspath(root or default_root())
@@ -140,13 +173,17 @@ class LocalSandbox:
             os.mkdir(self.paths.root, 0o711 if switch_uid else 0o700)
             for d in (self.paths.mnt, self.paths.tmp):
                 os.mkdir(d, 0o755)
-            isolation.write_identity_files(self.paths, config.network)
+            isolation.write_identity_files(self.paths, isolation.network_mode(config) == "host")
             with open(os.path.join(self.paths.root, "owner"), "w") as f:
                 f.write(_process_identity(os.getpid()) or "")
             self._make_workdir()
+            if policy is not None:
+                self._start_proxy(policy)
             self.isolation = self._resolve_isolation(config.isolation)
             self._preload()
         except BaseException:
+            if self._proxy is not None:
+                self._proxy.close()
             fs.remove_tree(self.paths.root)
             raise
 
@@ -168,6 +205,7 @@ class LocalSandbox:
         self._running = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._proxy = None  # the creator's proxy serves every opener through the shared socket
         self.uid = handle.options.get("uid")
         self.paths = SandboxPaths(handle.root)
         self.isolation = handle.options["isolation"]
@@ -193,10 +231,20 @@ class LocalSandbox:
         """Record the current lease (owner only): reopened handles of any other lease stop working."""
         self._require_owner("set_lease")
         self._lease_id = lease_id
+        # Raw os calls: this runs on every lease grant, on the pool actor's event loop.
         tmp = os.path.join(self.paths.root, "lease.tmp")
-        with open(tmp, "w") as f:
-            f.write(lease_id or "")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, (lease_id or "").encode())
+        finally:
+            os.close(fd)
         os.replace(tmp, os.path.join(self.paths.root, "lease"))
+
+    def network_stats(self) -> dict[str, int]:
+        """Connections the proxy allowed and denied (owner, proxy mode; zeros otherwise)."""
+        if self._proxy is None:
+            return {"allowed": 0, "denied": 0, "failed": 0, "bad_requests": 0, "over_limit": 0}
+        return self._proxy.stats()
 
     # ----------------------------------------------------------------------------------------- commands
     def exec(self, cmd: str | list[str], timeout: float | None = None, env: dict[str, str] | None = None,
@@ -267,6 +315,8 @@ class LocalSandbox:
         self._require_owner("reset")
         self._check_usable()
         self._kill_all()
+        if self._proxy is not None:
+            self._proxy.drop_connections()
         fs.remove_tree(self.paths.work)
         self._make_workdir()
         self._preload()
@@ -278,6 +328,8 @@ class LocalSandbox:
                 return
             self._closed = True
         self._kill_all()
+        if self._proxy is not None:
+            self._proxy.close()
         if self._owner:
             fs.remove_tree(self.paths.root)
 
@@ -307,6 +359,8 @@ class LocalSandbox:
         if mode == "none":
             cmd_env = isolation.command_env(self.paths.work, env, path_prefix)
             return isolation.none_launch(self.paths, self.config, cwd, cmd_env, argv, marker)
+        if isolation.network_mode(self.config) == "proxy":
+            env = {**isolation.proxy_env(), **(env or {})}
         cmd_env = isolation.command_env(fs.WORKSPACE, env, path_prefix)
         build = isolation.bwrap_launch if mode == "bwrap" else isolation.unshare_launch
         return build(self.paths, self.config, cwd, cmd_env, argv, marker, uid=self.uid)
@@ -322,6 +376,8 @@ class LocalSandbox:
     def _check_usable(self) -> None:
         if self._closed:
             raise SandboxError(f"sandbox {self._sandbox_id} is closed")
+        if not os.path.isdir(self.paths.root):  # destroyed under us: an infrastructure failure, not a command's
+            raise SandboxError(f"sandbox {self._sandbox_id} is gone: {self.paths.root} no longer exists")
         self._check_lease()
 
     def _check_lease(self) -> None:
@@ -343,6 +399,16 @@ class LocalSandbox:
 
     def _file_owner(self) -> tuple[int, int] | None:
         return (self.uid, self.uid) if self.uid is not None else None
+
+    def _start_proxy(self, policy: netpolicy.HostPolicy) -> None:
+        """The sandbox's filtering proxy, on a socket only the sandbox uid (or we) may connect to."""
+        isolation.forwarder_argv(self.uid is not None)  # fail now, not at the first exec, without python3
+        os.mkdir(self.paths.net, 0o755)
+        sock = os.path.join(self.paths.net, isolation.PROXY_SOCKET)
+        try:
+            self._proxy = SandboxProxy(sock, policy, self._sandbox_id, owner_uid=self.uid)
+        except ValueError as err:
+            raise SandboxUnavailable(str(err)) from None
 
     def _make_workdir(self) -> None:
         os.mkdir(self.paths.work, 0o700)

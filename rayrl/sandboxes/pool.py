@@ -32,6 +32,10 @@ _HEALTH_TIMEOUT_S = 10.0
 _MAX_WAIT_TICK_S = 1.0  # waiters wake at least this often to notice expired leases
 
 
+def _new_lease_id() -> str:
+    return "lease-" + secrets.token_hex(8)
+
+
 class PoolExhausted(SandboxError):
     """No sandbox became free within the acquire timeout."""
 
@@ -55,6 +59,9 @@ class _Slot:
     sandbox: Sandbox
     uses: int = 0
     checked_at: float = field(default_factory=time.monotonic)
+    # The id of this slot's next lease, fenced into the sandbox while it is idle (no handle carries it
+    # yet, so nobody can use the sandbox) so that granting it needs no file write on the hot path.
+    next_lease: str | None = None
 
 
 class SandboxPool:
@@ -113,6 +120,29 @@ class SandboxPool:
             if slot is None and not reserved:
                 return None
         return self._grant(slot if slot is not None else self._create_reserved(), owner, lease_s)
+
+    def take_idle(self, owner: str, lease_s: float | None = None) -> Lease | None:
+        """Lease an idle sandbox at once, or None when none is idle: no waiting, no creating, no scan.
+
+        The hot path of the asyncio actor, cheap enough to run on its event loop: a lock and no I/O (the
+        lease id was fenced into the sandbox when it became idle). Expiry, creation and waiting stay on
+        :meth:`try_acquire`.
+        """
+        with self._cond:
+            if self._closed:
+                raise PoolClosed("the sandbox pool is shut down")
+            if not self._idle:
+                return None
+            slot = self._idle.popleft()
+            self._busy += 1
+        return self._grant(slot, owner, lease_s)
+
+    def wants_refill(self) -> bool:
+        """Whether fewer than ``min_warm`` sandboxes are idle and there is room to create more."""
+        with self._cond:
+            live = len(self._idle) + len(self._leases) + self._busy
+            return (not self._closed and len(self._idle) < self.config.min_warm
+                    and live < self.config.max_size)
 
     def release(self, lease_id: str) -> bool:
         """End a lease: the sandbox is reset (or recycled) for the next one. False if the lease was
@@ -245,6 +275,12 @@ class SandboxPool:
         with self._cond:
             return self._exhausted_locked(waited_s)
 
+    def gauges(self) -> dict[str, int]:
+        """The few numbers the metrics exporter needs, without copying the latency history."""
+        with self._cond:
+            return {"warm": len(self._idle), "leased": len(self._leases),
+                    "failures": self._counts["failures"], "reclaimed": self._counts["reclaimed"]}
+
     def stats(self) -> dict[str, Any]:
         """Current gauges, lifetime counters and the acquire-latency histogram."""
         with self._cond:
@@ -297,10 +333,12 @@ class SandboxPool:
 
     def _grant(self, slot: _Slot, owner: str, lease_s: float | None) -> Lease:
         """Turn a taken slot (counted busy) into a lease."""
-        lease_id = "lease-" + secrets.token_hex(8)
+        lease_id, slot.next_lease = slot.next_lease, None
         duration = self.config.lease_s if lease_s is None else float(lease_s)
         try:
-            slot.sandbox.set_lease(lease_id)
+            if lease_id is None:
+                lease_id = _new_lease_id()
+                slot.sandbox.set_lease(lease_id)
             handle = slot.sandbox.handle()
         except Exception as err:
             self._count_failure("failures",
@@ -334,6 +372,7 @@ class SandboxPool:
             self._destroy(slot)
             return
         try:
+            slot.next_lease = None
             slot.sandbox.set_lease(None)
             slot.sandbox.reset()
         except Exception as err:
@@ -344,6 +383,16 @@ class SandboxPool:
         self._put_idle(slot)
 
     def _put_idle(self, slot: _Slot) -> None:
+        """A slot (counted busy) becomes idle, its next lease id already fenced in (see _Slot)."""
+        if slot.next_lease is None:
+            lease_id = _new_lease_id()
+            try:
+                slot.sandbox.set_lease(lease_id)
+            except Exception as err:
+                self._count_failure("failures", f"sandbox {slot.sandbox.sandbox_id}: fencing failed: {err}")
+                self._destroy(slot)
+                return
+            slot.next_lease = lease_id
         with self._cond:
             self._busy -= 1
             if not self._closed:

@@ -193,7 +193,7 @@ def test_create_failure_is_counted_and_raised(sandbox_root):
 
     def failing_factory():
         calls["n"] += 1
-        return LocalSandbox(SandboxConfig(network=True, allowed_hosts=["x"]), root=sandbox_root)
+        return LocalSandbox(SandboxConfig(isolation="no-such-level"), root=sandbox_root)
 
     pool = SandboxPool(SandboxConfig(), SandboxPoolConfig(min_warm=0, max_size=1), factory=failing_factory)
     with pytest.raises(SandboxError, match="creating a sandbox failed"):
@@ -212,3 +212,24 @@ def test_shutdown_closes_everything(make_pool):
     with pytest.raises(PoolClosed):
         pool.acquire("w", timeout=1)
     assert pool.stats()["live"] == 0
+
+
+def test_sandbox_destroyed_mid_lease_fails_its_user_and_is_replaced(make_pool):
+    """A sandbox that dies under an episode fails that episode (SandboxError, not a command's exit code);
+    on release the pool drops it and the next lease gets a working sandbox."""
+    import shutil
+
+    pool = make_pool(min_warm=1, max_size=1)
+    pool.fill_warm()
+    lease = pool.acquire("w")
+    sb = open_sandbox(lease.handle)
+    shutil.rmtree(lease.handle.root)
+    with pytest.raises(SandboxError, match="is gone"):
+        sb.exec("true", timeout=10)
+    with pytest.raises(SandboxError, match="is gone"):
+        sb.write_file("x.txt", b"1")
+    pool.release(lease.lease_id)
+    fresh = pool.acquire("w", timeout=30)
+    assert fresh.handle.sandbox_id != lease.handle.sandbox_id
+    assert open_sandbox(fresh.handle).exec("true").ok
+    assert pool.stats()["failures"] >= 1

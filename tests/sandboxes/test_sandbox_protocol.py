@@ -217,9 +217,10 @@ def test_auto_picks_isolation_and_never_runs_unisolated(sandbox_root, monkeypatc
     assert [p for p in os.listdir(sandbox_root) if p.startswith("sb-")] == []  # nothing left behind
 
 
-def test_allowed_hosts_are_refused_rather_than_ignored(sandbox_root):
-    with pytest.raises(SandboxUnavailable, match="allowed_hosts"):
-        local.LocalSandbox(SandboxConfig(network=True, allowed_hosts=["example.com"]), root=sandbox_root)
+def test_allowed_hosts_without_isolation_are_refused_rather_than_ignored(sandbox_root):
+    config = SandboxConfig(isolation="none", network=True, allowed_hosts=["example.com"])
+    with pytest.raises(SandboxUnavailable, match="allowed_hosts.*isolation=none"):
+        local.LocalSandbox(config, root=sandbox_root)
 
 
 def test_isolation_none_warns_loudly_once(make_sandbox, monkeypatch, caplog):
