@@ -47,14 +47,22 @@ class RolloutWorker:
         logging.basicConfig(level=cfg.logging.log_level)
         quiet_http_loggers()
         owner = ray.get_runtime_context().get_actor_id()
-        harness = make_harness(
-            cfg.rollout.agent, tools=list(cfg.rollout.tools), few_shot_examples=cfg.rollout.few_shot_examples
-        )
+        options: dict[str, Any] = {"tool_delay_s": list(cfg.rollout.tool_delay_s)} if cfg.rollout.tool_delay_s else {}
+        if cfg.rollout.agent == "agentcore":  # wired to the run's one launcher (actors/agentcore_launcher.py)
+            from actors.agentcore_launcher import agentcore_harness
+
+            harness = agentcore_harness(cfg)
+        else:
+            harness = make_harness(
+                cfg.rollout.agent, tools=list(cfg.rollout.tools), few_shot_examples=cfg.rollout.few_shot_examples,
+                **options,
+            )
         self.runner = EpisodeRunner(
             harness=harness,
             reward_fn=get_reward_fn(cfg.rollout.reward),
             sessions=TrajectoryManagers(tm_handles),
-            sandboxes=_PoolSandboxes(pool, owner, cfg.sandbox_pool.lease_s, cfg.sandbox_pool.acquire_timeout_s),
+            sandboxes=_PoolSandboxes(pool, owner, cfg.sandbox_pool.lease_s, cfg.sandbox_pool.acquire_timeout_s)
+            if harness.needs_sandbox else None,
             cfg=cfg.rollout,
             model_name=cfg.model.path,
         )

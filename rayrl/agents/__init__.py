@@ -19,13 +19,17 @@ def make_harness(name: str, **kwargs) -> BaseHarness:
         from rayrl.agents.codex import CodexHarness
 
         return CodexHarness(**kwargs)
+    if name == "agentcore":  # needs launcher=, cfg= (AgentCoreConfig) and exp_id=
+        from rayrl.agents.agentcore.harness import AgentCoreHarness
+
+        return AgentCoreHarness(**kwargs)
     if ":" in name:
         import importlib
 
         module, _, attr = name.partition(":")
         cls = getattr(importlib.import_module(module), attr)
         return cls(**kwargs)
-    raise ValueError(f"rollout.agent: unknown harness {name!r} (python_tool_agent, claude_code, codex, or module:Class)")
+    raise ValueError(f"rollout.agent: unknown harness {name!r} (python_tool_agent, claude_code, codex, agentcore, or module:Class)")
 
 
 __all__ = ["AgentResult", "BaseHarness", "EpisodeContext", "make_harness"]

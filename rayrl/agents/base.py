@@ -48,12 +48,14 @@ class AgentResult:
     tool_errors: int = 0
     error: str | None = None
     transcript: list[dict[str, Any]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)  # harness-specific extras (e.g. an AgentCore result)
 
 
 class BaseHarness(ABC):
     """Starts one agent for one Task, waits for it, and reports its result."""
 
     name: str = "base"
+    needs_sandbox: bool = True  # False: the agent runs elsewhere (AgentCore), so no sandbox is leased
 
     @abstractmethod
     def run(self, task: Task, ctx: EpisodeContext) -> AgentResult:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Protocol
 from rayrl.agents.base import AgentResult, BaseHarness, EpisodeContext
 from rayrl.config import RolloutConfig
 from rayrl.gateway.sessions import SessionInfo
-from rayrl.sandboxes.base import Sandbox
+from rayrl.sandboxes.base import Sandbox, SandboxError
 from rayrl.types import Episode, Sample, Task
 
 logger = logging.getLogger("rayrl.rollout")
@@ -67,6 +67,7 @@ class EpisodeRunner:
                 box["result"] = self.harness.run(task, ctx)
             except BaseException as err:  # reported as the episode's error
                 box["error"] = f"{type(err).__name__}: {err}"
+                box["sandbox"] = isinstance(err, SandboxError)
                 box["trace"] = traceback.format_exc(limit=5)
 
         thread = threading.Thread(target=target, name=f"agent-{task.task_id}", daemon=True)
@@ -75,7 +76,9 @@ class EpisodeRunner:
         if thread.is_alive():
             return AgentResult(status="error", error=f"episode timed out after {self.cfg.episode_timeout_s:.0f} s")
         if "error" in box:
-            return AgentResult(status="error", error=f"agent crashed: {box['error']}")
+            # a sandbox that died is infrastructure, not the agent's doing: its own failure kind
+            kind = "sandbox failed" if box["sandbox"] else "agent crashed"
+            return AgentResult(status="error", error=f"{kind}: {box['error']}")
         return box["result"]
 
     def run(self, task: Task, group_id: str, index: int = 0) -> Episode:

@@ -8,7 +8,7 @@ is what the reward function scores.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Sequence
 
 import openai
 
@@ -25,9 +25,14 @@ class PythonToolAgent(BaseHarness):
     name = "python_tool_agent"
 
     def __init__(
-        self, tools: list[str] | None = None, system_prompt: str | None = None, few_shot_examples: int = 0
+        self,
+        tools: list[str] | None = None,
+        system_prompt: str | None = None,
+        few_shot_examples: int = 0,
+        tool_delay_s: Sequence[float] = (),
     ) -> None:
         self.tool_names = tools or ["calculator"]
+        self.tool_delay_s = tuple(tool_delay_s)
         self.system_prompt = system_prompt or DEFAULT_SYSTEM_PROMPT
         self.few_shot_examples = few_shot_examples
 
@@ -51,7 +56,7 @@ class PythonToolAgent(BaseHarness):
 
     def run(self, task: Task, ctx: EpisodeContext) -> AgentResult:
         payload = task.payload()
-        tools: list[Tool] = make_tools(self.tool_names)
+        tools: list[Tool] = make_tools(self.tool_names, self.tool_delay_s)
         for tool in tools:
             tool.setup(ctx.sandbox)
         by_name = {t.name: t for t in tools}

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import random
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Sequence
 
 from rayrl.sandboxes.base import Sandbox
 
@@ -30,6 +31,8 @@ def ev(node):
         return OPS[type(node.op)](ev(node.operand))
     raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
 expr = sys.argv[1] if len(sys.argv) > 1 else ""
+if len(sys.argv) > 2:  # a slow tool, on purpose: the sandbox process takes this long (seconds)
+    import time; time.sleep(min(float(sys.argv[2]), 60.0))
 if len(expr) > 200:
     print("error: expression too long"); sys.exit(1)
 try:
@@ -59,6 +62,9 @@ class Tool(ABC):
 
     # Worked examples (question, arguments, tool output, final answer) for in-context demonstrations.
     examples: list[tuple[str, dict[str, Any], str, str]] = []
+
+    def __init__(self, delay_s: Sequence[float] = ()) -> None:
+        self.delay_s = tuple(float(d) for d in delay_s)  # (min, max) extra seconds per call; () none
 
     def setup(self, sandbox: Sandbox | None) -> None:
         """Prepare the sandbox (write helper files) before the episode's first call."""
@@ -96,7 +102,11 @@ class CalculatorTool(Tool):
         if not isinstance(expr, str) or not expr.strip():
             return "error: 'expression' must be a non-empty string", False
         assert sandbox is not None
-        result = sandbox.exec(["python3", self.script_path, expr], timeout=self.timeout_s)
+        argv = ["python3", self.script_path, expr]
+        delay = random.uniform(*self.delay_s) if self.delay_s else 0.0
+        if delay > 0:
+            argv.append(f"{delay:.3f}")
+        result = sandbox.exec(argv, timeout=self.timeout_s + delay)
         if result.timed_out:
             return "error: the calculation timed out", False
         out = (result.stdout or result.stderr).strip()[:500]
@@ -106,11 +116,13 @@ class CalculatorTool(Tool):
 TOOLS: dict[str, type[Tool]] = {"calculator": CalculatorTool}
 
 
-def make_tools(names: list[str]) -> list[Tool]:
+def make_tools(names: list[str], delay_s: Sequence[float] = ()) -> list[Tool]:
+    """Tools by name. ``delay_s`` = (min, max): every call also takes a uniform random time in that range
+    inside the sandbox (``rollout.tool_delay_s``), standing in for slow real tools (builds, tests, web)."""
     unknown = [n for n in names if n not in TOOLS]
     if unknown:
         raise ValueError(f"unknown tools {unknown}; available: {sorted(TOOLS)}")
-    return [TOOLS[n]() for n in names]
+    return [TOOLS[n](delay_s=delay_s) for n in names]
 
 
 def parse_arguments(raw: str) -> dict[str, Any]:

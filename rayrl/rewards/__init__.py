@@ -6,12 +6,18 @@ import importlib
 from typing import Callable
 
 from rayrl.agents.base import AgentResult
+from rayrl.rewards.gsm8k import agent_reported_reward, gsm8k_reward
 from rayrl.rewards.math import numeric_answer_reward
 from rayrl.types import Task
 
 RewardFn = Callable[[Task, AgentResult], float]
 
-REWARDS: dict[str, RewardFn] = {"calculator": numeric_answer_reward, "math": numeric_answer_reward}
+REWARDS: dict[str, RewardFn] = {
+    "calculator": numeric_answer_reward,
+    "math": numeric_answer_reward,
+    "gsm8k": gsm8k_reward,
+    "agent_reported": agent_reported_reward,
+}
 
 
 def get_reward_fn(name: str) -> RewardFn:
@@ -24,4 +30,4 @@ def get_reward_fn(name: str) -> RewardFn:
     raise ValueError(f"rollout.reward: unknown reward {name!r}; registered: {sorted(REWARDS)} or module:function")
 
 
-__all__ = ["RewardFn", "get_reward_fn", "numeric_answer_reward"]
+__all__ = ["RewardFn", "agent_reported_reward", "get_reward_fn", "gsm8k_reward", "numeric_answer_reward"]
