@@ -38,7 +38,15 @@ def _gpu_slices(num_engines: int, tp_size: int) -> list[Optional[str]]:
 class EngineGroup:
     """``engine_cfg.num_engines`` engine servers, launched in parallel, with fan-out control calls."""
 
-    def __init__(self, engine_cfg: EngineConfig, model_path: str, log_dir: str) -> None:
+    def __init__(
+        self,
+        engine_cfg: EngineConfig,
+        model_path: str,
+        log_dir: str,
+        engine_devices: Optional[Sequence[str]] = None,
+    ) -> None:
+        """``engine_devices``: CUDA_VISIBLE_DEVICES per engine from a shared placement group
+        (actors.placement.SharedPlacement.all_engine_devices); else slices of this actor's own GPUs."""
         self.cfg = engine_cfg
         self.backend = resolve_backend(engine_cfg)
         if self.backend == "sglang":
@@ -50,7 +58,8 @@ class EngineGroup:
                 )
         env_per_engine: list[dict[str, str]] = [{} for _ in range(engine_cfg.num_engines)]
         if self.backend == "sglang":
-            for env, devices in zip(env_per_engine, _gpu_slices(engine_cfg.num_engines, engine_cfg.tp_size)):
+            slices = engine_devices or _gpu_slices(engine_cfg.num_engines, engine_cfg.tp_size)
+            for env, devices in zip(env_per_engine, slices):
                 if devices is not None:
                     env["CUDA_VISIBLE_DEVICES"] = devices
         self.processes = [
@@ -66,6 +75,8 @@ class EngineGroup:
                 p.stop()
             raise RuntimeError(f"engine launch failed: {next(e for e in errors if e)}")
         self.clients = [EngineClient(p.url, timeout_s=engine_cfg.request_timeout_s) for p in self.processes]
+        self.calls: list[str] = []  # control calls in order (the colocated schedule's test reads them)
+        self.last_weights: Optional[tuple[str, str]] = None  # (path, version) re-applied after a restart
 
     def urls(self) -> list[str]:
         return [p.url for p in self.processes]
@@ -76,11 +87,24 @@ class EngineGroup:
     async def health(self) -> list[bool]:
         return list(await asyncio.gather(*(c.health() for c in self.clients)))
 
-    async def _all(self, name: str, *args: Any) -> list[Any]:
-        """Call ``EngineClient.<name>`` on every engine concurrently; raise if any failed."""
-        results = await asyncio.gather(
-            *(getattr(c, name)(*args) for c in self.clients), return_exceptions=True
-        )
+    def control_log(self) -> list[str]:
+        return list(self.calls)
+
+    async def _all(self, name: str, *args: Any, timeout_s: Optional[float] = None) -> list[Any]:
+        """Call ``EngineClient.<name>`` on every engine concurrently; raise if any failed or, with
+        ``timeout_s``, did not answer in time (a hung engine must not hang the run)."""
+        self.calls.append(name)
+
+        async def one(client: EngineClient) -> Any:
+            call = getattr(client, name)(*args)
+            if timeout_s is None:
+                return await call
+            try:
+                return await asyncio.wait_for(call, timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"no answer within {timeout_s:.0f} s") from None
+
+        results = await asyncio.gather(*(one(c) for c in self.clients), return_exceptions=True)
         failed = [(c.base_url, r) for c, r in zip(self.clients, results) if isinstance(r, BaseException)]
         if failed:
             raise RuntimeError(
@@ -91,8 +115,12 @@ class EngineGroup:
                 raise EngineError(400, str(r.get("message")), c.base_url)
         return list(results)
 
-    async def update_weights_from_disk(self, path: str, version: str) -> list[dict[str, Any]]:
-        return await self._all("update_weights_from_disk", path, version)
+    async def update_weights_from_disk(
+        self, path: str, version: str, timeout_s: Optional[float] = None
+    ) -> list[dict[str, Any]]:
+        results = await self._all("update_weights_from_disk", path, version, timeout_s=timeout_s)
+        self.last_weights = (path, version)
+        return results
 
     async def pause_generation(self, mode: str = "abort") -> None:
         await self._all("pause_generation", mode)
@@ -106,15 +134,22 @@ class EngineGroup:
     async def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
         await self._all("resume_memory_occupation", tags)
 
-    async def restart_dead(self) -> list[str]:
-        """Restart engines whose process died or stopped answering /health; returns their URLs."""
+    def dead(self) -> list[str]:
+        """URLs of engines whose process has exited (cheap: no HTTP)."""
+        return [p.url for p in self.processes if not p.alive()]
+
+    async def restart_dead(self, check_health: bool = True) -> list[str]:
+        """Restart engines whose process died (or, with ``check_health``, stopped answering /health);
+        a restarted engine gets the newest weights again. Returns their URLs (same URL: same port)."""
         restarted = []
         for process, client in zip(self.processes, self.clients):
-            if process.alive() and await client.health():
+            if process.alive() and (not check_health or await client.health()):
                 continue
             logger.warning("engine %s is down; restarting (log: %s)", process.url, process.log_path)
             await client.close()
             await asyncio.get_running_loop().run_in_executor(None, process.restart)
+            if self.last_weights is not None:
+                await client.update_weights_from_disk(*self.last_weights)
             restarted.append(process.url)
         return restarted
 

@@ -48,6 +48,13 @@ def pack_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     return groups
 
 
+def token_staleness(samples: Sequence[Sample], current_version: int) -> np.ndarray:
+    """Per trained token: how many policy versions behind the weights being trained it was generated
+    (``current_version - policy_versions``); what the importance correction makes up for."""
+    parts = [current_version - s.policy_versions[s.loss_mask.astype(bool)] for s in samples]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+
+
 class TorchTrainer:
     """GRPO/PPO training of a transformers model; one instance per rank."""
 
@@ -144,7 +151,7 @@ class TorchTrainer:
                 torch.ones_like(logp),
                 clip_eps=self.cfg.clip_eps,
                 clip_eps_high=self.cfg.clip_eps_high,
-                tis_cap=self.cfg.tis_cap,
+                tis_cap=self.cfg.tis_cap or 0.0,
                 kl_coef=self.cfg.kl_coef,
             )
             (out.loss / max(total, 1.0)).backward()
@@ -154,6 +161,7 @@ class TorchTrainer:
             sums["tis"] += float(out.tis_weight)
             sums["tokens"] += float(out.tokens)
             sums["abs_lp_diff"] += float((logp.detach() - batch["rollout_logp"]).abs().sum())
+        staleness = token_staleness(samples, self.policy_version)
         grad_norm = self._reduce_and_step()
         self.policy_version += 1
         tokens = max(sums["tokens"], 1.0)
@@ -168,6 +176,9 @@ class TorchTrainer:
             "trained_samples": len(samples),
             "train_time_s": time.monotonic() - started,
             "policy_version": self.policy_version,
+            "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
+            "staleness_max": int(staleness.max()) if len(staleness) else 0,
+            "stale_token_fraction": float((staleness > 0).mean()) if len(staleness) else 0.0,
         }
 
     def _reduce_and_step(self) -> float:
@@ -189,6 +200,33 @@ class TorchTrainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    # -- device memory (colocated schedule) --------------------------------------------------------
+
+    def offload(self) -> bool:
+        """Move weights and optimizer state to host memory so colocated engines can use the GPU.
+
+        A no-op on CPU (returns False): there the trainer and engines share host memory anyway.
+        """
+        if self.device.type == "cpu":
+            return False
+        self._move(torch.device("cpu"))
+        torch.cuda.empty_cache()
+        return True
+
+    def onload(self) -> bool:
+        """Bring weights and optimizer state back to the training device (no-op on CPU)."""
+        if self.device.type == "cpu":
+            return False
+        self._move(self.device)
+        return True
+
+    def _move(self, device: torch.device) -> None:
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.to(device, non_blocking=True)
 
     # -- weights and checkpoints -------------------------------------------------------------------
 
@@ -214,7 +252,9 @@ class TorchTrainer:
 
     def load_checkpoint(self, directory: str | Path) -> None:
         directory = Path(directory)
-        mine = torch.load(directory / f"rank{self.rank}.pt", weights_only=False)
+        own = directory / f"rank{self.rank}.pt"
+        # after a rank failure only rank 0 saves: its optimizer state is every replica's (data parallel)
+        mine = torch.load(own if own.exists() else directory / "rank0.pt", weights_only=False)
         model_state = mine.get("model") or torch.load(directory / "rank0.pt", weights_only=False)["model"]
         self.model.load_state_dict(model_state)
         self.optimizer.load_state_dict(mine["optimizer"])
