@@ -36,20 +36,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=cfg.logging.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    # the local cluster gets token authentication (Ray reads this when it is imported; see actors/runtime.py)
+    if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
-    from actors.pipeline import Pipeline
+    from actors.pipeline import Pipeline, WeightSyncError
     from actors.runtime import init_ray
+    from actors.trainer import TrainerFailure
+    from rayrl.checkpoint import CheckpointError
 
     context = init_ray(cfg.ray)
     if context.dashboard_url:
-        print(f"[rayrl] Ray dashboard: http://{context.dashboard_url}", flush=True)
+        print(f"[rayrl] Ray dashboard: http://{context.dashboard_url} (token: `ray get-auth-token`; "
+              "docs/operations.md says how to reach it)", flush=True)
     pipeline = None
     try:
         pipeline = Pipeline(cfg)
         if args.resume:
             pipeline.resume()
         pipeline.run()
+    except (TrainerFailure, WeightSyncError, CheckpointError) as err:  # already explained in the log
+        print(f"[rayrl] stopped: {err}", file=sys.stderr)
+        return 3
     finally:
         if pipeline is not None:
             pipeline.shutdown()

@@ -1,43 +1,76 @@
 """The pipeline: wires engines, trajectory managers, sandbox pool, rollout workers and trainer.
 
-The order of phases lives here and nowhere else. The ``sync`` schedule, one step:
+The order of phases lives here and nowhere else. Episodes run as groups (``group_size`` episodes of one
+task) dispatched by a GroupDispatcher (actors/dispatch.py); each step takes ``prompts_per_step``
+completed groups. One step of each ``pipeline.schedule``:
 
-1. sample ``prompts_per_step`` tasks; run ``group_size`` episodes of each on the rollout workers;
-2. GRPO advantages per group over the episodes that succeeded (failed ones are counted, logged once,
-   and excluded);
-3. one trainer step;
-4. new weights to every engine with the next policy version;
-5. metrics, summary line, checkpoint when due.
+``sync``
+    1. queue ``prompts_per_step`` new tasks; wait until their groups complete (or the step deadline);
+    2. GRPO advantages per group over the episodes that succeeded (failed ones are counted, logged once,
+       and excluded);
+    3. one trainer step (nothing else runs);
+    4. new weights to every engine with the next policy version;
+    5. metrics, summary line, checkpoint when due.
+
+``async`` (disaggregated)
+    1. keep ``groups_in_flight`` groups queued or running; take the first ``prompts_per_step`` groups
+       that complete; a group with tokens more than ``max_staleness`` versions old is dropped (counted)
+       and its task queued again;
+    2. advantages as in sync;
+    3. one trainer step while the episodes go on (engines keep generating; new groups start);
+    4. new weights to the engines; running generations switch between two decode steps and record
+       which version made each token; the loss corrects with truncated importance sampling;
+    5. as in sync.
+
+``colocated_async`` (engines and trainer share devices)
+    1.-2. as in async;
+    3. hand the devices to the trainer: the gateway holds new LLM calls; in-flight generations finish
+       (or, with ``partial_rollout``, are aborted and later continued); engines ``pause_generation`` and
+       ``release_memory_occupation``; ``trainer.onload()``; train while episodes keep doing their tool
+       and sandbox work; ``trainer.offload()``;
+    4. engines ``resume_memory_occupation``, weight update, ``continue_generation``; the gateway lets the
+       held calls go on the new weights;
+    5. as in sync.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
 import time
 from collections import defaultdict
-from pathlib import Path
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 import numpy as np
 import ray
 from tqdm import tqdm
 
+from actors.dispatch import Group, GroupDispatcher, split_stale
 from actors.engine import EngineGroup
-from actors.rollout_worker import start_workers
+from actors.rollout_worker import RolloutWorker, start_workers
 from actors.sandbox_pool import SandboxPoolActor
-from actors.trainer import TrainerGroup
+from actors.trainer import TrainerFailure, TrainerGroup
 from actors.trajectory_manager import TrajectoryManagers, start_trajectory_managers
+from rayrl.checkpoint import CheckpointStore
 from rayrl.config import RunConfig, to_yaml
 from rayrl.data import JsonlDataset, TaskSampler
 from rayrl.metrics import MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
 from rayrl.trainers.losses import grpo_advantages
 from rayrl.trainers.weights import shared_memory_root
-from rayrl.types import Episode, Sample, Task
+from rayrl.types import Episode, Sample
 
 logger = logging.getLogger("rayrl.pipeline")
+
+STALENESS_BUCKETS = [0.5, 1.5, 2.5, 3.5, 4.5, 8.5]  # policy versions behind; bucket edges between integers
+ENGINE_CHECK_INTERVAL_S = 1.0  # how often the dispatch loop looks for dead engine processes (a cheap liveness poll)
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update to the engines failed or did not finish within ``pipeline.weight_sync_timeout_s``."""
 
 
 class RayMetricsSink:
@@ -49,9 +82,18 @@ class RayMetricsSink:
         self._gauge = Gauge("rayrl_step_metric", "rayrl per-step metrics", tag_keys=("exp_id", "metric"))
         self.exp_id = exp_id
 
+        from ray.util.metrics import Histogram
+
+        self._staleness = Histogram("rayrl_sample_staleness", "policy versions between a sample's oldest token "
+                                    "and the weights it trains", boundaries=STALENESS_BUCKETS, tag_keys=("exp_id",))
+
     def __call__(self, step: int, metrics: dict[str, Any]) -> None:
         for key, value in metrics.items():
             self._gauge.set(float(value), tags={"exp_id": self.exp_id, "metric": key})
+
+    def staleness(self, values: list[int]) -> None:
+        for v in values:
+            self._staleness.observe(float(v), tags={"exp_id": self.exp_id})
 
 
 class Pipeline:
@@ -70,6 +112,11 @@ class Pipeline:
         self.val_dataset = JsonlDataset(cfg.data.val_path, cfg.data.max_prompt_chars) if cfg.data.val_path else None
         self.weights_root = shared_memory_root() / f"rayrl-{cfg.exp_id}-weights"
         self.failure_counts: dict[str, int] = defaultdict(int)
+        self.checkpoints = CheckpointStore(cfg.pipeline.checkpoint_dir or self.run_dir / "checkpoints",
+                                           staging_root=self.run_dir / "checkpoint-staging",
+                                           keep_last=cfg.pipeline.keep_checkpoints)
+        self.checkpoints.verify()  # a bad bucket fails now, not at the first save
+        self._untrained_taken: list[Group] = []  # groups taken for the current step until it trains
         self.step = 0
         self.version = 0
 
@@ -84,52 +131,116 @@ class Pipeline:
         self.pool = SandboxPoolActor.options(name=f"rayrl-{cfg.exp_id}-sandbox-pool").remote(
             cfg.sandbox, cfg.sandbox_pool
         )
-        self.workers = start_workers(cfg, self.trajectories.handles, self.pool)
+        workers = start_workers(cfg, self.trajectories.handles, self.pool)
         self.trainer = TrainerGroup(cfg.trainer, self.model_path, seed=cfg.seed, name_prefix=f"rayrl-{cfg.exp_id}")
-        self.metrics = MetricsLogger(cfg.logging, self.run_dir, extra_sink=RayMetricsSink(cfg.exp_id))
+        self.ray_sink = RayMetricsSink(cfg.exp_id)
+        self.metrics = MetricsLogger(cfg.logging, self.run_dir, extra_sink=self.ray_sink)
+        self.schedule = cfg.pipeline.schedule
+        if self.schedule == "colocated_async":
+            self.trainer.offload()  # the engines hold the devices outside the train phase
+        per_step = cfg.rollout.prompts_per_step
+        self.groups_in_flight = per_step if self.schedule == "sync" else (cfg.pipeline.groups_in_flight or 2 * per_step)
+        self.dispatcher = GroupDispatcher(workers, cfg.rollout.group_size, self.groups_in_flight,
+                                          self._restart_worker, cfg.pipeline.max_episode_retries)
+        self.group_seq = 0  # groups ever queued; part of each group id
+        self.worker_restarts = 0
+        self._engine_check: Any = None  # (kind, ref) of a pending liveness check or restart
+        self._devices_with_trainer = False  # colocated: the gateway holds calls during the train phase
+        self._engine_checked_at = time.monotonic()
+        self._episodes_total = 0
+        self._started_at = time.monotonic()
+
+    @property
+    def workers(self) -> list[Any]:
+        """The live rollout workers (a dead one is replaced by the dispatcher)."""
+        return self.dispatcher.workers
+
+    def _restart_worker(self, index: int) -> Any:
+        self.worker_restarts += 1
+        cfg = self.cfg
+        return RolloutWorker.options(
+            name=f"rayrl-{cfg.exp_id}-rollout-{index}-r{self.worker_restarts}",
+            max_concurrency=cfg.rollout.max_concurrent_episodes + 1,
+        ).remote(cfg, self.trajectories.handles, self.pool, index)
 
     # -- rollout -----------------------------------------------------------------------------------
 
-    def _run_episodes(self, tasks: list[Task], step: int) -> list[Episode]:
-        """All episodes of one step, with a progress bar; a deadline fails what is still running."""
-        cfg = self.cfg.rollout
-        pending: dict[Any, tuple[Task, str, int]] = {}
-        k = 0
-        for t_index, task in enumerate(tasks):
-            group_id = f"step{step}-task{t_index}-{task.task_id}"
-            for i in range(cfg.group_size):
-                worker = self.workers[k % len(self.workers)]
-                k += 1
-                pending[worker.run_episode.remote(task, group_id, i)] = (task, group_id, i)
-        episodes: list[Episode] = []
-        deadline = time.monotonic() + cfg.step_deadline_s if cfg.step_deadline_s > 0 else None
-        needed = int(np.ceil(cfg.min_groups_fraction * len(tasks)))
-        done_groups: dict[str, int] = defaultdict(int)
-        with tqdm(total=len(pending), desc=f"step {step} rollout", unit="ep", leave=False, dynamic_ncols=True) as bar:
-            while pending:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
-                if not ready:
+    def _queue_new_groups(self, target: int) -> None:
+        """Queue new tasks from the sampler until ``target`` groups are in flight."""
+        while self.dispatcher.groups_in_flight < target:
+            task = self.sampler.next(1)[0]
+            self.group_seq += 1
+            self.dispatcher.submit(task, f"g{self.group_seq:06d}-{task.task_id}")
+
+    def _keep_going(self) -> None:
+        """One turn of the dispatch loop while the driver waits on something else."""
+        if self.schedule != "sync":
+            self._queue_new_groups(self.groups_in_flight)
+        self.dispatcher.poll(0.2, self.version)
+        self._check_engines()
+
+    def _check_engines(self) -> None:
+        """Every second, look for engine processes that died. For one that did: hold the gateway's LLM
+        calls (they wait instead of failing), restart it with the newest weights, let the calls go on.
+        Generations running when it died are lost: their episodes are marked failed."""
+        ref = self._engine_check
+        if ref is None:
+            if time.monotonic() - self._engine_checked_at > ENGINE_CHECK_INTERVAL_S:
+                self._engine_checked_at = time.monotonic()
+                self._engine_check = ("dead", self.engines.dead.remote())
+            return
+        kind, pending = ref
+        if not ray.wait([pending], timeout=0)[0]:
+            return
+        self._engine_check = None
+        try:
+            result = ray.get(pending)
+        except Exception as err:  # the restart itself failed: the run cannot generate any more
+            self.failure_counts["engine_restart_failed"] += 1
+            raise RuntimeError(f"restarting a dead engine failed: {err}") from None
+        if kind == "dead" and result:
+            logger.warning("engine(s) %s died; holding LLM calls at the gateway and restarting", result)
+            ray.get([h.pause_generation.remote() for h in self.trajectories.handles])
+            self._engine_check = ("restart", self.engines.restart_dead.remote(False))
+        elif kind == "restart":
+            if self.schedule != "colocated_async" or not self._devices_with_trainer:
+                ray.get([h.continue_generation.remote() for h in self.trajectories.handles])
+            for url in result:
+                self.failure_counts["engine_restarts"] += 1
+                logger.warning("engine %s restarted with policy version %d", url, self.version)
+
+    def _collect_groups(self, counts: dict[str, int]) -> list[Group]:
+        """The step's ``prompts_per_step`` groups (sync: exactly the ones queued for it)."""
+        cfg = self.cfg
+        need = cfg.rollout.prompts_per_step
+        sync = self.schedule == "sync"
+        if sync:
+            self._queue_new_groups(need)
+        deadline = time.monotonic() + cfg.rollout.step_deadline_s if cfg.rollout.step_deadline_s > 0 else None
+        enough = int(np.ceil(cfg.rollout.min_groups_fraction * need))
+        taken: list[Group] = []
+        with tqdm(total=need * cfg.rollout.group_size, desc=f"step {self.step} rollout", unit="ep", leave=False,
+                  dynamic_ncols=True) as bar:
+            while len(taken) < need:
+                self._keep_going()
+                done = self.dispatcher.take(need - len(taken))
+                fresh, stale = (done, []) if sync else split_stale(done, self.version, cfg.pipeline.max_staleness)
+                for group in stale:
+                    counts["dropped_stale_groups"] += 1
+                    counts["dropped_stale_samples"] += sum(len(e.samples) for e in group.episodes.values())
+                    logger.info("group %s dropped: %d policy versions old", group.group_id,
+                                group.staleness(self.version))
+                    self.group_seq += 1  # the task runs again on newer weights: not lost, trained once
+                    self.dispatcher.submit(group.task, f"g{self.group_seq:06d}-{group.task.task_id}", front=True)
+                if fresh:
+                    taken += fresh
+                    bar.update(sum(g.size for g in fresh))
+                past = deadline is not None and time.monotonic() > deadline
+                if past and (sync or len(taken) >= enough):
                     break
-                ref = ready[0]
-                task, group_id, i = pending.pop(ref)
-                try:
-                    episode = ray.get(ref)
-                except Exception as err:  # the worker itself died: the episode fails, the step goes on
-                    episode = Episode(session_id="", task_id=task.task_id, group_id=group_id, status="failed",
-                                      error=f"rollout worker failed: {type(err).__name__}: {err}")
-                episodes.append(episode)
-                bar.update(1)
-                bar.set_postfix(ok=sum(e.ok for e in episodes), failed=sum(not e.ok for e in episodes))
-                done_groups[group_id] += 1
-                complete = sum(1 for n in done_groups.values() if n == cfg.group_size)
-                if deadline is not None and complete >= needed and time.monotonic() > deadline:
-                    break
-        for ref, (task, group_id, _) in pending.items():
-            ray.cancel(ref)
-            episodes.append(Episode(session_id="", task_id=task.task_id, group_id=group_id, status="failed",
-                                    error="step deadline reached"))
-        return episodes
+        if sync and len(taken) < need:
+            taken += self.dispatcher.fail_unfinished("step deadline reached")
+        return taken
 
     def _trajectory_metrics(self) -> dict[str, float]:
         """Gateway and trajectory totals over all shards (cumulative since the run started)."""
@@ -142,6 +253,10 @@ class Pipeline:
                 "turns", "forks", "merged_rewrites")
         out = {f"gateway/{k}": totals[k] for k in keep if k in totals}
         out.update({f"trajectory/{k}": v for k, v in totals.items() if k.startswith("drift_")})
+        # LLM calls held while generation was paused (colocated), continued after an abort, timed out
+        out.update({f"gateway/{k[len('router_'):]}": v for k, v in totals.items()
+                    if k in ("router_queued", "router_continued", "router_wait_timeouts", "router_retried",
+                             "router_reconnect_waits")})
         return out
 
     def _write_episodes(self, episodes: list[Episode]) -> None:
@@ -213,91 +328,218 @@ class Pipeline:
         cfg = self.cfg
         self.step += 1
         t_step = time.monotonic()
-        tasks = self.sampler.next(cfg.rollout.prompts_per_step)
-        t0 = time.monotonic()
-        episodes = self._run_episodes(tasks, self.step)
-        rollout_s = time.monotonic() - t0
+        counts: dict[str, int] = defaultdict(int)
+        groups = self._collect_groups(counts)
+        self._untrained_taken = groups
+        rollout_s = time.monotonic() - t_step
+        episodes = [e for g in groups for e in g.ordered()]
         self._log_failures(episodes)
         self._write_episodes(episodes)
         samples, advantages = self.train_batch(episodes)
         ok = [e for e in episodes if e.ok]
         generated = sum(e.generated_tokens for e in episodes)
+        staleness = [self.version - v for s in samples if (v := s.oldest_version()) is not None]
+        self.ray_sink.staleness(staleness)
         metrics: dict[str, Any] = {
             "rollout/reward_mean": float(np.mean([e.reward for e in episodes])) if episodes else 0.0,
             "rollout/success_rate": float(np.mean([e.reward >= 1.0 for e in episodes])) if episodes else 0.0,
+            "rollout/episodes": len(episodes),
             "rollout/episodes_ok": len(ok),
             "rollout/episodes_failed": len(episodes) - len(ok),
             "rollout/samples": len(samples),
             "rollout/generated_tokens": generated,
-            "rollout/generated_tokens_per_s": generated / max(rollout_s, 1e-9),
             "rollout/turns_mean": float(np.mean([e.info.get("turns", 0) for e in ok])) if ok else 0.0,
             "rollout/tool_calls_mean": float(np.mean([e.info.get("tool_calls", 0) for e in ok])) if ok else 0.0,
             "rollout/tool_errors_mean": float(np.mean([e.info.get("tool_errors", 0) for e in ok])) if ok else 0.0,
+            "pipeline/staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+            "pipeline/staleness_max": max(staleness, default=0),
+            "pipeline/groups_in_flight": self.dispatcher.groups_in_flight,
             "time/rollout_s": rollout_s,
         }
+        metrics.update({f"pipeline/{k}": v for k, v in counts.items()})
         if any(a != 0.0 for a in advantages):
-            t0 = time.monotonic()
-            train = self.trainer.train(samples, advantages)
-            metrics["time/train_s"] = time.monotonic() - t0
-            metrics.update({f"train/{k}": v for k, v in train.items()})
-            t0 = time.monotonic()
-            self.version = int(train["policy_version"])
-            path = self.trainer.export_weights(str(self.weights_root), self.version, cfg.engine.dtype)
-            ray.get(self.engines.update_weights_from_disk.remote(path, str(self.version)))
-            metrics["time/weight_sync_s"] = time.monotonic() - t0
+            metrics.update(self._train_and_sync(samples, advantages))
         else:
             logger.info("step %d: every group had equal rewards; no gradient step", self.step)
             metrics["train/trained_samples"] = 0
+        self._untrained_taken = []  # trained (or nothing to learn from: equal rewards in every group)
         metrics["train/policy_version"] = self.version
         metrics.update(self._trajectory_metrics())
-        metrics["time/step_s"] = time.monotonic() - t_step
+        for kind, n in {**self.failure_counts, **self.dispatcher.counts}.items():
+            metrics[f"failures/{kind}"] = n
+        if (launcher := self._agentcore_launcher()) is not None:
+            metrics.update({f"agentcore/{k}": v for k, v in ray.get(launcher.stats.remote()).items()})
+        step_s = time.monotonic() - t_step
+        self._episodes_total += len(episodes)
+        metrics["time/step_s"] = step_s
+        metrics["rollout/episodes_per_s"] = len(episodes) / max(step_s, 1e-9)
+        metrics["rollout/generated_tokens_per_s"] = generated / max(step_s, 1e-9)
+        metrics["rollout/episodes_per_s_run"] = self._episodes_total / max(time.monotonic() - self._started_at, 1e-9)
         self.metrics.log(self.step, metrics)
-        print(summary_line(self.step, cfg.trainer.steps, metrics), flush=True)
+        print(summary_line(self.step, cfg.trainer.steps, metrics)
+              + f" | episodes {len(episodes)} | staleness {metrics['pipeline/staleness_mean']:.2f}"
+              + f" | dropped {counts['dropped_stale_groups']}", flush=True)
         return metrics
+
+    # -- the train phase, by schedule ---------------------------------------------------------------
+
+    def _train_and_sync(self, samples: list[Sample], advantages: list[float]) -> dict[str, Any]:
+        """Train, then put the new weights on the engines, with the schedule's phases around both."""
+        metrics: dict[str, Any] = {}
+        colocated = self.schedule == "colocated_async"
+        t0 = time.monotonic()
+        if colocated:
+            self._give_devices_to_trainer()
+            metrics["time/engine_pause_s"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        if colocated:
+            self.trainer.onload()
+        train = self._while_dispatching(lambda: self.trainer.train(samples, advantages))
+        if colocated:
+            self.trainer.offload()
+        metrics["time/train_s"] = time.monotonic() - t1
+        metrics.update({f"train/{k}": v for k, v in train.items()})
+        self.version = int(train["policy_version"])
+        t2 = time.monotonic()
+        if colocated:
+            metrics["gateway/queue_depth"] = sum(s.get("router_queue_depth", 0) for s in self.trajectories.stats())
+            ray.get(self.engines.resume_memory_occupation.remote())
+        self._sync_weights()
+        if colocated:
+            ray.get(self.engines.continue_generation.remote())
+            ray.get([h.continue_generation.remote() for h in self.trajectories.handles])
+            self._devices_with_trainer = False
+        metrics["time/weight_sync_s"] = time.monotonic() - t2
+        return metrics
+
+    def _give_devices_to_trainer(self) -> None:
+        """Hold LLM calls at the gateway, stop (or finish) generation, free the engines' memory."""
+        self._devices_with_trainer = True
+        ray.get([h.pause_generation.remote() for h in self.trajectories.handles])
+        if self.cfg.pipeline.partial_rollout:
+            mode = "abort"  # the gateway continues each aborted generation after the update
+        else:
+            mode = "in_place"  # nothing is running once the gateway drained
+            drained = self._while_dispatching(lambda: all(ray.get(
+                [h.drain.remote(self.cfg.pipeline.generation_wait_timeout_s) for h in self.trajectories.handles])))
+            if not drained:
+                logger.warning("generations still running at the weight update after %.0f s; aborting them",
+                               self.cfg.pipeline.generation_wait_timeout_s)
+                self.failure_counts["drain_timeouts"] += 1
+                mode = "abort"
+        ray.get(self.engines.pause_generation.remote(mode))
+        ray.get(self.engines.release_memory_occupation.remote())
+
+    def _while_dispatching(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (a blocking call to the trainer or the gateway) while episodes keep being
+        dispatched and collected; the sync schedule has nothing running, so it just calls ``fn``."""
+        if self.schedule == "sync":
+            return fn()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-phase") as pool:
+            future = pool.submit(fn)
+            while not future.done():
+                self._keep_going()
+            return future.result()
+
+    def _sync_weights(self) -> None:
+        """Export the trainer's weights and load them into every engine, bounded by
+        ``pipeline.weight_sync_timeout_s``: a hung engine fails the run with a clear error."""
+        timeout = self.cfg.pipeline.weight_sync_timeout_s
+        path = self.trainer.export_weights(str(self.weights_root), self.version, self.cfg.engine.dtype)
+        ref = self.engines.update_weights_from_disk.remote(path, str(self.version), timeout)
+        try:
+            ray.get(ref, timeout=timeout + 30)
+        except Exception as err:
+            self.failure_counts["weight_sync_failed"] += 1
+            detail = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            message = (f"weight update to the engines (policy version {self.version}) failed or did not finish "
+                       f"within pipeline.weight_sync_timeout_s={timeout:g} s: {detail}")
+            logger.error(message)
+            raise WeightSyncError(message) from None
 
     # -- the run -----------------------------------------------------------------------------------
 
-    @property
-    def checkpoint_root(self) -> Path:
-        return Path(self.cfg.pipeline.checkpoint_dir or self.run_dir / "checkpoints")
+    def save_checkpoint(self, only_rank0: bool = False) -> str:
+        """Trainer and optimizer state with each rank's RNG, the data cursor, step, policy version and
+        the schedule's untrained groups, to ``pipeline.checkpoint_dir`` (a directory or s3://).
 
-    def save_checkpoint(self) -> Path:
-        """Trainer and optimizer state with each rank's RNG, the data cursor, step and policy version.
-
-        ``pipeline.json`` is written last: a directory without it is an interrupted save and is ignored.
+        ``pipeline.json`` is written (or uploaded) last: a save cut short, even by SIGKILL, is ignored.
         """
-        directory = self.checkpoint_root / f"step{self.step:06d}"
-        self.trainer.save_checkpoint(str(directory))
+        directory = self.checkpoints.staging_dir(self.step)
+        self.trainer.save_checkpoint(str(directory), only_rank0=only_rank0)
         state = {
             "step": self.step,
             "policy_version": self.version,
             "sampler": self.sampler.state_dict(),
+            "schedule": self.schedule_state(),
         }
-        tmp = directory / "pipeline.json.tmp"
-        tmp.write_text(json.dumps(state))
-        tmp.replace(directory / "pipeline.json")
-        print(f"[rayrl] checkpoint: {directory}", flush=True)
-        return directory
+        where = self.checkpoints.commit(self.step, state)
+        print(f"[rayrl] checkpoint: {where}", flush=True)
+        return where
 
-    def latest_checkpoint(self) -> Path | None:
-        done = sorted(p.parent for p in self.checkpoint_root.glob("step*/pipeline.json"))
-        return done[-1] if done else None
+    def schedule_state(self) -> dict[str, Any]:
+        """What the schedule needs to resume exactly: every group taken for a step that has not trained
+        yet, then every group queued, running or complete (the sampler's cursor is already past their
+        tasks), in order, and the group counter. On resume those tasks run again first, so none is
+        skipped and none is trained twice."""
+        taken = [{"task": dataclasses.asdict(g.task), "group_id": g.group_id} for g in self._untrained_taken]
+        return {"schedule": self.schedule, "group_seq": self.group_seq,
+                "untrained_groups": taken + self.dispatcher.untrained_tasks()}
+
+    def load_schedule_state(self, state: dict[str, Any]) -> None:
+        """Queue the checkpoint's untrained groups again (fresh episodes: those in flight were lost)."""
+        self.group_seq = int(state.get("group_seq", self.group_seq))
+        for row in state.get("untrained_groups", []):
+            self.dispatcher.submit(GroupDispatcher.task_of(row), row["group_id"])
+
+    def latest_checkpoint(self) -> str | None:
+        """Where the newest complete checkpoint lives, or None."""
+        step = self.checkpoints.latest()
+        return None if step is None else self.checkpoints.location_of(step)
 
     def resume(self) -> bool:
         """Continue from the newest complete checkpoint: the next step takes exactly the next tasks."""
-        directory = self.latest_checkpoint()
-        if directory is None:
-            print(f"[rayrl] no checkpoint under {self.checkpoint_root}; starting fresh", flush=True)
+        step = self.checkpoints.latest()
+        if step is None:
+            print(f"[rayrl] no checkpoint at {self.checkpoints.location}; starting fresh", flush=True)
             return False
-        state = json.loads((directory / "pipeline.json").read_text())
+        directory, state = self.checkpoints.fetch(step)
         self.version = self.trainer.load_checkpoint(str(directory))
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
+        self.load_schedule_state(state.get("schedule") or {})
         if self.version > 0:
-            path = self.trainer.export_weights(str(self.weights_root), self.version, self.cfg.engine.dtype)
-            ray.get(self.engines.update_weights_from_disk.remote(path, str(self.version)))
-        print(f"[rayrl] resumed from {directory} at step {self.step}, policy version {self.version}", flush=True)
+            self._sync_weights()
+        print(f"[rayrl] resumed from {self.checkpoints.location_of(step)} at step {self.step}, "
+              f"policy version {self.version}", flush=True)
         return True
+
+    def _stop_on_trainer_failure(self, failure: TrainerFailure) -> None:
+        """A trainer rank died: leave a checkpoint that resumes exactly, and say how to resume.
+
+        Rank 0 that did not step holds the weights from before this step (the same state as after the
+        previous step), so the newest checkpoint, or a new one of the previous step with this step's groups
+        marked untrained, resumes exactly. Rank 0 that stepped holds this step's result: it is saved as
+        this step. Rank 0 gone: the newest checkpoint is the way back.
+        """
+        self.failure_counts["trainer_rank_failures"] += 1
+        where = None
+        if failure.rank0_alive and failure.rank0_stepped:
+            self.version += 1
+            self._untrained_taken = []
+            where = self.save_checkpoint(only_rank0=True)
+        elif failure.rank0_alive:
+            self.step -= 1
+            existing = self.checkpoints.latest()
+            where = (self.checkpoints.location_of(existing) if existing == self.step
+                     else self.save_checkpoint(only_rank0=True))
+        else:
+            where = self.latest_checkpoint()
+        resume = (f"python driver.py --config {self.run_dir / 'config.yaml'} --resume" if where
+                  else "no checkpoint exists: start the run again")
+        message = f"{failure}. Checkpoint: {where or 'none'}. Resume with: {resume}"
+        logger.error(message)
+        print(f"[rayrl] run stopped: {message}", flush=True)
 
     def run(self) -> list[dict[str, Any]]:
         history = []
@@ -306,7 +548,11 @@ class Pipeline:
         if eval_every and self.step == 0:
             self.metrics.log(0, self.evaluate(0))
         while self.step < total:
-            history.append(self.run_step())
+            try:
+                history.append(self.run_step())
+            except TrainerFailure as failure:
+                self._stop_on_trainer_failure(failure)
+                raise
             interval = self.cfg.pipeline.checkpoint_interval
             if interval and self.step % interval == 0:
                 self.save_checkpoint()
@@ -319,15 +565,30 @@ class Pipeline:
         print(f"[rayrl] metrics: {self.metrics.jsonl_path}  reward curve: {self.run_dir / 'reward_curve.png'}", flush=True)
         return history
 
+    def _agentcore_launcher(self) -> Any:
+        """The run's AgentCore launcher actor (created by the first rollout worker that needs it), if any."""
+        if self.cfg.rollout.agent != "agentcore":
+            return None
+        try:
+            return ray.get_actor(f"rayrl-{self.cfg.exp_id}-agentcore-launcher")
+        except ValueError:
+            return None
+
     def shutdown(self) -> None:
         """Stop every actor gracefully, then release it (names become free for the next pipeline)."""
         self.metrics.close()
         graceful = [h.shutdown.remote() for h in self.trajectories.handles]
         graceful += [self.engines.shutdown.remote(), self.pool.shutdown.remote()]
+        launcher = self._agentcore_launcher()
+        if launcher is not None:  # stops its local agent, emulator and S3 processes politely
+            graceful.append(launcher.shutdown.remote())
         try:
             ray.get(graceful, timeout=60)
         except Exception as err:  # an actor that already died cannot be stopped politely
             logger.warning("graceful shutdown incomplete: %s", err)
-        for handle in [*self.trajectories.handles, *self.workers, self.engines, self.pool]:
+        for ref in self.dispatcher.running:  # episodes of groups the run did not need
+            ray.cancel(ref)
+        for handle in [*self.trajectories.handles, *self.workers, self.engines, self.pool,
+                       *([launcher] if launcher is not None else [])]:
             ray.kill(handle)
         self.trainer.shutdown()

@@ -1,7 +1,16 @@
-"""Connecting the driver to Ray: join the job's cluster, or start a local one bound to loopback."""
+"""Connecting the driver to Ray: join the job's cluster, or start a local one that is safe by default.
+
+Ray's own defaults for a local cluster are not what a shared GPU node wants: its gRPC ports listen on
+every interface, so the local cluster this driver starts always has token authentication on (every
+gRPC call, the dashboard API and ``ray job submit`` need the token in ``~/.ray/auth_token``) and its
+dashboard listens on loopback only. Reach it from a laptop with an SSH tunnel
+(``ssh -L 8265:127.0.0.1:8265 node``) and pass the token (``ray get-auth-token``) as a bearer header or
+the ``ray-authentication-token`` cookie.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -9,16 +18,26 @@ import ray
 
 from rayrl.config import RayConfig
 
+logger = logging.getLogger(__name__)
+
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
 
 def init_ray(cfg: RayConfig) -> Any:
     """``ray.init`` for this run.
 
     Under ``ray job submit`` (RAY_ADDRESS set by Ray) or with ``ray.address`` the driver joins that
-    cluster. Otherwise it starts a local Ray whose dashboard listens on loopback only.
+    cluster. Otherwise it starts a local Ray with token authentication and a loopback dashboard.
+    driver.py sets ``RAY_AUTH_MODE=token`` before Ray is imported (Ray reads it at import); in a
+    notebook, Ray's own default for a local ``ray.init`` turns it on (tests/ops checks both).
     """
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
         return ray.init(address=address, log_to_driver=True)
+    mode = os.environ.get(AUTH_MODE_ENV)
+    if mode is not None and mode.lower() != "token":
+        logger.warning("%s=%s: the local Ray cluster starts WITHOUT authentication; its ports listen on "
+                       "every interface. Use this only on a machine nobody else can reach.", AUTH_MODE_ENV, mode)
     num_cpus = cfg.num_cpus or max(4, os.cpu_count() or 1)
     return ray.init(
         num_cpus=num_cpus,

@@ -32,7 +32,7 @@ class TrajectoryManager:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_path)
         model_type = getattr(AutoConfig.from_pretrained(model_path), "model_type", "")
-        self.router = Router(engine_urls)
+        self.router = Router(engine_urls, wait_timeout_s=cfg.pipeline.generation_wait_timeout_s)
         self.gateway = Gateway(
             cfg.gateway,
             cfg.trajectory,
@@ -70,7 +70,19 @@ class TrajectoryManager:
         return self.gateway.session_stats(session_id)
 
     async def stats(self) -> dict[str, Any]:
-        return {**self.gateway.counters, **self.totals, "open_sessions": self.gateway.sessions.open_sessions}
+        router = {f"router_{k}": v for k, v in self.router.stats().items()}
+        return {**self.gateway.counters, **self.totals, **router, "open_sessions": self.gateway.sessions.open_sessions}
+
+    async def pause_generation(self) -> None:
+        """Hold new LLM calls here (colocated schedule: the engines are giving their devices away)."""
+        self.router.pause()
+
+    async def continue_generation(self) -> None:
+        self.router.resume()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until no LLM call of this shard is at an engine; False when ``timeout_s`` passed first."""
+        return await self.router.drain(timeout_s)
 
     async def admin_token(self) -> str:
         return self.gateway.admin_token

@@ -45,3 +45,29 @@ def loop_thread():
     lt = LoopThread()
     yield lt
     lt.close()
+
+
+@pytest.fixture
+def s3_endpoint(tmp_path, monkeypatch):
+    """A moto S3 server process; boto3 in this process (and children started after) points at it."""
+    from tests.s3_server import S3_TEST_ENV, moto_s3_server
+
+    with moto_s3_server(tmp_path / "moto.log") as url:
+        for key, value in {**S3_TEST_ENV, "AWS_ENDPOINT_URL_S3": url}.items():
+            monkeypatch.setenv(key, value)
+        yield url
+
+
+@pytest.fixture
+def ray_local():
+    """A local Ray (4 logical CPUs) whose node exports Prometheus metrics on the yielded port; the test's
+    own modules (tests.e2e_support, ...) import in the workers."""
+    import ray
+
+    from tests.ray_support import ROOT, free_port
+
+    port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=port,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    yield port
+    ray.shutdown()

@@ -6,6 +6,8 @@ give GRPO some variance; the harness misbehaves on purpose for two episodes of e
 
 from __future__ import annotations
 
+import shutil
+
 import openai
 
 from rayrl.agents.base import AgentResult, EpisodeContext
@@ -19,7 +21,8 @@ def parity_reward(task: Task, result: AgentResult) -> float:
 
 
 class FlakyAgent(PythonToolAgent):
-    """The python agent, except: episode 0 of task 0 crashes, episode 1 of task 0 loops forever."""
+    """The python agent, except, for task "...first": episode 0 crashes, episode 1 loops forever, and
+    episode 2's sandbox dies under it (its directory vanishes, as when a node's disk is cleaned)."""
 
     def run(self, task: Task, ctx: EpisodeContext) -> AgentResult:
         index = ctx.episode_index
@@ -30,4 +33,6 @@ class FlakyAgent(PythonToolAgent):
             while True:  # stopped by the episode deadline, then by the gateway's 409
                 client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "again"}],
                                                max_tokens=4)
+        if task.task_id.endswith("first") and index == 2:
+            shutil.rmtree(ctx.sandbox.paths.root)
         return super().run(task, ctx)

@@ -8,47 +8,14 @@ placement group, and the weight sync back to the engine.
 from __future__ import annotations
 
 import json
-import socket
-import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-import ray
 
+from tests.ray_support import scrape_metrics
 from rayrl.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def ray_local():
-    """A local Ray whose node exports metrics in Prometheus format on a known port."""
-    port = _free_port()
-    # the test's own reward and harness (tests/e2e_support.py) must import in the workers
-    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=port,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    yield port
-    ray.shutdown()
-
-
-def _scrape(port: int, names: list[str], timeout_s: float = 60.0) -> str:
-    """Poll the metrics endpoint until every name appears (Ray exports every few seconds)."""
-    deadline = time.monotonic() + timeout_s
-    text = ""
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        if all(n in text for n in names):
-            return text
-        time.sleep(2)
-    return text
 
 
 def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
@@ -85,12 +52,13 @@ def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
         history = pipeline.run()
         assert len(history) == 2
         step1 = history[0]
-        # task "t-first" is in step 1: one crashed and one looping episode, both failed and counted
-        assert step1["rollout/episodes_failed"] == 2 and step1["rollout/episodes_ok"] == 6
+        # task "t-first" is in step 1: a crashed, a looping and a sandbox-killed episode, all failed and counted
+        assert step1["rollout/episodes_failed"] == 3 and step1["rollout/episodes_ok"] == 5
         episodes = [json.loads(l) for l in (cfg.run_dir / "episodes" / "step000001.jsonl").read_text().splitlines()]
         errors = sorted(e["error"] or "" for e in episodes if e["status"] == "failed")
         assert any("agent crashed: RuntimeError: agent bug on purpose" in e for e in errors)
         assert any("timed out" in e for e in errors)
+        assert any(e.startswith("sandbox failed: SandboxError") for e in errors)  # only its own episode
         assert history[1]["rollout/episodes_failed"] == 0
         trained = [h for h in history if h.get("train/trained_samples", 0) > 0]
         assert pipeline.version == len(trained)
@@ -106,13 +74,13 @@ def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
         assert sum(s["requests"] for s in stats) >= 12 and all(s["open_sessions"] == 0 for s in stats)
         assert history[1]["gateway/requests"] == sum(s["requests"] for s in stats)
         checkpoint = pipeline.latest_checkpoint()
-        assert checkpoint is not None and checkpoint.name == "step000002"
+        assert checkpoint is not None and Path(checkpoint).name == "step000002"
         seen = [e["task_id"] for step in (1, 2)
                 for e in map(json.loads, (cfg.run_dir / "episodes" / f"step{step:06d}.jsonl").read_text().splitlines())]
         version = pipeline.version
         # step metrics and sandbox-pool metrics reach the node's Prometheus endpoint
         names = ["ray_rayrl_step_metric", 'metric="rollout/reward_mean"', "ray_rayrl_sandbox_acquire_latency_s_bucket"]
-        text = _scrape(ray_local, names)
+        text = scrape_metrics(ray_local, names)
         assert all(n in text for n in names), [n for n in names if n not in text]
     finally:
         pipeline.shutdown()

@@ -77,7 +77,6 @@ def ray_head(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.slow  # starting a Ray head and its dashboard takes minutes on a loaded 2-core machine
 def test_ray_job_submit_runs_driver(ray_head, tiny_model_dir):
     runner = Runner(
         exp_id="job-e2e",

@@ -4,7 +4,6 @@ outputs and log-probs match the trainer's weights exactly (same model, same numb
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from rayrl.config import TrainerConfig
@@ -76,7 +75,6 @@ def test_grpo_step_then_engine_matches_trainer(tiny_model_dir, tmp_path):
                                             min_new_tokens=12, pad_token_id=0)[0, 8:].tolist()
         assert fresh.output_ids == expect
         full = np.array(prompt + fresh.output_ids, dtype=np.int32)
-        n = len(fresh.output_ids)
         with torch.no_grad():
             logits = trainer.model(torch.from_numpy(full[None].astype(np.int64))).logits[0].float()
             lp = torch.log_softmax(logits, -1)[7:-1].gather(-1, torch.tensor(fresh.output_ids)[:, None])[:, 0]

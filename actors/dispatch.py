@@ -1,0 +1,210 @@
+"""GroupDispatcher: keeps task groups running on the rollout workers and collects completed groups.
+
+A group is ``rollout.group_size`` episodes of one task (one GRPO group). The dispatcher starts groups
+from a queue, at most ``limit`` at once, spreading episodes over the workers; a group is complete when
+every one of its episodes has come back (ok or failed). The pipeline decides what to queue and when to
+take completed groups; this class only keeps the work moving and accounts for it.
+
+Fault tolerance: when a rollout worker actor dies, every episode it was running is re-queued (same
+group, same index: not lost, not counted twice) and a fresh worker takes its place; the death is
+counted and logged once. An episode re-queued more than ``max_retries`` times fails instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray
+from ray.exceptions import RayActorError
+
+from rayrl.types import Episode, Task
+
+logger = logging.getLogger("rayrl.pipeline")
+
+
+@dataclass
+class Group:
+    """One task's episodes; ``version`` is the policy version when its first episode started."""
+
+    task: Task
+    group_id: str
+    size: int
+    version: int = -1
+    episodes: dict[int, Episode] = field(default_factory=dict)
+    attempts: Counter = field(default_factory=Counter)  # episode index -> re-queues
+    started_at: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return len(self.episodes) == self.size
+
+    def ordered(self) -> list[Episode]:
+        return [self.episodes[i] for i in sorted(self.episodes)]
+
+    def staleness(self, version: int) -> int:
+        """Policy versions between ``version`` (the weights about to train) and the oldest trained token
+        of the group's successful episodes; 0 for a group with nothing to train."""
+        oldest = [v for e in self.episodes.values() if e.ok for s in e.samples
+                  if (v := s.oldest_version()) is not None]
+        return version - min(oldest) if oldest else 0
+
+
+def split_stale(groups: list[Group], version: int, max_staleness: int) -> tuple[list[Group], list[Group]]:
+    """(fresh, stale): a group is stale when its oldest trained token is more than ``max_staleness``
+    policy versions behind ``version``. Whole groups go: GRPO's advantages need the group complete."""
+    fresh = [g for g in groups if g.staleness(version) <= max_staleness]
+    stale = [g for g in groups if g.staleness(version) > max_staleness]
+    return fresh, stale
+
+
+class GroupDispatcher:
+    """Bounded-concurrency episode dispatch over rollout workers, with re-queue on worker death."""
+
+    def __init__(
+        self,
+        workers: list[Any],
+        group_size: int,
+        limit: int,
+        restart_worker: Callable[[int], Any],
+        max_retries: int = 2,
+    ) -> None:
+        self.workers = list(workers)
+        self.group_size = group_size
+        self.limit = limit
+        self.restart_worker = restart_worker
+        self.max_retries = max_retries
+        self.queue: deque[Group] = deque()  # waiting to start
+        self.active: dict[str, Group] = {}  # started, not complete
+        self.completed: deque[Group] = deque()  # complete, not yet taken
+        self.running: dict[Any, tuple[str, int, int]] = {}  # ref -> (group_id, index, worker slot)
+        self._ran_on: dict[Any, Any] = {}  # ref -> the worker handle it was sent to
+        self.retry: deque[tuple[str, int]] = deque()  # episodes to run again
+        self.counts: Counter = Counter()
+        self._next_worker = 0
+        self._dead_handles: set[Any] = set()
+
+    # -- what to run -------------------------------------------------------------------------------
+
+    def submit(self, task: Task, group_id: str, front: bool = False) -> None:
+        group = Group(task, group_id, self.group_size)
+        (self.queue.appendleft if front else self.queue.append)(group)
+
+    @property
+    def groups_in_flight(self) -> int:
+        """Groups queued, running or complete but not taken."""
+        return len(self.queue) + len(self.active) + len(self.completed)
+
+    def _launch(self, group: Group, index: int) -> None:
+        k = self._next_worker % len(self.workers)
+        self._next_worker += 1
+        ref = self.workers[k].run_episode.remote(group.task, group.group_id, index)
+        self.running[ref] = (group.group_id, index, k)
+        self._ran_on[ref] = self.workers[k]
+
+    def pump(self, version: int) -> None:
+        """Start re-queued episodes, then queued groups while fewer than ``limit`` are active."""
+        while self.retry:
+            group_id, index = self.retry.popleft()
+            if group_id in self.active:
+                self._launch(self.active[group_id], index)
+        while self.queue and len(self.active) < self.limit:
+            group = self.queue.popleft()
+            group.version, group.started_at = version, time.monotonic()
+            self.active[group.group_id] = group
+            for index in range(group.size):
+                self._launch(group, index)
+
+    # -- results -----------------------------------------------------------------------------------
+
+    def poll(self, timeout: float, version: int) -> int:
+        """Wait up to ``timeout`` s for finished episodes; returns how many came back."""
+        self.pump(version)
+        if not self.running:
+            if timeout > 0:
+                time.sleep(min(timeout, 0.05))
+            return 0
+        ready, rest = ray.wait(list(self.running), num_returns=1, timeout=timeout)
+        if not ready:
+            return 0
+        if rest:  # everything else already done, without waiting again
+            ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+        for ref in ready:
+            self._collect(ref)
+        self.pump(version)
+        return len(ready)
+
+    def _collect(self, ref: Any) -> None:
+        group_id, index, k = self.running.pop(ref)
+        handle = self._ran_on.pop(ref)
+        group = self.active.get(group_id)
+        try:
+            episode = ray.get(ref)
+        except RayActorError as err:  # the worker died: run the episode again elsewhere
+            self._worker_died(k, handle, err)
+            if group is None:
+                return
+            group.attempts[index] += 1
+            if group.attempts[index] <= self.max_retries:
+                self.counts["episodes_requeued"] += 1
+                self.retry.append((group_id, index))
+                return
+            episode = Episode(session_id="", task_id=group.task.task_id, group_id=group_id, status="failed",
+                              error=f"rollout worker died {group.attempts[index]} times: {type(err).__name__}")
+        except Exception as err:  # the episode call itself raised (it should not): fail it, go on
+            episode = Episode(session_id="", task_id=group.task.task_id if group else "", group_id=group_id,
+                              status="failed", error=f"rollout worker failed: {type(err).__name__}: {err}")
+        if group is None:
+            return
+        episode.info.setdefault("index", index)
+        group.episodes[index] = episode
+        if group.complete:
+            del self.active[group_id]
+            self.completed.append(group)
+
+    def _worker_died(self, k: int, handle: Any, err: Exception) -> None:
+        """Count and log a worker's death once (each of its episodes reports it) and replace it."""
+        if handle in self._dead_handles or self.workers[k] is not handle:
+            return
+        self._dead_handles.add(handle)
+        self.counts["rollout_worker_deaths"] += 1
+        logger.warning("rollout worker %d died (%s); re-queueing its episodes and starting a new one",
+                       k, type(err).__name__)
+        self.workers[k] = self.restart_worker(k)
+
+    def take(self, n: int) -> list[Group]:
+        """Up to ``n`` completed groups, oldest first."""
+        out = []
+        while self.completed and len(out) < n:
+            out.append(self.completed.popleft())
+        return out
+
+    def fail_unfinished(self, reason: str) -> list[Group]:
+        """Stop every started group now (sync schedule's deadline): cancel, fail what is missing."""
+        for ref, (group_id, index, _) in list(self.running.items()):
+            ray.cancel(ref)
+            group = self.active.get(group_id)
+            if group is not None:
+                group.episodes[index] = Episode(session_id="", task_id=group.task.task_id, group_id=group_id,
+                                                status="failed", error=reason)
+        self.running.clear()
+        self._ran_on.clear()
+        self.retry.clear()
+        groups = list(self.active.values())
+        self.active.clear()
+        return groups
+
+    # -- checkpoint ----------------------------------------------------------------------------------
+
+    def untrained_tasks(self) -> list[dict[str, Any]]:
+        """Every group not yet handed to the trainer, oldest first, as JSON-safe rows."""
+        groups = list(self.completed) + list(self.active.values()) + list(self.queue)
+        return [{"task": dataclasses.asdict(g.task), "group_id": g.group_id} for g in groups]
+
+    @staticmethod
+    def task_of(row: dict[str, Any]) -> Task:
+        return Task(**row["task"])

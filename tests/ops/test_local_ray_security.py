@@ -1,0 +1,50 @@
+"""The local Ray that driver.py starts: token authentication on, dashboard on loopback only."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = textwrap.dedent("""
+    import json, os, socket, urllib.error, urllib.request
+    import psutil, ray
+    from actors.runtime import init_ray
+    from rayrl.config import RayConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    ctx = init_ray(RayConfig(num_cpus=1, include_dashboard=True, dashboard_port=port))
+    url = f"http://127.0.0.1:{port}/api/version"
+    out = {"mode": os.environ.get("RAY_AUTH_MODE"), "dashboard": ctx.dashboard_url}
+    try:
+        urllib.request.urlopen(url, timeout=10)
+        out["anonymous"] = 200
+    except urllib.error.HTTPError as err:
+        out["anonymous"] = err.code
+    token = open(os.path.expanduser("~/.ray/auth_token")).read().strip()
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    out["with_token"] = urllib.request.urlopen(req, timeout=10).status
+    out["dashboard_listen"] = sorted({c.laddr.ip for c in psutil.net_connections("inet")
+                                      if c.status == "LISTEN" and c.laddr.port == port})
+    ray.shutdown()
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_local_cluster_requires_a_token_and_binds_dashboard_to_loopback():
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=env)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line, out.stdout[-2000:] + out.stderr[-3000:]
+    result = json.loads(line[len("RESULT "):])
+    assert result["mode"] == "token"
+    assert result["anonymous"] == 401 and result["with_token"] == 200
+    assert result["dashboard_listen"] == ["127.0.0.1"]
+    assert result["dashboard"].startswith("127.0.0.1:")

@@ -1,0 +1,114 @@
+"""A trainer rank that dies mid-run: the step raises TrainerFailure (no hang), the surviving rank 0
+writes a checkpoint, and a fresh trainer group resumes from it with rank 0's exact weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+from safetensors.numpy import load_file
+
+from actors.trainer import TrainerFailure, TrainerGroup
+from rayrl.config import TrainerConfig
+from rayrl.types import Sample
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _samples(n: int = 4) -> list[Sample]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(10, 4000, size=24).astype(np.int32)
+        out.append(Sample(tokens=tokens, prompt_length=8, loss_mask=np.ones(16, np.int8),
+                          rollout_logprobs=np.full(16, -8.0, np.float32), policy_versions=np.zeros(16, np.int32)))
+    return out
+
+
+def _weights(group: TrainerGroup, root: Path, version: int) -> dict[str, np.ndarray]:
+    path = Path(group.export_weights(str(root), version, "float32"))
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    merged: dict[str, np.ndarray] = {}
+    for f in files:
+        merged.update(load_file(f))
+    return merged
+
+
+def test_rank_death_raises_and_rank0_checkpoint_resumes(ray_local, tiny_model_dir, tmp_path):
+    cfg = TrainerConfig(num_ranks=2, lr=1e-3, micro_batch_tokens=256)
+    samples, advantages = _samples(), [1.0, -1.0, 1.0, -1.0]
+    group = TrainerGroup(cfg, str(tiny_model_dir), seed=0, name_prefix="tf-a")
+    try:
+        assert group.train(samples, advantages)["policy_version"] == 1
+        before = _weights(group, tmp_path / "w-before", 1)
+        ray.kill(group.ranks[1])
+        with pytest.raises(TrainerFailure, match="rank 1") as info:
+            group.train(samples, advantages)
+        failure = info.value
+        assert set(failure.errors) >= {1}
+        assert failure.rank0_alive and not failure.rank0_stepped  # rank 0 noticed its peer and did not step
+        group.save_checkpoint(str(tmp_path / "ckpt"), only_rank0=True)
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rank0.pt"]
+    finally:
+        group.shutdown()
+
+    fresh = TrainerGroup(cfg, str(tiny_model_dir), seed=0, name_prefix="tf-b")
+    try:
+        assert fresh.load_checkpoint(str(tmp_path / "ckpt")) == 1
+        after = _weights(fresh, tmp_path / "w-after", 1)
+        assert before.keys() == after.keys()
+        assert all(np.array_equal(before[k], after[k]) for k in before)  # the pre-failure weights, exactly
+        assert fresh.train(samples, advantages)["policy_version"] == 2  # both ranks train again
+    finally:
+        fresh.shutdown()
+
+
+def test_pipeline_stops_with_a_checkpoint_and_resumes_the_failed_step(ray_local, tiny_model_dir, tmp_path, capsys):
+    """A rank dies between steps: step 2 fails, the run stops with a checkpoint of step 1 that marks step 2's
+    groups untrained and prints how to resume; the resumed run trains exactly those tasks as step 2."""
+    import json
+
+    from actors.pipeline import Pipeline
+    from rayrl.config import load_config
+
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps({"id": f"t-{i}", "prompt": f"What is {i} + 1?",
+                                        "metadata": {"question": f"What is {i} + 1?", "answer": i + 1}}) + "\n"
+                            for i in range(10)))
+    overrides = [
+        f"model.path={tiny_model_dir}", "exp_id=rankfail", f"logging.output_dir={tmp_path / 'runs'}",
+        f"data.train_path={data}", "data.val_path=null", "data.shuffle=false", "engine.dtype=float32",
+        "rollout.reward=tests.e2e_support:parity_reward", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        "rollout.max_tokens=8", "rollout.max_turns=1", "rollout.few_shot_examples=0", "trainer.num_ranks=2",
+        "trainer.steps=3", "sandbox_pool.min_warm=1", "logging.tensorboard=false", "logging.plot=false",
+    ]
+    cfg = load_config(ROOT / "examples" / "calculator" / "config.yaml", overrides)
+    pipeline = Pipeline(cfg)
+    try:
+        pipeline.run_step()
+        ray.kill(pipeline.trainer.ranks[1])
+        with pytest.raises(TrainerFailure):
+            pipeline.run()
+        out = capsys.readouterr().out
+        assert "[rayrl] run stopped: trainer rank failure:" in out and "rank 1: ActorDiedError" in out
+        assert f"--config {cfg.run_dir / 'config.yaml'} --resume" in out
+        assert pipeline.checkpoints.steps() == [1]
+        failed_step_tasks = sorted({json.loads(l)["task_id"] for l in
+                                    (cfg.run_dir / "episodes" / "step000002.jsonl").read_text().splitlines()})
+    finally:
+        pipeline.shutdown()
+
+    resumed = Pipeline(load_config(cfg.run_dir / "config.yaml"))
+    try:
+        assert resumed.resume() and resumed.step == 1
+        resumed.run()
+        step2 = sorted({json.loads(l)["task_id"] for l in
+                        (cfg.run_dir / "episodes" / "step000002.jsonl").read_text().splitlines()})
+        step3 = sorted({json.loads(l)["task_id"] for l in
+                        (cfg.run_dir / "episodes" / "step000003.jsonl").read_text().splitlines()})
+        assert step2 == failed_step_tasks == ["t-2", "t-3"]  # the failed step's tasks, trained once
+        assert step3 == ["t-4", "t-5"]
+    finally:
+        resumed.shutdown()

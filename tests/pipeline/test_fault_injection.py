@@ -1,0 +1,106 @@
+"""Fault injection in the dispatch, with real Ray actors and real processes (tiny model, async schedule).
+
+1. a rollout worker actor killed mid-episode: its episodes are re-queued (not lost, not counted twice);
+2. the engine process killed mid-step: it is restarted with the newest weights; LLM calls made
+   meanwhile wait at the gateway, a generation it was running fails its episode; the run goes on;
+3. a weight transfer that hangs (engine process stopped with SIGSTOP): a clear error within
+   ``pipeline.weight_sync_timeout_s`` instead of a hung run.
+Each failure is counted once. The tests share one pipeline and run in file order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from tests.pipeline.test_schedules_e2e import ROOT, _engine_version, _episodes, pipeline_config
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_model_dir, tmp_path_factory):
+    from actors.pipeline import Pipeline
+
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    tmp = Path(tmp_path_factory.mktemp("faults"))
+    cfg = pipeline_config(tmp, tiny_model_dir, "exp_id=faults", "pipeline.schedule=async",
+                          "pipeline.max_staleness=4", "pipeline.weight_sync_timeout_s=5", "trainer.steps=8")
+    pipe = Pipeline(cfg)
+    yield pipe
+    pipe.shutdown()
+    ray.shutdown()
+
+
+def _after(delay_s: float, predicate, action) -> threading.Thread:
+    """Run ``action`` once ``predicate`` holds, ``delay_s`` later (from a helper thread)."""
+
+    def target() -> None:
+        deadline = time.monotonic() + 60
+        while not predicate() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(delay_s)
+        action()
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_rollout_worker_killed_mid_episode_requeues_its_episodes(pipeline):
+    victim = pipeline.workers[0]
+    # kill once episodes are running and inside their sandbox work (first LLM call done)
+    killer = _after(0.8, lambda: len(pipeline.dispatcher.running) >= 2, lambda: ray.kill(victim))
+    metrics = pipeline.run_step()
+    killer.join(5)
+    assert pipeline.workers[0] != victim  # replaced
+    assert metrics["failures/rollout_worker_deaths"] == 1  # counted once, however many episodes it had
+    assert metrics["failures/episodes_requeued"] >= 1
+    rows = _episodes(pipeline.cfg, pipeline.step)
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)  # none lost
+    assert len({(r["group_id"], r["index"]) for r in rows}) == 4  # none counted twice
+
+
+def test_engine_killed_mid_step_is_restarted(pipeline):
+    (old_pid,) = ray.get(pipeline.engines.pids.remote())
+    killer = _after(0.5, lambda: len(pipeline.dispatcher.running) >= 2, lambda: os.kill(old_pid, signal.SIGKILL))
+    step_before = pipeline.step
+    history = [pipeline.run_step()]
+    killer.join(5)
+    # the run goes on; within a few steps the restarted engine serves episodes again
+    while pipeline.failure_counts["engine_restarts"] == 0 or history[-1]["rollout/episodes_ok"] == 0:
+        assert len(history) < 5, history
+        history.append(pipeline.run_step())
+    (new_pid,) = ray.get(pipeline.engines.pids.remote())
+    assert new_pid != old_pid and pipeline.failure_counts["engine_restarts"] == 1
+    assert history[-1]["failures/engine_restarts"] == 1
+    # every episode is accounted for: a generation running at the kill fails its episode (with its error);
+    # calls made while the engine was down waited at the gateway (refused connections retried, then
+    # held during the restart) instead of failing
+    for step in range(step_before + 1, pipeline.step + 1):
+        rows = _episodes(pipeline.cfg, step)
+        assert len(rows) == 4 and len({(r["group_id"], r["index"]) for r in rows}) == 4
+        assert all(r["error"] for r in rows if r["status"] == "failed")
+    last = history[-1]
+    assert last["gateway/reconnect_waits"] + last["gateway/queued"] >= 1
+    # the restarted engine got the newest weights back
+    assert _engine_version(pipeline.engine_urls[0]) == str(pipeline.version)
+
+
+def test_hung_weight_transfer_times_out_with_a_clear_error(pipeline):
+    from actors.pipeline import WeightSyncError
+
+    (pid,) = ray.get(pipeline.engines.pids.remote())
+    os.kill(pid, signal.SIGSTOP)  # the engine accepts connections but never answers
+    started = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError, match=r"weight_sync_timeout_s=5 s: .*no answer within 5 s"):
+            pipeline._sync_weights()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert time.monotonic() - started < 40
+    assert pipeline.failure_counts["weight_sync_failed"] == 1
