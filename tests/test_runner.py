@@ -52,7 +52,10 @@ def ray_head(tmp_path):
     """`ray start --head --block` on loopback; terminating it stops exactly the processes it started."""
     gcs, dash = _free_port(), _free_port()
     temp = Path("/tmp") / f"rayrl-test-{os.getpid()}-{gcs}"  # short path: Ray's socket names are long
-    env = {**os.environ, "RAY_ADDRESS": ""}
+    # the job's `python driver.py` finds python on the PATH the head was started with: this venv's, as
+    # for a user who activated it (make calls .venv/bin/python without activating anything)
+    env = {**os.environ, "RAY_ADDRESS": "",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
          f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=4",
@@ -77,6 +80,7 @@ def ray_head(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow  # ~2.5 min: a Ray head with its dashboard starts slowly on 2 cores (make test-slow)
 def test_ray_job_submit_runs_driver(ray_head, tiny_model_dir):
     runner = Runner(
         exp_id="job-e2e",

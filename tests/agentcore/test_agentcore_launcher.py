@@ -87,11 +87,9 @@ def test_launcher_never_exceeds_acr_tps_limit(loop_thread, agent_app, moto_s3):
     assert all(o.ok for o in outcomes)
     assert len(arrivals) == len(grants) == 30
     assert max_per_window(grants) == limit  # exact where the launcher sends: the limit is reached, never passed
-    # at the emulator, one request of slack absorbs loopback delivery jitter: requests leave exactly
-    # 1/limit apart, so one delivered a few ms late can share a window with the next limit ones
-    assert max_per_window(arrivals) <= limit + 1
-    # two seconds hold at most 2 x limit (+1 jitter): no bursts after idle spells either
-    assert max_per_window(arrivals, 2.0) <= 2 * limit + 1
+    # at the emulator too: the limiter's 50 ms guard absorbs loopback delivery jitter
+    assert max_per_window(arrivals) <= limit
+    assert max_per_window(arrivals, 2.0) <= 2 * limit  # no bursts after idle spells either
     assert launcher.stats()["invoke_requests"] == 30
 
 

@@ -44,6 +44,20 @@ def test_never_more_than_rate_per_window_fake_clock(rate, burst):
     assert grants[-1] - grants[0] >= (60 - max(1, int(rate))) / max(1, int(rate)) - 1e-9
 
 
+@pytest.mark.parametrize("burst", [1, 8])
+def test_guard_keeps_the_limit_under_delivery_jitter(burst):
+    """Any arrival delays of at most guard_s keep every one-second window at the limit or below."""
+    import random
+
+    clock = FakeClock()
+    limiter = RateLimiter(8.0, burst, guard_s=0.05, clock=clock, sleep=clock.sleep)
+    grants = [limiter.acquire() for _ in range(80)]
+    rng = random.Random(0)
+    for _ in range(20):
+        arrivals = [g + rng.uniform(0.0, 0.05) for g in grants]
+        assert max_per_window(arrivals) <= 8
+
+
 def test_burst_one_paces_requests_evenly():
     clock = FakeClock()
     limiter = RateLimiter(5.0, 1, clock=clock, sleep=clock.sleep)

@@ -34,6 +34,7 @@ from rayrl.agents.agentcore.rate_limit import RateLimiter
 from rayrl.config import AgentCoreConfig
 
 logger = logging.getLogger("rayrl.agentcore")
+RATE_GUARD_S = 0.05  # delivery jitter the TPS limit absorbs, so it holds on AgentCore's clock (rate_limit.py)
 
 _RETRYABLE_CODES = {
     "ThrottlingException", "ServiceQuotaExceededException", "TooManyRequestsException", "Throttling",
@@ -140,7 +141,7 @@ class RolloutLauncher:
         self.cfg = cfg
         self.acr = acr_client
         self.s3 = s3_client
-        self.limiter = RateLimiter(cfg.acr_tps_limit, cfg.acr_burst)
+        self.limiter = RateLimiter(cfg.acr_tps_limit, cfg.acr_burst, guard_s=RATE_GUARD_S)
         self._slots = threading.BoundedSemaphore(cfg.max_concurrent)
         self._sleep = sleep
         self._rng = random.Random(seed)
