@@ -64,7 +64,8 @@ def ray_local():
     own modules (tests.e2e_support, ...) import in the workers."""
     import ray
 
-    from tests.ray_support import ROOT, free_port
+    from rayrl.engines.launcher import free_port
+    from tests.ray_support import ROOT
 
     port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=port,

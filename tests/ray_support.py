@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape_metrics(port: int, names: list[str], timeout_s: float = 60.0) -> str:

@@ -7,7 +7,6 @@ the code under test uses plain boto3 with ``AWS_ENDPOINT_URL_S3`` pointing at it
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from rayrl.engines.launcher import free_port
 
 S3_TEST_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -24,16 +25,10 @@ S3_TEST_ENV = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def moto_s3_server(log_path: Path) -> Iterator[str]:
     """Start ``moto_server`` on a free loopback port; yields its URL; stops exactly that process."""
-    port = _free_port()
+    port = free_port()
     moto = Path(sys.executable).parent / "moto_server"
     with log_path.open("w") as log:
         proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=log,

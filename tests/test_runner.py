@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from actors.runner import Runner
+from rayrl.engines.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,16 +41,10 @@ def test_yaml_round_trip_and_unknown_fields(tmp_path):
         Runner.from_yaml("exp_id: a\nconfig: b\ngpus: 8\n")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def ray_head(tmp_path):
     """`ray start --head --block` on loopback; terminating it stops exactly the processes it started."""
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash = free_port(), free_port()
     temp = Path("/tmp") / f"rayrl-test-{os.getpid()}-{gcs}"  # short path: Ray's socket names are long
     # the job's `python driver.py` finds python on the PATH the head was started with: this venv's, as
     # for a user who activated it (make calls .venv/bin/python without activating anything)

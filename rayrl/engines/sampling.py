@@ -102,7 +102,7 @@ class SamplingParams:
             raise ValueError("sampling_params.stop must be a string or a list of strings")
         p.stop = [s for s in stop if s]
         ids = get.get("stop_token_ids", [])
-        if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
+        if not isinstance(ids, list) or not all(is_int(i) for i in ids):
             raise ValueError("sampling_params.stop_token_ids must be a list of integers")
         if vocab_size is not None and any(not 0 <= i < vocab_size for i in ids):
             raise ValueError(f"sampling_params.stop_token_ids must be in [0, {vocab_size})")
@@ -131,7 +131,8 @@ class SamplingParams:
         return p
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (JSON true would otherwise pass as 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -139,7 +140,7 @@ def _int(raw: Mapping[str, Any], key: str, default: int, lo: int | None = None) 
     value = raw.get(key, default)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if not _is_int(value):
+    if not is_int(value):
         raise ValueError(f"sampling_params.{key} must be an integer, got {value!r}")
     if lo is not None and value < lo:
         raise ValueError(f"sampling_params.{key} must be >= {lo}, got {value}")

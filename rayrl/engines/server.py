@@ -18,16 +18,16 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any, Callable, Optional
 
 from aiohttp import web
 
 from rayrl import __version__
 from rayrl.engines.cpu_engine import PAUSE_MODES, CPUEngine, GenerationResult, RequestHandle
-from rayrl.engines.sampling import SamplingParams
-from rayrl.engines.weight_group import WeightGroupError, WeightGroups, parse_specs, receive_tensors
-from rayrl.engines.weights import decode_named_tensors, deserialize_from_trainer
+from rayrl.engines.http_input import RequestError, bool_flag, error_response, per_item, read_json
+from rayrl.engines.sampling import SamplingParams, is_int
+from rayrl.engines.weight_endpoints import WeightEndpoints
+from rayrl.engines.weight_group import WeightGroups
 
 logger = logging.getLogger(__name__)
 
@@ -95,67 +95,6 @@ HEALTH_TIMEOUT_S = 20.0
 MAX_BATCH_ITEMS = 4096  # bounds the work one request can queue (prompts x sampling_params.n)
 
 
-class RequestError(ValueError):
-    """Bad client input: answered with a 4xx JSON error body."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def error_response(status: int, message: str) -> web.Response:
-    """SGLang's error body (the OpenAI-style error object)."""
-    phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
-    body = {"object": "error", "message": message, "type": phrase, "param": None, "code": status}
-    return web.json_response(body, status=status)
-
-
-async def read_json(request: web.Request, allow_empty: bool = False) -> dict[str, Any]:
-    """The request body as a JSON object; empty bodies become ``{}`` where the endpoint allows it."""
-    raw = await request.read()
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise RequestError("the request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise RequestError(f"invalid JSON body: {err}") from None
-    if body is None and allow_empty:
-        return {}
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
-
-
-def _flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise RequestError(f"{key} must be a boolean")
-    return value
-
-
-def _per_item(value: Any, n: int, name: str, check: Callable[[Any], bool], default: Any) -> list[Any]:
-    """A scalar applies to every batch item; a list must have one entry per item."""
-    if value is None:
-        return [default] * n
-    if isinstance(value, list):
-        if len(value) != n:
-            raise RequestError(f"{name} has {len(value)} entries for a batch of {n}")
-        if not all(check(v) for v in value):
-            raise RequestError(f"{name} has an invalid entry")
-        return list(value)
-    if not check(value):
-        raise RequestError(f"{name} has an invalid value {value!r}")
-    return [value] * n
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 @dataclass
 class _Item:
     input_ids: list[int]
@@ -173,7 +112,7 @@ class _Batch:
     text_in_logprobs: bool
 
 
-class EngineServer:
+class EngineServer(WeightEndpoints):
     """The aiohttp application; ``start()`` binds it (loopback by default) and returns the base URL."""
 
     def __init__(
@@ -308,7 +247,7 @@ class EngineServer:
             single = not isinstance(ids[0], list)
             prompts = [ids] if single else ids
             for p in prompts:
-                if not isinstance(p, list) or not all(_is_int(i) for i in p):
+                if not isinstance(p, list) or not all(is_int(i) for i in p):
                     raise RequestError("input_ids must be a list of integers or a list of lists of integers")
         n_prompts = len(prompts)
         raw_params = body.get("sampling_params")
@@ -343,10 +282,10 @@ class EngineServer:
             raise RequestError("rid must be a string or a list of strings")
         if len(set(rids)) != len(rids):
             raise RequestError("duplicate request ids in the batch")
-        return_lp = _per_item(
+        return_lp = per_item(
             body.get("return_logprob"), size, "return_logprob", lambda v: isinstance(v, bool), False
         )
-        start_len = _per_item(body.get("logprob_start_len"), size, "logprob_start_len", _is_int, -1)
+        start_len = per_item(body.get("logprob_start_len"), size, "logprob_start_len", is_int, -1)
         items = []
         for i in range(size):
             ids = self.engine.validate_prompt(prompts[i], params[i])
@@ -355,7 +294,7 @@ class EngineServer:
                     f"logprob_start_len ({start_len[i]}) must be < the prompt length ({len(ids)})"
                 )
             items.append(_Item(ids, params[i], rids[i], return_lp[i], start_len[i]))
-        return _Batch(items, single, _flag(body, "stream"), _flag(body, "return_text_in_logprobs"))
+        return _Batch(items, single, bool_flag(body, "stream"), bool_flag(body, "return_text_in_logprobs"))
 
     def _submit_all(self, batch: _Batch, wake: Callable[[RequestHandle], None]) -> list[RequestHandle]:
         handles: list[RequestHandle] = []
@@ -564,180 +503,6 @@ class EngineServer:
     async def get_weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.engine.weight_version})
 
-    # ------------------------------------------------------------------ weights
-
-    @staticmethod
-    def _version_field(body: dict[str, Any], key: str = "weight_version") -> Optional[str]:
-        value = body.get(key)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (str, int)):
-            raise RequestError(f"{key} must be a string")
-        return str(value)
-
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
-        version = self._version_field(body, "new_version")
-        if version is None:
-            raise RequestError("new_version is required")
-        if _flag(body, "abort_all_requests"):
-            self.engine.abort_all()
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.set_weight_version, version)
-        return web.json_response(
-            {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
-        )
-
-    async def _apply_weights(self, body: dict[str, Any], load: Callable[[], int], what: str) -> web.Response:
-        version = self._version_field(body)
-        if _flag(body, "abort_all_requests"):
-            self.engine.abort_all()
-        try:
-            count = await asyncio.get_running_loop().run_in_executor(None, load)
-        except (ValueError, OSError) as err:  # WeightUpdateError is a ValueError
-            return web.json_response(
-                {"success": False, "message": f"Failed to update weights: {err}", "num_paused_requests": 0},
-                status=400,
-            )
-        message = f"Succeeded to update model weights ({count} tensors {what})."
-        if version is not None:
-            message += f" Weight version updated to {version}."
-        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
-
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
-        path = body.get("model_path")
-        if not isinstance(path, str) or not path:
-            raise RequestError("model_path must be a non-empty string")
-        if body.get("load_format") not in (None, "auto", "safetensors"):
-            raise RequestError(
-                "load_format: the CPU engine reads safetensors checkpoints only (null, auto, safetensors)"
-            )
-        version = self._version_field(body)
-        return await self._apply_weights(
-            body, lambda: self.engine.load_weights_from_disk(path, version), f"from {path}"
-        )
-
-    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        """SGLang's payload (``load_format`` null, "direct" or "flattened_bucket": shared-memory handles,
-        unpickled with an allow-list) or the byte-carrying ``"safetensors"`` form. Entry 0 is ours: the
-        CPU engine is one tensor-parallel rank."""
-        body = await read_json(request)
-        load_format = body.get("load_format")
-        entries = body.get("serialized_named_tensors")
-        if not isinstance(entries, list) or not entries or not isinstance(entries[0], str):
-            raise RequestError("serialized_named_tensors must be a non-empty list of base64 strings")
-        version = self._version_field(body)
-        if load_format == "safetensors":
-
-            def load() -> int:
-                return self.engine.update_weights(decode_named_tensors(entries[0]), version)
-
-            return await self._apply_weights(body, load, "from the request")
-        if load_format not in (None, "direct", "flattened_bucket"):
-            raise RequestError(
-                f"load_format {load_format!r} is not supported by the CPU engine "
-                '(null, "direct", "flattened_bucket" or "safetensors")'
-            )
-        try:
-            named = deserialize_from_trainer(entries[0])
-        except ValueError as err:  # WeightUpdateError: not a payload, disallowed names, CUDA handles
-            raise RequestError(
-                f"{err} (SGLang's form: base64 of a multiprocessing pickle of [(name, tensor)] or a "
-                'flattened bucket; bytes from another machine: load_format="safetensors")'
-            ) from None
-        if load_format == "flattened_bucket" and len({t.dtype for _, t in named}) > 1:
-            raise RequestError("a flattened bucket holds one dtype")
-        tensors = dict(named)
-        if len(tensors) != len(named):
-            raise RequestError("serialized_named_tensors names a tensor twice")
-        return await self._apply_weights(
-            body, lambda: self.engine.update_weights(tensors, version), "from the request"
-        )
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        """Join the trainer's weight broadcast group as rank ``rank_offset`` (one TP rank on CPU).
-
-        Blocks until every rank has joined (the trainer joins as rank 0 while this call is open)."""
-        body = await read_json(request)
-        address, port = body.get("master_address"), body.get("master_port")
-        offset, world = body.get("rank_offset"), body.get("world_size")
-        name = body.get("group_name", "weight_update_group")
-        backend = body.get("backend", "nccl")
-        if not isinstance(address, str) or not address:
-            raise RequestError("master_address must be a non-empty string")
-        for key, value in (("master_port", port), ("rank_offset", offset), ("world_size", world)):
-            if not _is_int(value):
-                raise RequestError(f"{key} must be an integer")
-        if not 0 < port < 65536:
-            raise RequestError("master_port must be in 1..65535")
-        if not 1 <= offset < world:
-            raise RequestError(f"rank_offset must be in 1..world_size-1 (the trainer is rank 0), got {offset}")
-        if not isinstance(name, str) or not name:
-            raise RequestError("group_name must be a non-empty string")
-        if backend != "gloo":
-            raise RequestError(f"backend {backend!r}: the CPU engine joins weight update groups over gloo only")
-        try:
-            await asyncio.get_running_loop().run_in_executor(
-                None,
-                lambda: self.weight_groups.create(
-                    master_address=address,
-                    master_port=port,
-                    rank=offset,
-                    world_size=world,
-                    group_name=name,
-                    backend=backend,
-                    timeout_s=self.weight_group_timeout_s,
-                ),
-            )
-        except WeightGroupError as err:
-            return web.json_response({"success": False, "message": str(err)}, status=400)
-        return web.json_response(
-            {"success": True, "message": f"Succeeded to initialize weight update group {name}."}
-        )
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await read_json(request, allow_empty=True)
-        name = body.get("group_name", "weight_update_group")
-        if not isinstance(name, str):
-            raise RequestError("group_name must be a string")
-        try:
-            self.weight_groups.destroy(name)
-        except WeightGroupError as err:
-            return web.json_response({"success": False, "message": str(err)}, status=400)
-        return web.json_response({"success": True, "message": f"Destroyed weight update group {name}."})
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        """Receive the listed tensors by broadcast from the trainer (rank 0), in list order, and load them."""
-        body = await read_json(request)
-        load_format = body.get("load_format")
-        if load_format not in (None, "flattened_bucket"):
-            raise RequestError('load_format must be null or "flattened_bucket"')
-        name = body.get("group_name", "weight_update_group")
-        if not isinstance(name, str):
-            raise RequestError("group_name must be a string")
-        try:
-            specs = parse_specs(body.get("names"), body.get("dtypes"), body.get("shapes"))
-            if load_format == "flattened_bucket" and len({s.dtype for s in specs}) > 1:
-                raise WeightGroupError("a flattened bucket holds one dtype")
-            group = self.weight_groups.get(name)
-        except WeightGroupError as err:
-            raise RequestError(str(err)) from None
-        if len({s.name for s in specs}) != len(specs):
-            raise RequestError("names lists a tensor twice")
-        version = self._version_field(body)
-        flattened = load_format == "flattened_bucket"
-
-        def load() -> int:
-            import torch
-
-            try:
-                named = receive_tensors(group, specs, torch.device("cpu"), flattened=flattened)
-            except RuntimeError as err:  # the trainer went away or timed out mid-broadcast
-                raise WeightGroupError(f"broadcast over {name!r} failed: {err}") from None
-            return self.engine.update_weights(dict(named), version)
-
-        return await self._apply_weights(body, load, f"from group {name}")
-
     # ------------------------------------------------------------------ control
 
     async def release_memory(self, request: web.Request) -> web.Response:
@@ -768,7 +533,7 @@ class EngineServer:
         rid = body.get("rid", "") or ""
         if not isinstance(rid, str):
             raise RequestError("rid must be a string")
-        if _flag(body, "abort_all"):
+        if bool_flag(body, "abort_all"):
             self.engine.abort_all()
         elif rid:
             self.engine.abort(rid)

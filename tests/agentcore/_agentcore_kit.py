@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 import urllib.request
@@ -13,12 +12,6 @@ ROOT = Path(__file__).resolve().parents[2]
 REGION = "us-west-2"
 CREDS = {"aws_access_key_id": "rayrl-test", "aws_secret_access_key": "rayrl-test"}
 BUCKET = "rayrl-test-rollouts"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
@@ -47,3 +40,14 @@ def aws_env(s3_url: str) -> dict[str, str]:
     env.update({"AWS_ACCESS_KEY_ID": CREDS["aws_access_key_id"], "AWS_SECRET_ACCESS_KEY": CREDS["aws_secret_access_key"],
                 "AWS_DEFAULT_REGION": REGION, "AWS_ENDPOINT_URL_S3": s3_url, "PYTHONPATH": str(ROOT)})
     return env
+
+
+def max_per_window(times: list[float], window_s: float = 1.0) -> int:
+    """The most requests whose times fall in any half-open window [t, t + window_s)."""
+    times = sorted(times)
+    best, j = 0, 0
+    for i in range(len(times)):
+        while times[i] - times[j] >= window_s:
+            j += 1
+        best = max(best, i - j + 1)
+    return best

@@ -12,7 +12,9 @@ import sys
 from typing import Iterator
 
 import pytest
-from _agentcore_kit import BUCKET, CREDS, REGION, ROOT, aws_env, free_port, stop_process, wait_http
+from _agentcore_kit import BUCKET, CREDS, REGION, ROOT, aws_env, stop_process, wait_http
+
+from rayrl.engines.launcher import free_port
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
@@ -24,19 +26,12 @@ def moto_s3(tmp_path_factory) -> Iterator[str]:
     """A moto S3 server (a fake that speaks S3's wire protocol) with the result bucket."""
     import boto3
 
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(f"{url}/moto-api/", proc)
+    from tests.s3_server import moto_s3_server
+
+    with moto_s3_server(tmp_path_factory.mktemp("moto") / "moto.log") as url:
         s3 = boto3.client("s3", endpoint_url=url, region_name=REGION, **CREDS)
         s3.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": REGION})
         yield url
-    finally:
-        stop_process(proc)
-        log.close()
 
 
 @pytest.fixture(scope="session")

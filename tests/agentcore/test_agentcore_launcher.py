@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from _agentcore_kit import BUCKET, CREDS, REGION
+from _agentcore_kit import BUCKET, CREDS, REGION, max_per_window
 from rayrl.agents.agentcore.emulator import DEFAULT_LOCAL_ARN, FakeAgentCoreRuntime, Faults
 from rayrl.agents.agentcore.launcher import RolloutLauncher
 from rayrl.agents.agentcore.protocol import ROLLOUT_CONFIG_KEY, AgentRolloutConfig, result_key
@@ -47,16 +47,6 @@ def session(behaviour: str = "echo", **payload: Any) -> tuple[dict[str, Any], st
                             sampling={"temperature": 0.5}, timeout_s=20.0)
     return {"behaviour": behaviour, **payload, ROLLOUT_CONFIG_KEY: rollout.to_dict()}, sid, BUCKET, key
 
-
-def max_per_window(times: list[float], window_s: float = 1.0) -> int:
-    """The most requests whose arrival times fall in any half-open window [t, t + window_s)."""
-    times = sorted(times)
-    best, j = 0, 0
-    for i in range(len(times)):
-        while times[i] - times[j] >= window_s:
-            j += 1
-        best = max(best, i - j + 1)
-    return best
 
 
 def test_session_result_round_trip(loop_thread, agent_app, moto_s3, s3_client):

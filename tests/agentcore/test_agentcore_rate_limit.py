@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from _agentcore_kit import max_per_window
 
 from rayrl.agents.agentcore.rate_limit import RateLimiter
 
@@ -23,15 +24,6 @@ class FakeClock:
         with self.lock:
             self.now += seconds
 
-
-def max_per_window(times: list[float], window_s: float = 1.0) -> int:
-    times = sorted(times)
-    best, j = 0, 0
-    for i in range(len(times)):
-        while times[i] - times[j] >= window_s:
-            j += 1
-        best = max(best, i - j + 1)
-    return best
 
 
 @pytest.mark.parametrize("rate,burst", [(10.0, 1), (10.0, 10), (3.5, 2), (1.0, 1)])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +28,3 @@ def record(name: str, figures: dict[str, Any]) -> None:
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"{name}.json").write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

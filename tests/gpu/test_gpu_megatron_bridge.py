@@ -8,9 +8,10 @@ import os
 import numpy as np
 import pytest
 import torch
-from _gpu_kit import free_port, need, record
+from _gpu_kit import need, record
 
 from rayrl.config import TrainerConfig
+from rayrl.engines.launcher import free_port
 from rayrl.types import Sample
 
 pytestmark = pytest.mark.gpu

@@ -50,9 +50,8 @@ def test_megatron_trainer_offload_onload(tiny_qwen2_dir):
     need("torch_memory_saver", "megatron.core", "mbridge", "transformer_engine.pytorch")
     import os
 
-    from _gpu_kit import free_port
-
     from rayrl.config import TrainerConfig
+    from rayrl.engines.launcher import free_port
     from rayrl.trainers.megatron_backend import MegatronTrainer
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -18,7 +18,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,15 +29,10 @@ from typing import Any
 
 from rayrl.agents.agentcore.emulator import DEFAULT_LOCAL_ARN
 from rayrl.config import AgentCoreConfig
+from rayrl.engines.launcher import free_port
 
 LOCAL_CREDENTIALS = {"aws_access_key_id": "rayrl-local", "aws_secret_access_key": "rayrl-local"}
 DEFAULT_LOCAL_BUCKET = "rayrl-local-rollouts"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -123,7 +117,7 @@ class LocalAgentCore:
                    "AWS_DEFAULT_REGION": self.cfg.region, "AWS_REGION": self.cfg.region}
         s3_url = self.cfg.s3_endpoint_url
         if not s3_url:
-            port = _free_port()
+            port = free_port()
             argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
             proc = self._spawn("moto", argv, {**base_env, **aws_env})
             self.procs["moto"] = proc
@@ -135,7 +129,7 @@ class LocalAgentCore:
         if bucket not in existing:
             s3.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": self.cfg.region})
 
-        agent_port = _free_port()
+        agent_port = free_port()
         agent_env = {**base_env, **aws_env, "AWS_ENDPOINT_URL_S3": s3_url, "PORT": str(agent_port),
                      "PYTHONUNBUFFERED": "1"}
         agent = self._spawn("agent", self._command(), agent_env)

@@ -1,0 +1,195 @@
+"""The engine server's weight routes, SGLang's API: from disk, from tensors (SGLang's serialized form),
+and from a trainer's process group (``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``), plus ``/update_weight_version``.
+
+A mixin of EngineServer (server.py), kept apart because weight transfer is its own concern: it uses the
+server's ``engine``, ``weight_groups`` and ``weight_group_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Optional
+
+from aiohttp import web
+
+from rayrl.engines.http_input import RequestError, bool_flag, read_json
+from rayrl.engines.sampling import is_int
+from rayrl.engines.weight_group import WeightGroupError, parse_specs, receive_tensors
+from rayrl.engines.weights import decode_named_tensors, deserialize_from_trainer
+
+
+class WeightEndpoints:
+    """Weight routes of the engine server (mixed into EngineServer)."""
+
+    @staticmethod
+    def _version_field(body: dict[str, Any], key: str = "weight_version") -> Optional[str]:
+        value = body.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise RequestError(f"{key} must be a string")
+        return str(value)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        version = self._version_field(body, "new_version")
+        if version is None:
+            raise RequestError("new_version is required")
+        if bool_flag(body, "abort_all_requests"):
+            self.engine.abort_all()
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.set_weight_version, version)
+        return web.json_response(
+            {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+        )
+
+    async def _apply_weights(self, body: dict[str, Any], load: Callable[[], int], what: str) -> web.Response:
+        version = self._version_field(body)
+        if bool_flag(body, "abort_all_requests"):
+            self.engine.abort_all()
+        try:
+            count = await asyncio.get_running_loop().run_in_executor(None, load)
+        except (ValueError, OSError) as err:  # WeightUpdateError is a ValueError
+            return web.json_response(
+                {"success": False, "message": f"Failed to update weights: {err}", "num_paused_requests": 0},
+                status=400,
+            )
+        message = f"Succeeded to update model weights ({count} tensors {what})."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise RequestError("model_path must be a non-empty string")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise RequestError(
+                "load_format: the CPU engine reads safetensors checkpoints only (null, auto, safetensors)"
+            )
+        version = self._version_field(body)
+        return await self._apply_weights(
+            body, lambda: self.engine.load_weights_from_disk(path, version), f"from {path}"
+        )
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """SGLang's payload (``load_format`` null, "direct" or "flattened_bucket": shared-memory handles,
+        unpickled with an allow-list) or the byte-carrying ``"safetensors"`` form. Entry 0 is ours: the
+        CPU engine is one tensor-parallel rank."""
+        body = await read_json(request)
+        load_format = body.get("load_format")
+        entries = body.get("serialized_named_tensors")
+        if not isinstance(entries, list) or not entries or not isinstance(entries[0], str):
+            raise RequestError("serialized_named_tensors must be a non-empty list of base64 strings")
+        version = self._version_field(body)
+        if load_format == "safetensors":
+
+            def load() -> int:
+                return self.engine.update_weights(decode_named_tensors(entries[0]), version)
+
+            return await self._apply_weights(body, load, "from the request")
+        if load_format not in (None, "direct", "flattened_bucket"):
+            raise RequestError(
+                f"load_format {load_format!r} is not supported by the CPU engine "
+                '(null, "direct", "flattened_bucket" or "safetensors")'
+            )
+        try:
+            named = deserialize_from_trainer(entries[0])
+        except ValueError as err:  # WeightUpdateError: not a payload, disallowed names, CUDA handles
+            raise RequestError(
+                f"{err} (SGLang's form: base64 of a multiprocessing pickle of [(name, tensor)] or a "
+                'flattened bucket; bytes from another machine: load_format="safetensors")'
+            ) from None
+        if load_format == "flattened_bucket" and len({t.dtype for _, t in named}) > 1:
+            raise RequestError("a flattened bucket holds one dtype")
+        tensors = dict(named)
+        if len(tensors) != len(named):
+            raise RequestError("serialized_named_tensors names a tensor twice")
+        return await self._apply_weights(
+            body, lambda: self.engine.update_weights(tensors, version), "from the request"
+        )
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """Join the trainer's weight broadcast group as rank ``rank_offset`` (one TP rank on CPU).
+
+        Blocks until every rank has joined (the trainer joins as rank 0 while this call is open)."""
+        body = await read_json(request)
+        address, port = body.get("master_address"), body.get("master_port")
+        offset, world = body.get("rank_offset"), body.get("world_size")
+        name = body.get("group_name", "weight_update_group")
+        backend = body.get("backend", "nccl")
+        if not isinstance(address, str) or not address:
+            raise RequestError("master_address must be a non-empty string")
+        for key, value in (("master_port", port), ("rank_offset", offset), ("world_size", world)):
+            if not is_int(value):
+                raise RequestError(f"{key} must be an integer")
+        if not 0 < port < 65536:
+            raise RequestError("master_port must be in 1..65535")
+        if not 1 <= offset < world:
+            raise RequestError(f"rank_offset must be in 1..world_size-1 (the trainer is rank 0), got {offset}")
+        if not isinstance(name, str) or not name:
+            raise RequestError("group_name must be a non-empty string")
+        if backend != "gloo":
+            raise RequestError(f"backend {backend!r}: the CPU engine joins weight update groups over gloo only")
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None,
+                lambda: self.weight_groups.create(
+                    master_address=address,
+                    master_port=port,
+                    rank=offset,
+                    world_size=world,
+                    group_name=name,
+                    backend=backend,
+                    timeout_s=self.weight_group_timeout_s,
+                ),
+            )
+        except WeightGroupError as err:
+            return web.json_response({"success": False, "message": str(err)}, status=400)
+        return web.json_response(
+            {"success": True, "message": f"Succeeded to initialize weight update group {name}."}
+        )
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await read_json(request, allow_empty=True)
+        name = body.get("group_name", "weight_update_group")
+        if not isinstance(name, str):
+            raise RequestError("group_name must be a string")
+        try:
+            self.weight_groups.destroy(name)
+        except WeightGroupError as err:
+            return web.json_response({"success": False, "message": str(err)}, status=400)
+        return web.json_response({"success": True, "message": f"Destroyed weight update group {name}."})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """Receive the listed tensors by broadcast from the trainer (rank 0), in list order, and load them."""
+        body = await read_json(request)
+        load_format = body.get("load_format")
+        if load_format not in (None, "flattened_bucket"):
+            raise RequestError('load_format must be null or "flattened_bucket"')
+        name = body.get("group_name", "weight_update_group")
+        if not isinstance(name, str):
+            raise RequestError("group_name must be a string")
+        try:
+            specs = parse_specs(body.get("names"), body.get("dtypes"), body.get("shapes"))
+            if load_format == "flattened_bucket" and len({s.dtype for s in specs}) > 1:
+                raise WeightGroupError("a flattened bucket holds one dtype")
+            group = self.weight_groups.get(name)
+        except WeightGroupError as err:
+            raise RequestError(str(err)) from None
+        if len({s.name for s in specs}) != len(specs):
+            raise RequestError("names lists a tensor twice")
+        version = self._version_field(body)
+        flattened = load_format == "flattened_bucket"
+
+        def load() -> int:
+            import torch
+
+            try:
+                named = receive_tensors(group, specs, torch.device("cpu"), flattened=flattened)
+            except RuntimeError as err:  # the trainer went away or timed out mid-broadcast
+                raise WeightGroupError(f"broadcast over {name!r} failed: {err}") from None
+            return self.engine.update_weights(dict(named), version)
+
+        return await self._apply_weights(body, load, f"from group {name}")
