@@ -5,7 +5,9 @@ iteration the loop runs queued commands (weight updates, pause), applies aborts,
 arrived requests (several at once, left-padded) and merges them into the running batch, then runs one
 decode step for the whole batch. Finished requests leave the batch right after the step that finished
 them. Cache data moves only at those join/leave events (see kv_cache.py); a decode step writes one
-column in place.
+column in place. A prefix cache (prefix_cache.py) keeps the KV of prompts and finished conversations,
+so a request that starts with a known prefix (the next turn of an episode, the other episodes of a
+group) prefills only the new tokens.
 
 Every result carries the weight version that produced it. Weight updates are applied between decode
 steps; a request that spans an update records which version produced each token.
@@ -30,6 +32,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from rayrl.engines.kv_cache import ATTENTION_NAME, BatchKV, KVBlock, prefill_mask
+from rayrl.engines.prefix_cache import MIN_REUSE_TOKENS, PrefixCache, PrefixEntry, common_prefix
 from rayrl.engines.requests import GenerationResult, RequestHandle, SequenceState, final_text
 from rayrl.engines.sampling import BatchSampler, SamplingParams
 from rayrl.engines.weights import copy_into, read_checkpoint
@@ -56,6 +59,7 @@ class CPUEngine:
         weight_version: str = "0",
         prefill_budget_tokens: int = 4096,
         seed: int = 0,
+        prefix_cache_mb: int = 1024,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -104,6 +108,8 @@ class CPUEngine:
         self._next_ids = torch.zeros(0, 1, dtype=torch.long)
         self._sampler = BatchSampler([])
         self._counters = collections.Counter()
+        self._prefix = PrefixCache(int(prefix_cache_mb) * 1024 * 1024)
+        self._cache_epoch = 0  # bumped when the weights change: older KV is never reused
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -292,6 +298,7 @@ class CPUEngine:
 
         def apply() -> int:
             count = copy_into(named_tensors, self._params)
+            self._flush_prefix_cache()
             if version is not None:
                 self._set_version(str(version))
             return count
@@ -304,12 +311,21 @@ class CPUEngine:
         return self.update_weights(tensors, version)
 
     def flush_cache(self) -> bool:
-        """No prefix cache on CPU: nothing to flush. Always succeeds."""
+        """Empty the prefix cache (between decode steps). Always succeeds."""
+        self._call_in_loop(self._flush_prefix_cache)
         return True
 
+    def _flush_prefix_cache(self) -> None:
+        self._prefix.clear()
+        self._cache_epoch += 1
+
     def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
-        """CPU no-op that records the state: on GPU this frees weights/KV memory for the trainer."""
-        self._released.update(self._check_tags(tags))
+        """Records the state (on GPU this frees weights/KV memory for the trainer); releasing
+        ``kv_cache`` also empties the prefix cache, as it does in SGLang."""
+        tags = self._check_tags(tags)
+        self._released.update(tags)
+        if "kv_cache" in tags:
+            self.flush_cache()
 
     def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
         """CPU no-op counterpart of :meth:`release_memory_occupation` (weights stay valid on CPU)."""
@@ -344,6 +360,7 @@ class CPUEngine:
             "released_memory": sorted(self._released),
             "weight_version": self._weight_version,
             "kv_cache_reserved_bytes": kv.nbytes() if kv is not None else 0,
+            **self._prefix.stats(),
             "last_error": repr(self._loop_error) if self._loop_error is not None else None,
         }
 
@@ -502,22 +519,57 @@ class CPUEngine:
         return groups + alone
 
     def _admit(self, handles: list[RequestHandle]) -> None:
-        """Prefill new requests group by group and append the rows still running to the batch."""
+        """Prefill new requests and append the rows still running to the batch.
+
+        Requests whose prompt starts with a cached prefix prefill only the rest, one by one. The others
+        prefill in left-padded groups; a request sharing a long prefix with one of those waits for it
+        (its prompt KV is cached right after) and then reuses it, so a group's episodes that arrive
+        together pay for their shared prompt once.
+        """
+        hits: list[tuple[RequestHandle, int, PrefixEntry]] = []
+        misses: list[RequestHandle] = []
+        later: list[RequestHandle] = []
+        for h in handles:
+            if h.wants_prompt_logprobs or not self._prefix.enabled:
+                misses.append(h)
+                continue
+            matched, entry = self._prefix.match(h.prompt_ids)
+            if entry is not None:
+                hits.append((h, matched, entry))
+            elif any(self._shares_prefix(h, m) for m in misses):
+                later.append(h)
+            else:
+                misses.append(h)
         joined = False
-        for group in self._prefill_groups(handles):
-            block, group_seqs, group_pos, group_next, keep = self._prefill(group)
-            if not keep:
-                continue  # every request of the group finished at its first token
-            if self._kv is None:
-                self._kv = BatchKV(len(block.keys), self.max_batch_size)
-            idx = torch.tensor(keep, dtype=torch.long)
-            self._kv.append(block, idx)
-            self._seqs.extend(group_seqs[i] for i in keep)
-            self._positions = torch.cat([self._positions, group_pos[idx]])
-            self._next_ids = torch.cat([self._next_ids, group_next[idx]])
-            joined = True
+        for group in self._prefill_groups(misses):
+            joined |= self._join(*self._prefill(group))
+        for h in later:
+            matched, entry = self._prefix.match(h.prompt_ids)
+            joined |= self._join(*(self._prefill_cached(h, matched, entry) if entry else self._prefill([h])))
+        for h, matched, entry in hits:
+            joined |= self._join(*self._prefill_cached(h, matched, entry))
         if joined:
             self._sampler = BatchSampler([s.row for s in self._seqs])
+
+    @staticmethod
+    def _shares_prefix(h: RequestHandle, other: RequestHandle) -> bool:
+        if other.wants_prompt_logprobs:
+            return False
+        return common_prefix(np.asarray(h.prompt_ids), np.asarray(other.prompt_ids)) >= MIN_REUSE_TOKENS
+
+    def _join(self, block: KVBlock, seqs: list[SequenceState], pos: torch.Tensor, next_ids: torch.Tensor,
+              keep: list[int]) -> bool:
+        """Append a prefilled block's rows ``keep`` to the running batch (False: nothing joined)."""
+        if not keep:
+            return False  # every request of the group finished at its first token
+        if self._kv is None:
+            self._kv = BatchKV(len(block.keys), self.max_batch_size)
+        idx = torch.tensor(keep, dtype=torch.long)
+        self._kv.append(block, idx)
+        self._seqs.extend(seqs[i] for i in keep)
+        self._positions = torch.cat([self._positions, pos[idx]])
+        self._next_ids = torch.cat([self._next_ids, next_ids[idx]])
+        return True
 
     def _prefill(self, group: list[RequestHandle]):
         """Prefill one left-padded group; sample each request's first token; returns rows still running."""
@@ -540,9 +592,49 @@ class CPUEngine:
             use_cache=True,
             logits_to_keep=0 if want_prompt_lps else 1,
         )
-        logits = out.logits[:, -1]
         if want_prompt_lps:
             self._prompt_logprobs(group, ids, out.logits)
+        for i, h in enumerate(group):
+            self._cache_prompt(h, cache, i, length)
+        return self._first_tokens(group, out.logits[:, -1], KVBlock.from_cache(cache, mask), mask.sum(1))
+
+    def _prefill_cached(self, h: RequestHandle, matched: int, entry: PrefixEntry):
+        """Prefill ``h`` on top of the first ``matched`` cached tokens: only the rest runs the model."""
+        cache = DynamicCache()
+        for layer, (k, v) in enumerate(zip(entry.keys, entry.values)):
+            cache.update(k[:, :, :matched], v[:, :, :matched], layer)  # copies: the entry stays intact
+        suffix = torch.tensor([h.prompt_ids[matched:]], dtype=torch.long)
+        n, total = suffix.shape[1], len(h.prompt_ids)
+        attention = torch.ones(n, total, dtype=torch.bool).tril_(diagonal=matched).view(1, 1, n, total)
+        out = self.model(
+            input_ids=suffix,
+            attention_mask=attention,
+            position_ids=torch.arange(matched, total, dtype=torch.long).view(1, -1),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        h.cached_tokens = matched
+        self._counters["cached_prompt_tokens"] += matched
+        self._cache_prompt(h, cache, 0, total)
+        mask = torch.ones(1, total, dtype=torch.bool)
+        return self._first_tokens([h], out.logits[:, -1], KVBlock.from_cache(cache, mask), mask.sum(1))
+
+    def _cache_prompt(self, h: RequestHandle, cache: DynamicCache, row: int, length: int) -> None:
+        """Keep the prompt's KV (row ``row`` of a left-padded prefill of ``length`` columns)."""
+        h.cache_epoch = self._cache_epoch
+        n = len(h.prompt_ids)
+        if not self._prefix.enabled or self._prefix.covers(h.prompt_ids):
+            return
+        self._prefix.insert(
+            h.prompt_ids,
+            [layer.keys[row : row + 1, :, length - n : length].clone() for layer in cache.layers],
+            [layer.values[row : row + 1, :, length - n : length].clone() for layer in cache.layers],
+        )
+
+    def _first_tokens(self, group: list[RequestHandle], logits: torch.Tensor, block: KVBlock,
+                      next_pos: torch.Tensor):
+        """Sample each prefilled request's first token; returns what :meth:`_join` takes."""
         seqs = [SequenceState(h, self.eos_token_ids, self.vocab_size, self.context_length) for h in group]
         version = self._weight_version
         for h in group:
@@ -557,8 +649,7 @@ class CPUEngine:
                 continue
             if not self._append(seq, tok, lp):
                 keep.append(i)
-        next_pos = mask.sum(1)
-        return KVBlock.from_cache(cache, mask), seqs, next_pos, tokens.view(-1, 1), keep
+        return block, seqs, next_pos, tokens.view(-1, 1), keep
 
     def _prompt_logprobs(self, group: list[RequestHandle], ids: torch.Tensor, logits: torch.Tensor) -> None:
         length = ids.shape[1]
@@ -614,12 +705,31 @@ class CPUEngine:
 
     def _leave(self, rows: set[int]) -> None:
         assert self._kv is not None
+        for row in rows:
+            self._cache_conversation(row)
         order = self._kv.remove(sorted(rows))
         idx = torch.tensor(order, dtype=torch.long)
         self._seqs = [self._seqs[i] for i in order]
         self._positions = self._positions[idx]
         self._next_ids = self._next_ids[idx]
         self._sampler = BatchSampler([s.row for s in self._seqs])
+
+    def _cache_conversation(self, row: int) -> None:
+        """Keep a leaving request's KV (prompt and output but the last token, which never ran through
+        the model), so the conversation's next turn reuses it. Only KV made entirely by the current
+        weights is kept."""
+        h, kv = self._seqs[row].handle, self._kv
+        if not self._prefix.enabled or h.cache_epoch != self._cache_epoch or h.version_changes or not kv:
+            return
+        tokens = h.prompt_ids + h.output_ids[:-1]
+        n, length = len(tokens), kv.length
+        if n > length or self._prefix.covers(tokens) or int(kv.mask_buffer[row, :length].sum()) != n:
+            return
+        self._prefix.insert(
+            tokens,
+            [buf[row : row + 1, :, length - n : length].clone() for buf in kv.key_buffers],
+            [buf[row : row + 1, :, length - n : length].clone() for buf in kv.value_buffers],
+        )
 
     # ------------------------------------------------------------------ finishing
 
@@ -644,6 +754,7 @@ class CPUEngine:
             token_versions=versions,
             input_token_logprobs=handle.input_logprobs,
             e2e_latency=time.perf_counter() - handle.submitted_at,
+            cached_tokens=handle.cached_tokens,
         )
         with self._lock:
             self._active.pop(handle.rid, None)

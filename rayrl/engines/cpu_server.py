@@ -36,6 +36,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument(
         "--prefill-budget-tokens", type=int, default=4096, help="padded prompt tokens per prefill"
     )
+    ap.add_argument(
+        "--prefix-cache-mb", type=int, default=1024, help="KV of known prefixes kept for reuse (0: off)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slow-request-s", type=float, default=120.0, help="log requests slower than this")
     ap.add_argument("--log-level", default="INFO")
@@ -45,6 +48,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.num_threads < 0:
         ap.error("--num-threads must be >= 0")
+    if args.prefix_cache_mb < 0:
+        ap.error("--prefix-cache-mb must be >= 0")
     return args
 
 
@@ -63,6 +68,7 @@ async def serve(args: argparse.Namespace) -> None:
         weight_version=args.weight_version,
         prefill_budget_tokens=args.prefill_budget_tokens,
         seed=args.seed,
+        prefix_cache_mb=args.prefix_cache_mb,
     ).start()
     server = EngineServer(
         engine,

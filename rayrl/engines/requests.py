@@ -36,6 +36,7 @@ class GenerationResult:
     token_versions: Optional[list[str]]
     input_token_logprobs: Optional[list[Optional[float]]]
     e2e_latency: float
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class RequestHandle:
@@ -62,6 +63,8 @@ class RequestHandle:
         self.output_logprobs: list[float] = []
         self.input_logprobs: Optional[list[Optional[float]]] = None
         self.start_version: Optional[str] = None  # the version at prefill
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.cache_epoch: Optional[int] = None  # the engine's weight epoch at prefill (prefix cache)
         self.version_changes: list[tuple[int, str]] = []  # (index of the first token it produced, version)
         self.submitted_at = time.perf_counter()
         self.first_token_at: Optional[float] = None  # perf_counter() when the first token was sampled

@@ -386,7 +386,7 @@ class EngineServer(WeightEndpoints):
             "finish_reason": res.finish_reason,
             "prompt_tokens": res.prompt_tokens,
             "completion_tokens": len(res.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": res.cached_tokens,
             "weight_version": res.weight_version,
             "e2e_latency": res.e2e_latency,
         }
@@ -413,7 +413,7 @@ class EngineServer(WeightEndpoints):
             "finish_reason": None,
             "prompt_tokens": len(h.prompt_ids),
             "completion_tokens": n,
-            "cached_tokens": 0,
+            "cached_tokens": h.cached_tokens,
             "weight_version": self.engine.weight_version,
         }
         if item.return_logprob:

@@ -280,6 +280,26 @@ def test_sampling_filters_restrict_the_support():
     assert seen == [{0, 1}, {0, 1}, {0, 1}]
 
 
+def test_sampled_frequencies_follow_the_tempered_distribution():
+    """Inverse-CDF sampling draws each token with its probability after temperature (and never a
+    token of probability 0), for a batch of rows sharing one generator."""
+    from rayrl.engines.sampling import BatchSampler, RowState
+
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    logits = torch.log(probs).expand(4, -1).clone()
+    sampler = BatchSampler([RowState(SamplingParams.from_dict({"temperature": t}), [], 6) for t in (1.0, 1.0, 0.5, 2.0)])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4, 6)
+    for _ in range(5000):
+        tokens, _ = sampler.sample(logits, (), gen)
+        counts[torch.arange(4), tokens] += 1
+    freq = counts / counts.sum(1, keepdim=True)
+    for row, t in enumerate((1.0, 1.0, 0.5, 2.0)):
+        expected = torch.softmax(torch.log(probs) / t, -1)
+        torch.testing.assert_close(freq[row], expected, atol=0.02, rtol=0)
+    assert counts[:, [1, 5]].sum() == 0
+
+
 @pytest.mark.parametrize(
     "params, message",
     [
