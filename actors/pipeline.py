@@ -50,6 +50,7 @@ from tqdm import tqdm
 
 from actors.dispatch import Group, GroupDispatcher, split_stale
 from actors.engine import EngineGroup
+from actors.placement import SharedPlacement
 from actors.rollout_worker import RolloutWorker, start_workers
 from actors.sandbox_pool import SandboxPoolActor
 from actors.trainer import TrainerFailure, TrainerGroup
@@ -59,7 +60,10 @@ from rayrl.config import RunConfig, to_yaml
 from rayrl.data import JsonlDataset, TaskSampler
 from rayrl.metrics import MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
+from rayrl.placement import node_cores, plan_cpu_threads
+from rayrl.engines.launcher import resolve_backend
 from rayrl.trainers.losses import grpo_advantages
+from rayrl.trainers.weight_transfer import resolve_weight_transfer
 from rayrl.trainers.weights import shared_memory_root
 from rayrl.types import Episode, Sample
 
@@ -96,10 +100,21 @@ class RayMetricsSink:
             self._staleness.observe(float(v), tags={"exp_id": self.exp_id})
 
 
+def with_cpu_threads(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``engine.num_threads`` and ``trainer.num_threads`` resolved for this node's cores and
+    the schedule (rayrl.placement.plan_cpu_threads); the run's config.yaml records the counts used."""
+    threads = plan_cpu_threads(cfg.pipeline.schedule, node_cores(), num_engines=cfg.engine.num_engines,
+                               trainer_ranks=cfg.trainer.num_ranks, engine_threads=cfg.engine.num_threads,
+                               trainer_threads=cfg.trainer.num_threads)
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, num_threads=threads.engine),
+                               trainer=dataclasses.replace(cfg.trainer, num_threads=threads.trainer))
+
+
 class Pipeline:
     """Builds every actor from one RunConfig and runs the training loop."""
 
     def __init__(self, cfg: RunConfig) -> None:
+        cfg = with_cpu_threads(cfg)
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -121,9 +136,13 @@ class Pipeline:
         self.version = 0
 
         log_dir = str((self.run_dir / "logs").resolve())
+        # placement.mode colocated/split: trainer ranks and engines share one group of GPU bundles
+        self.placement = SharedPlacement.from_config(cfg)
+        engine_options = self.placement.engine_options(0) if self.placement is not None else {}
         print("[rayrl] starting engines...", flush=True)
-        self.engines = EngineGroup.options(name=f"rayrl-{cfg.exp_id}-engines").remote(
-            cfg.engine, self.model_path, log_dir
+        self.engines = EngineGroup.options(name=f"rayrl-{cfg.exp_id}-engines", **engine_options).remote(
+            cfg.engine, self.model_path, log_dir,
+            self.placement.all_engine_devices() if self.placement is not None else None,
         )
         self.engine_urls = ray.get(self.engines.urls.remote())
         print("[rayrl] starting trajectory managers, sandbox pool, rollout workers and trainer...", flush=True)
@@ -132,14 +151,20 @@ class Pipeline:
             cfg.sandbox, cfg.sandbox_pool
         )
         workers = start_workers(cfg, self.trajectories.handles, self.pool)
-        self.trainer = TrainerGroup(cfg.trainer, self.model_path, seed=cfg.seed, name_prefix=f"rayrl-{cfg.exp_id}")
+        self.trainer = TrainerGroup(cfg.trainer, self.model_path, seed=cfg.seed, name_prefix=f"rayrl-{cfg.exp_id}",
+                                    placement=self.placement)
+        self.weight_transfer = resolve_weight_transfer(cfg.pipeline.weight_transfer, resolve_backend(cfg.engine),
+                                                       cfg.placement.mode)
+        if self.weight_transfer != "disk":
+            self._open_weight_sender()
         self.ray_sink = RayMetricsSink(cfg.exp_id)
         self.metrics = MetricsLogger(cfg.logging, self.run_dir, extra_sink=self.ray_sink)
         self.schedule = cfg.pipeline.schedule
         if self.schedule == "colocated_async":
             self.trainer.offload()  # the engines hold the devices outside the train phase
         per_step = cfg.rollout.prompts_per_step
-        self.groups_in_flight = per_step if self.schedule == "sync" else (cfg.pipeline.groups_in_flight or 2 * per_step)
+        lookahead = (cfg.pipeline.max_staleness + 1) * per_step  # batches the staleness bound lets train
+        self.groups_in_flight = per_step if self.schedule == "sync" else (cfg.pipeline.groups_in_flight or lookahead)
         self.dispatcher = GroupDispatcher(workers, cfg.rollout.group_size, self.groups_in_flight,
                                           self._restart_worker, cfg.pipeline.max_episode_retries)
         self.group_seq = 0  # groups ever queued; part of each group id
@@ -203,6 +228,9 @@ class Pipeline:
             ray.get([h.pause_generation.remote() for h in self.trajectories.handles])
             self._engine_check = ("restart", self.engines.restart_dead.remote(False))
         elif kind == "restart":
+            if self.weight_transfer != "disk":  # the restarted engine is outside the group and has base weights
+                self._open_weight_sender()
+                self._push_weights()
             if self.schedule != "colocated_async" or not self._devices_with_trainer:
                 ray.get([h.continue_generation.remote() for h in self.trajectories.handles])
             for url in result:
@@ -404,7 +432,7 @@ class Pipeline:
         if colocated:
             metrics["gateway/queue_depth"] = sum(s.get("router_queue_depth", 0) for s in self.trajectories.stats())
             ray.get(self.engines.resume_memory_occupation.remote())
-        self._sync_weights()
+        self._push_weights()
         if colocated:
             ray.get(self.engines.continue_generation.remote())
             ray.get([h.continue_generation.remote() for h in self.trajectories.handles])
@@ -441,18 +469,26 @@ class Pipeline:
                 self._keep_going()
             return future.result()
 
-    def _sync_weights(self) -> None:
-        """Export the trainer's weights and load them into every engine, bounded by
+    def _open_weight_sender(self) -> None:
+        self.trainer.open_weight_sender(self.weight_transfer, self.engine_urls, self.cfg.engine.tp_size,
+                                        self.cfg.pipeline.weight_sync_timeout_s)
+
+    def _push_weights(self) -> None:
+        """Send the trainer's weights to every engine (``pipeline.weight_transfer``), bounded by
         ``pipeline.weight_sync_timeout_s``: a hung engine fails the run with a clear error."""
         timeout = self.cfg.pipeline.weight_sync_timeout_s
-        path = self.trainer.export_weights(str(self.weights_root), self.version, self.cfg.engine.dtype)
-        ref = self.engines.update_weights_from_disk.remote(path, str(self.version), timeout)
+        if self.weight_transfer == "disk":
+            path = self.trainer.export_weights(str(self.weights_root), self.version, self.cfg.engine.dtype)
+            refs = [self.engines.update_weights_from_disk.remote(path, str(self.version), timeout)]
+        else:
+            refs = self.trainer.push_weights(self.version, self.cfg.engine.dtype)
         try:
-            ray.get(ref, timeout=timeout + 30)
+            ray.get(refs, timeout=timeout + 30)
         except Exception as err:
             self.failure_counts["weight_sync_failed"] += 1
             detail = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-            message = (f"weight update to the engines (policy version {self.version}) failed or did not finish "
+            message = (f"weight update to the engines (policy version {self.version}, {self.weight_transfer}) "
+                       f"failed or did not finish "
                        f"within pipeline.weight_sync_timeout_s={timeout:g} s: {detail}")
             logger.error(message)
             raise WeightSyncError(message) from None
@@ -509,7 +545,7 @@ class Pipeline:
         self.sampler.load_state_dict(state["sampler"])
         self.load_schedule_state(state.get("schedule") or {})
         if self.version > 0:
-            self._sync_weights()
+            self._push_weights()
         print(f"[rayrl] resumed from {self.checkpoints.location_of(step)} at step {self.step}, "
               f"policy version {self.version}", flush=True)
         return True
@@ -592,3 +628,5 @@ class Pipeline:
                        *([launcher] if launcher is not None else [])]:
             ray.kill(handle)
         self.trainer.shutdown()
+        if self.placement is not None:
+            self.placement.remove()

@@ -3,10 +3,15 @@
 Each rank is a Ray actor over ``rayrl.trainers.torch_backend.TorchTrainer`` (gloo on CPU, NCCL on GPU).
 The group splits a batch across ranks balanced by tokens, so gradients are all-reduced over the whole
 batch and every rank ends each step with identical weights.
+
+New weights reach the engines from rank 0 either through a file (``export_weights``) or without disk
+(``open_weight_sender`` then ``push_weights``: CUDA IPC handles or a broadcast group, see
+rayrl/trainers/weight_transfer.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import time
@@ -45,6 +50,8 @@ class TrainerRank:
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world_size: int, seed: int) -> None:
         self.args = (model_path, cfg, rank, world_size, seed)
         self.trainer = None
+        self.sender: Any = None  # rank 0's weight sender (pipeline.weight_transfer tensor / distributed)
+        self._loop: asyncio.AbstractEventLoop | None = None  # one loop for the sender's HTTP sessions
 
     def master_address(self) -> tuple[str, int]:
         ip = ray.util.get_node_ip_address()
@@ -89,6 +96,46 @@ class TrainerRank:
         if self.args[2] != 0:
             return ""
         return str(write_weights(state, Path(root), version))
+
+    def _run(self, coro: Any) -> Any:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(coro)
+
+    def open_weight_sender(self, kind: str, engine_urls: list[str], engine_tp_size: int, timeout_s: float) -> bool:
+        """Rank 0: build the sender for ``kind`` (tensor | distributed) and, for a broadcast group, form
+        it with every engine rank. Other ranks hold none (they only take part in Megatron's export)."""
+        from rayrl.trainers.weight_transfer import DistributedWeightSender, sender_for
+
+        self.close_weight_sender()
+        if self.args[2] != 0:
+            return False
+        self.sender = sender_for(self.args[1], engine_urls, colocated=kind == "tensor", engine_tp_size=engine_tp_size,
+                                 master_address=ray.util.get_node_ip_address(), timeout_s=timeout_s)
+        if isinstance(self.sender, DistributedWeightSender):
+            self._run(self.sender.connect())
+        return True
+
+    def push_weights(self, version: int, dtype: str) -> dict[str, Any] | None:
+        """Send the current weights to the engines as ``version`` (rank 0; Megatron ranks drain the
+        export with it). Returns rank 0's transfer figures."""
+        import torch
+
+        if self.sender is None:
+            if self.args[1].backend == "megatron":
+                for _ in self.trainer.named_weights(getattr(torch, dtype)):
+                    pass
+            return None
+        stats = self._run(self.sender.send(self.trainer.named_weights(getattr(torch, dtype)), version))
+        return {"bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.buckets, "gb_per_s": stats.gb_per_s}
+
+    def close_weight_sender(self) -> None:
+        """Tear down the broadcast group (engines that are gone are skipped)."""
+        from rayrl.trainers.weight_transfer import DistributedWeightSender
+
+        sender, self.sender = self.sender, None
+        if isinstance(sender, DistributedWeightSender):
+            self._run(sender.close())
 
     def save_checkpoint(self, directory: str) -> None:
         self.trainer.save_checkpoint(directory)
@@ -214,6 +261,19 @@ class TrainerGroup:
     def export_weights(self, root: str, version: int, dtype: str) -> str:
         ranks = self.ranks if self.cfg.backend == "megatron" else self.ranks[:1]  # Megatron gathers: all ranks
         return ray.get([r.export_weights.remote(root, version, dtype) for r in ranks])[0]
+
+    def open_weight_sender(self, kind: str, engine_urls: Sequence[str], engine_tp_size: int, timeout_s: float) -> None:
+        """Make rank 0 ready to send weights without disk (``kind``: tensor | distributed)."""
+        ray.get([r.open_weight_sender.remote(kind, list(engine_urls), engine_tp_size, timeout_s) for r in self.ranks],
+                timeout=timeout_s + 60)
+
+    def push_weights(self, version: int, dtype: str) -> list[Any]:
+        """Refs of every rank's part of one weight push (Megatron: all ranks; torch: rank 0)."""
+        ranks = self.ranks if self.cfg.backend == "megatron" else self.ranks[:1]
+        return [r.push_weights.remote(version, dtype) for r in ranks]
+
+    def close_weight_sender(self) -> None:
+        ray.get(self.ranks[0].close_weight_sender.remote(), timeout=60)
 
     def save_checkpoint(self, directory: str, only_rank0: bool = False) -> None:
         """Every rank writes its file; ``only_rank0`` after a rank failure (ranks hold replicas of the

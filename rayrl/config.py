@@ -39,7 +39,8 @@ class EngineConfig:
     dtype: str = "bfloat16"  # weights dtype inside the engine: bfloat16 | float32 | float16
     max_batch_size: int = 32  # concurrent sequences decoded together (continuous batching)
     context_length: int = 4096  # longest prompt + response accepted
-    num_threads: int = 0  # torch CPU threads per CPU engine (0: all cores)
+    num_threads: int = 0  # torch CPU threads per CPU engine (0: auto, the cores the schedule gives the engines)
+    prefix_cache_mb: int = 1024  # CPU engine: KV of known prompt prefixes kept for reuse (0: off); SGLang has its radix cache
     host: str = "127.0.0.1"  # bind address of the engine servers
     startup_timeout_s: float = 300.0  # how long to wait for /health after launch
     request_timeout_s: float = 600.0  # client-side limit for one /generate
@@ -173,8 +174,9 @@ class TrainerConfig:
     tis_cap: Optional[float] = None  # truncated importance sampling cap (0: off); unset: 0 for sync, 2.0 for the async schedules
     micro_batch_tokens: int = 4096  # tokens per forward/backward micro-batch
     dtype: str = "float32"  # master weights dtype
+    compute_dtype: str = "auto"  # torch backend: forward/backward under autocast (mixed precision; master weights stay trainer.dtype): auto | float32 | bfloat16 (auto: bfloat16 on CUDA or a CPU with native bf16, else float32)
     gradient_checkpointing: bool = False  # trade compute for memory
-    num_threads: int = 0  # torch CPU threads per rank (0: all cores)
+    num_threads: int = 0  # torch CPU threads per rank (0: auto, the cores the schedule gives the trainer)
     tp_size: int = 1  # megatron: tensor-parallel ranks
     pp_size: int = 1  # megatron: pipeline-parallel stages
     cp_size: int = 1  # megatron: context-parallel ranks (long sequences)
@@ -211,10 +213,11 @@ class PipelineConfig:
 
     schedule: str = "sync"  # sync | async | colocated_async (order of phases: actors/pipeline.py)
     max_staleness: int = 1  # async schedules: samples from more than this many policy versions ago are dropped
-    groups_in_flight: int = 0  # async schedules: task groups kept running ahead (0: 2 x rollout.prompts_per_step)
+    groups_in_flight: int = 0  # async schedules: task groups kept running ahead (0: (max_staleness + 1) x rollout.prompts_per_step, as many batches as the staleness bound lets train)
     partial_rollout: bool = False  # colocated_async: abort generations at a weight update and continue them on the new weights (False: they finish first)
     generation_wait_timeout_s: float = 600.0  # colocated_async: an LLM call waits at most this long at the gateway while engines are paused
     weight_sync_timeout_s: float = 300.0  # a weight update to the engines that takes longer fails the step with a clear error
+    weight_transfer: str = "auto"  # how new weights reach the engines: auto | disk | tensor | distributed (auto: disk for CPU engines; on GPU tensor (CUDA IPC) when placement.mode is colocated, else distributed (NCCL))
     max_episode_retries: int = 2  # an episode whose rollout worker died is re-queued at most this many times
     checkpoint_interval: int = 0  # save every N steps (0: only at the end)
     checkpoint_dir: Optional[str] = None  # a directory or s3://bucket/prefix (boto3 config, e.g. AWS_ENDPOINT_URL_S3); default runs/<exp_id>/checkpoints
@@ -290,7 +293,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "placement.mode": ("none", "colocated", "split"),
     "trainer.loss": ("grpo", "ppo"),
     "trainer.dtype": ("float32", "bfloat16"),
+    "trainer.compute_dtype": ("auto", "float32", "bfloat16"),
     "pipeline.schedule": ("sync", "async", "colocated_async"),
+    "pipeline.weight_transfer": ("auto", "disk", "tensor", "distributed"),
     "logging.wandb_mode": ("online", "offline"),
     "logging.log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
@@ -321,6 +326,9 @@ _POSITIVE: tuple[str, ...] = (
 
 _NON_NEGATIVE: tuple[str, ...] = (
     "seed",
+    "engine.num_threads",
+    "engine.prefix_cache_mb",
+    "trainer.num_threads",
     "trainer.steps",
     "trainer.weight_decay",
     "trainer.grad_clip",

@@ -1,4 +1,5 @@
-"""Placement plans: which GPU bundles the trainer ranks and the engines use (pure data, no Ray).
+"""Placement plans: which GPU bundles the trainer ranks and the engines use, and on CPU how many
+cores each gets (pure data, no Ray).
 
 actors/placement.py turns a plan into a Ray placement group; rayrl/config.py validates a run's numbers
 with it at load, so a layout that cannot fit fails before anything starts.
@@ -6,6 +7,7 @@ with it at load, so a layout that cannot fit fails before anything starts.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from rayrl.config import ConfigError
@@ -70,4 +72,48 @@ def plan_placement(
         ),
         trainer_gpu_fraction=fractions[0],
         engine_gpu_fraction=fractions[1],
+    )
+
+
+EXCLUSIVE_SCHEDULES = ("sync", "colocated_async")  # rollout and training take the devices in turn
+
+
+@dataclass(frozen=True)
+class CpuThreads:
+    """torch threads per CPU engine and per trainer rank (see :func:`plan_cpu_threads`)."""
+
+    engine: int
+    trainer: int
+
+
+def node_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def plan_cpu_threads(
+    schedule: str,
+    cores: int,
+    *,
+    num_engines: int,
+    trainer_ranks: int,
+    engine_threads: int = 0,
+    trainer_threads: int = 0,
+) -> CpuThreads:
+    """On CPU the cores are the devices, so they are shared the way the schedule shares GPUs.
+
+    ``sync`` and ``colocated_async`` give the engines and the trainer the devices in turn, so each gets
+    every core while it holds them; ``async`` runs both at once, so each gets half. A count above 0 in
+    the config (``engine.num_threads``, ``trainer.num_threads``) is kept as given. Resolving "all cores"
+    matters under Ray: a Ray actor starts with ``OMP_NUM_THREADS=1``, so torch would otherwise use one core.
+    """
+    cores = max(1, cores)
+    share = cores if schedule in EXCLUSIVE_SCHEDULES else max(1, cores // 2)
+    rest = cores if schedule in EXCLUSIVE_SCHEDULES else max(1, cores - share)
+    return CpuThreads(
+        engine=engine_threads if engine_threads > 0 else max(1, share // max(1, num_engines)),
+        trainer=trainer_threads if trainer_threads > 0 else max(1, rest // max(1, trainer_ranks)),
     )

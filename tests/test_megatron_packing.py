@@ -33,7 +33,7 @@ def test_packed_positions_match_the_torch_backend(tiny_model_dir):
     assert batch.position_ids[0, 20:32].tolist() == list(range(12))
     assert batch.num_tokens == sum(int(s.loss_mask.sum()) for s in samples)
 
-    trainer = TorchTrainer(tiny_model_dir, TrainerConfig(tis_cap=0.0), seed=0, device="cpu")
+    trainer = TorchTrainer(tiny_model_dir, TrainerConfig(tis_cap=0.0, compute_dtype="float32"), seed=0, device="cpu")
     expected = trainer.token_logprobs(trainer._micro_batch(samples, advantages)).detach()
     # the same model run segment by segment over the packed layout
     logps, start = [], 0

@@ -6,12 +6,14 @@ them exactly as for real ones, so the GPU id an actor is given identifies the bu
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
 from actors.placement import SharedPlacement
 from rayrl.config import ConfigError, TrainerConfig, load_config
-from rayrl.placement import plan_placement
+from rayrl.placement import node_cores, plan_cpu_threads, plan_placement
 
 
 def test_colocated_plan_shares_every_bundle():
@@ -19,6 +21,41 @@ def test_colocated_plan_shares_every_bundle():
     assert plan.trainer_bundles == tuple(range(8))
     assert plan.engine_bundles == ((0, 1), (2, 3), (4, 5), (6, 7))
     assert plan.trainer_gpu_fraction + plan.engine_gpu_fraction == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "cores", "engines", "ranks", "expected"),
+    [
+        ("sync", 2, 1, 1, (2, 2)),  # the phases take turns: each gets every core
+        ("colocated_async", 16, 2, 4, (8, 4)),
+        ("async", 2, 1, 1, (1, 1)),  # both run at once: half each
+        ("async", 16, 2, 2, (4, 4)),
+        ("async", 7, 1, 1, (3, 4)),
+        ("async", 1, 1, 1, (1, 1)),  # never zero threads
+        ("sync", 4, 8, 8, (1, 1)),
+    ],
+)
+def test_cpu_threads_follow_the_schedule(schedule, cores, engines, ranks, expected):
+    plan = plan_cpu_threads(schedule, cores, num_engines=engines, trainer_ranks=ranks)
+    assert (plan.engine, plan.trainer) == expected
+
+
+def test_cpu_threads_set_in_the_config_are_kept():
+    plan = plan_cpu_threads("sync", 16, num_engines=1, trainer_ranks=1, engine_threads=3, trainer_threads=5)
+    assert (plan.engine, plan.trainer) == (3, 5)
+
+
+def test_pipeline_config_resolves_auto_threads(tmp_path):
+    """Ray starts actors with OMP_NUM_THREADS=1: "auto" must become an explicit count before the
+    engines and the trainer start, or torch would use one core of the machine."""
+    from actors.pipeline import with_cpu_threads
+
+    cfg = load_config(None, ["pipeline.schedule=sync", f"logging.output_dir={tmp_path}"])
+    resolved = with_cpu_threads(cfg)
+    assert (resolved.engine.num_threads, resolved.trainer.num_threads) == (node_cores(), node_cores())
+    assert cfg.engine.num_threads == 0  # the caller's config is not changed
+    pinned = with_cpu_threads(load_config(None, ["engine.num_threads=1", f"logging.output_dir={tmp_path}"]))
+    assert pinned.engine.num_threads == 1
 
 
 def test_split_plan_gives_disjoint_bundles():
@@ -69,7 +106,9 @@ class Where:
 
 @pytest.fixture(scope="module")
 def ray_with_8_logical_gpus():
-    ray.init(num_cpus=4, num_gpus=8, include_dashboard=False)
+    from tests.ray_support import ROOT
+
+    ray.init(num_cpus=4, num_gpus=8, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     yield
     ray.shutdown()
 
@@ -133,3 +172,28 @@ def test_trainer_group_uses_the_shared_placement(ray_with_8_logical_gpus, tiny_m
         if group is not None:
             group.shutdown()
         placement.remove()
+
+
+def test_pipeline_places_trainer_and_engines_on_one_bundle(ray_with_8_logical_gpus, tiny_model_dir, tmp_path):
+    """placement.mode=colocated in a real Pipeline: the trainer rank and the engine group share the bundle
+    (each with its fraction of its GPU), and a colocated_async step runs there."""
+    from actors.pipeline import Pipeline
+    from tests.pipeline.test_schedules_e2e import pipeline_config
+
+    cfg = pipeline_config(tmp_path, tiny_model_dir, "exp_id=placed", "placement.mode=colocated",
+                          "placement.num_gpus=1", "placement.cpus_per_bundle=1", "pipeline.schedule=colocated_async",
+                          "trainer.steps=1")  # fmt: skip
+    pipe = Pipeline(cfg)
+    try:
+        gpu = pipe.placement.bundle_gpus[0]
+        gpu_ids = lambda self: [str(int(g)) for g in ray.get_gpu_ids()]  # noqa: E731
+        assert ray.get(pipe.trainer.ranks[0].__ray_call__.remote(gpu_ids)) == [gpu]
+        assert ray.get(pipe.engines.__ray_call__.remote(gpu_ids)) == [gpu]
+        metrics = pipe.run_step()
+        assert metrics["train/policy_version"] == 1 and metrics["rollout/episodes_ok"] == 4
+    finally:
+        pipe.shutdown()
+    deadline = time.monotonic() + 30  # the shared group goes with the pipeline (Ray frees it asynchronously)
+    while ray.available_resources().get("GPU") != 8:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.2)

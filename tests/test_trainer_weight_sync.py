@@ -8,7 +8,7 @@ import torch
 
 from rayrl.config import TrainerConfig
 from rayrl.engines.cpu_engine import CPUEngine
-from rayrl.trainers.torch_backend import TorchTrainer, pack_micro_batches
+from rayrl.trainers.torch_backend import TorchTrainer, autocast_dtype, pack_micro_batches
 from rayrl.trainers.weights import write_weights
 from rayrl.types import Sample
 
@@ -41,7 +41,7 @@ def test_pack_micro_batches_respects_budget():
 
 
 def test_grpo_step_then_engine_matches_trainer(tiny_model_dir, tmp_path):
-    cfg = TrainerConfig(lr=5e-3, micro_batch_tokens=64, grad_clip=1.0)
+    cfg = TrainerConfig(lr=5e-3, micro_batch_tokens=64, grad_clip=1.0, compute_dtype="float32")  # exact numbers
     trainer = TorchTrainer(tiny_model_dir, cfg, seed=0, device="cpu")
     rng = np.random.default_rng(0)
     samples = [_sample(rng.integers(10, 4000, size=24).astype(np.int32), 8, trainer) for _ in range(4)]
@@ -82,6 +82,32 @@ def test_grpo_step_then_engine_matches_trainer(tiny_model_dir, tmp_path):
         assert stale.output_ids != fresh.output_ids or not np.allclose(stale.output_logprobs, fresh.output_logprobs)
     finally:
         engine.shutdown()
+
+
+def test_bf16_compute_keeps_fp32_master_weights_and_learns(tiny_model_dir):
+    """Mixed precision: autocast bf16 for forward/backward, float32 parameters and optimizer state;
+    the step still agrees with float32 log-probs to bf16 precision and moves them the right way."""
+    cfg = TrainerConfig(lr=5e-3, micro_batch_tokens=64, compute_dtype="bfloat16")
+    trainer = TorchTrainer(tiny_model_dir, cfg, seed=0, device="cpu")
+    assert trainer.autocast_dtype is torch.bfloat16
+    rng = np.random.default_rng(0)
+    samples = [_sample(rng.integers(10, 4000, size=24).astype(np.int32), 8, trainer) for _ in range(2)]
+    before = [_seq_logprob(trainer, s) for s in samples]
+    metrics = trainer.train_step(samples, [1.0, -1.0])
+    assert 0 < metrics["logprob_abs_diff"] < 0.05  # bf16 rounding, not a different model
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert all(v.dtype == torch.float32 for st in trainer.optimizer.state.values() for v in st.values() if v.dim())
+    after = [_seq_logprob(trainer, s) for s in samples]
+    assert after[0] > before[0] and after[1] < before[1]
+
+
+def test_compute_dtype_resolution():
+    cpu = torch.device("cpu")
+    assert autocast_dtype("float32", cpu) is None
+    assert autocast_dtype("bfloat16", cpu) is torch.bfloat16
+    assert autocast_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert autocast_dtype("auto", cpu) is (torch.bfloat16 if native else None)
 
 
 def test_checkpoint_round_trip(tiny_model_dir, tmp_path):

@@ -48,6 +48,7 @@ def cpu_server_command(
         "--max-batch-size", str(cfg.max_batch_size),
         "--context-length", str(cfg.context_length),
         "--num-threads", str(cfg.num_threads),
+        "--prefix-cache-mb", str(cfg.prefix_cache_mb),
         "--weight-version", str(weight_version),
         *cfg.extra_args,
     ]  # fmt: skip

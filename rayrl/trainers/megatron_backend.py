@@ -453,17 +453,6 @@ class MegatronTrainer:
         for name, tensor in self.bridge.export_weights(self.model):
             yield name, (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor)
 
-    def send_weights(self, sender: Any, version: str | int) -> Any:
-        """Push the weights with a rayrl.trainers.weight_transfer sender on rank 0; other ranks drain
-        the export (it runs collectives). Returns rank 0's TransferStats (None elsewhere)."""
-        import asyncio
-
-        if self.rank == 0:
-            return asyncio.run(sender.send(self.named_weights(), version))
-        for _ in self.named_weights():
-            pass
-        return None
-
     def save_hf(self, directory: str | Path) -> None:
         """A HF safetensors checkpoint (rank 0 writes; every rank takes part)."""
         self.bridge.save_weights(self.model, str(directory))

@@ -48,6 +48,24 @@ def pack_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     return groups
 
 
+def autocast_dtype(compute_dtype: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for ``trainer.compute_dtype`` on ``device`` (None: plain float32).
+
+    "auto" picks bfloat16 where the hardware computes it natively (CUDA; a CPU with AVX512-BF16 or AMX,
+    where a SmolLM2-135M step runs about 2.5x faster than in float32) and float32 elsewhere, where
+    emulated bf16 would be slower. Master weights, gradients and the optimizer stay in ``trainer.dtype``.
+    """
+    if compute_dtype == "float32":
+        return None
+    if compute_dtype == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
 def token_staleness(samples: Sequence[Sample], current_version: int) -> np.ndarray:
     """Per trained token: how many policy versions behind the weights being trained it was generated
     (``current_version - policy_versions``); what the importance correction makes up for."""
@@ -76,6 +94,7 @@ class TorchTrainer:
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.autocast_dtype = autocast_dtype(cfg.compute_dtype, self.device)
         torch.manual_seed(seed + rank)
         random.seed(seed + rank)
         np.random.seed(seed + rank)
@@ -122,11 +141,12 @@ class TorchTrainer:
 
     def token_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Log-probs of the target tokens at the selected positions only."""
-        hidden = self.model.base_model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-        ).last_hidden_state
-        selected = hidden[batch["rows"], batch["cols"]]
-        logits = self.model.get_output_embeddings()(selected).float()
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            hidden = self.model.base_model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).last_hidden_state
+            selected = hidden[batch["rows"], batch["cols"]]
+            logits = self.model.get_output_embeddings()(selected).float()
         return torch.log_softmax(logits, dim=-1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
 
     def train_step(

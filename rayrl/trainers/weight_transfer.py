@@ -332,6 +332,22 @@ class TensorWeightSender:
         return stats
 
 
+TRANSFERS = ("disk", "tensor", "distributed")
+
+
+def resolve_weight_transfer(mode: str, engine_backend: str, placement_mode: str) -> str:
+    """``pipeline.weight_transfer`` made concrete: ``auto`` is ``disk`` for CPU engines (a safetensors
+    file in /dev/shm: a copy in RAM either way, no group to keep, and a restarted engine reloads it), and on GPU ``tensor`` (CUDA IPC) when the engines share the
+    trainer's GPUs (``placement.mode: colocated``), else ``distributed`` (an NCCL broadcast group)."""
+    if mode in TRANSFERS:
+        return mode
+    if mode != "auto":
+        raise ValueError(f"pipeline.weight_transfer must be auto or one of {', '.join(TRANSFERS)}, got {mode!r}")
+    if engine_backend == "cpu":
+        return "disk"
+    return "tensor" if placement_mode == "colocated" else "distributed"
+
+
 def sender_for(
     cfg: TrainerConfig,
     engine_urls: Sequence[str],

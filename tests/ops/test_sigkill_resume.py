@@ -54,6 +54,8 @@ def test_sigkill_mid_step_then_resume(tiny_model_dir, tmp_path, s3_endpoint):
         f"model.path={tiny_model_dir}", "exp_id=sigkill", f"logging.output_dir={tmp_path / 'runs'}",
         f"data.train_path={data}", "data.val_path=null", "data.shuffle=false", "engine.dtype=float32",
         "rollout.reward=tests.e2e_support:parity_reward", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        # 1.5 s of sandbox work per episode: a step cannot finish between "step 3 rollout" and the kill
+        "rollout.agent=tests.pipeline.pipeline_support:SlowToolAgent",
         "rollout.max_tokens=8", "rollout.max_turns=1", "rollout.few_shot_examples=0", "trainer.steps=4",
         "sandbox_pool.min_warm=1", "logging.tensorboard=false", "logging.plot=false",
         "pipeline.checkpoint_interval=1", "pipeline.keep_checkpoints=2",

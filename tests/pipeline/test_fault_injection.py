@@ -29,7 +29,8 @@ def pipeline(tiny_model_dir, tmp_path_factory):
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     tmp = Path(tmp_path_factory.mktemp("faults"))
     cfg = pipeline_config(tmp, tiny_model_dir, "exp_id=faults", "pipeline.schedule=async",
-                          "pipeline.max_staleness=4", "pipeline.weight_sync_timeout_s=5", "trainer.steps=8")
+                          "pipeline.max_staleness=4", "pipeline.groups_in_flight=4", "pipeline.weight_sync_timeout_s=5",
+                          "trainer.steps=8")
     pipe = Pipeline(cfg)
     yield pipe
     pipe.shutdown()
@@ -99,7 +100,7 @@ def test_hung_weight_transfer_times_out_with_a_clear_error(pipeline):
     started = time.monotonic()
     try:
         with pytest.raises(WeightSyncError, match=r"weight_sync_timeout_s=5 s: .*no answer within 5 s"):
-            pipeline._sync_weights()
+            pipeline._push_weights()
     finally:
         os.kill(pid, signal.SIGCONT)
     assert time.monotonic() - started < 40
