@@ -58,10 +58,10 @@ from actors.trajectory_manager import TrajectoryManagers, start_trajectory_manag
 from rayrl.checkpoint import CheckpointStore
 from rayrl.config import RunConfig, to_yaml
 from rayrl.data import JsonlDataset, TaskSampler
+from rayrl.engines.launcher import resolve_backend
 from rayrl.metrics import MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
 from rayrl.placement import node_cores, plan_cpu_threads
-from rayrl.engines.launcher import resolve_backend
 from rayrl.trainers.losses import grpo_advantages
 from rayrl.trainers.weight_transfer import resolve_weight_transfer
 from rayrl.trainers.weights import shared_memory_root
@@ -393,6 +393,9 @@ class Pipeline:
         self._untrained_taken = []  # trained (or nothing to learn from: equal rewards in every group)
         metrics["train/policy_version"] = self.version
         metrics.update(self._trajectory_metrics())
+        prefill = ray.get(self.engines.prefill_stats.remote())
+        metrics["engine/prompt_tokens"] = prefill["prompt_tokens"]  # cumulative since the engines started
+        metrics["engine/prefix_cache_hit_rate"] = prefill["cached_prompt_tokens"] / max(prefill["prompt_tokens"], 1)
         for kind, n in {**self.failure_counts, **self.dispatcher.counts}.items():
             metrics[f"failures/{kind}"] = n
         if (launcher := self._agentcore_launcher()) is not None:

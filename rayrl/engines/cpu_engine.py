@@ -615,7 +615,6 @@ class CPUEngine:
             logits_to_keep=1,
         )
         h.cached_tokens = matched
-        self._counters["cached_prompt_tokens"] += matched
         self._cache_prompt(h, cache, 0, total)
         mask = torch.ones(1, total, dtype=torch.bool)
         return self._first_tokens([h], out.logits[:, -1], KVBlock.from_cache(cache, mask), mask.sum(1))
