@@ -1,0 +1,213 @@
+"""Admission into the CPU engine's running batch: prefill (plain or on top of a cached prefix), the first
+sampled token, and what goes into the prefix cache.
+
+A mixin of :class:`rayrl.engines.cpu_engine.CPUEngine`, kept apart because it is the part that decides
+how prompt tokens are computed (left-padded groups, cached prefixes, deduplicated group prompts), while
+cpu_engine.py holds the request API and the decode loop. Its methods run on the engine thread and use the
+engine's model, batch state (``_kv``, ``_seqs``, ``_positions``, ``_next_ids``, ``_sampler``), prefix
+cache (``_prefix``, ``_cache_epoch``) and helpers (``_append``, ``_finish``, ``_blocked``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from transformers.cache_utils import DynamicCache
+
+from rayrl.engines.kv_cache import BatchKV, KVBlock, prefill_mask
+from rayrl.engines.prefix_cache import MIN_REUSE_TOKENS, PrefixEntry, common_prefix
+from rayrl.engines.requests import RequestHandle, SequenceState
+from rayrl.engines.sampling import BatchSampler
+
+PAD_WASTE = 0.2  # largest share of padding in a prefill group
+
+
+class PrefillMixin:
+    """Prefill and join for CPUEngine (see the module docstring for the state it uses)."""
+
+    model: Any
+    _kv: BatchKV | None
+
+    def _prefill_groups(self, handles: list[RequestHandle]) -> list[list[RequestHandle]]:
+        """Prompts sorted by length, cut into groups whose left padding stays under PAD_WASTE of the
+        padded tokens and whose padded size fits the prefill budget (padding is wasted compute).
+        Requests that want prompt log-probs (full logits) prefill alone."""
+        alone = [[h] for h in handles if h.wants_prompt_logprobs]
+        rest = sorted((h for h in handles if not h.wants_prompt_logprobs), key=lambda h: len(h.prompt_ids))
+        groups: list[list[RequestHandle]] = []
+        real = 0
+        for h in rest:
+            n = len(h.prompt_ids)
+            if groups:
+                padded = (len(groups[-1]) + 1) * n  # n is the group's longest prompt (sorted)
+                if padded <= self.prefill_budget_tokens and padded - (real + n) <= PAD_WASTE * padded:
+                    groups[-1].append(h)
+                    real += n
+                    continue
+            groups.append([h])
+            real = n
+        return groups + alone
+
+    def _admit(self, handles: list[RequestHandle]) -> None:
+        """Prefill new requests and append the rows still running to the batch.
+
+        Requests whose prompt starts with a cached prefix prefill only the rest, one by one. The others
+        prefill in left-padded groups; a request sharing a long prefix with one of those waits for it
+        (its prompt KV is cached right after) and then reuses it, so a group's episodes that arrive
+        together pay for their shared prompt once.
+        """
+        hits: list[tuple[RequestHandle, int, PrefixEntry]] = []
+        misses: list[RequestHandle] = []
+        later: list[RequestHandle] = []
+        for h in handles:
+            if h.wants_prompt_logprobs or not self._prefix.enabled:
+                misses.append(h)
+                continue
+            matched, entry = self._prefix.match(h.prompt_ids)
+            if entry is not None:
+                hits.append((h, matched, entry))
+            elif any(self._shares_prefix(h, m) for m in misses):
+                later.append(h)
+            else:
+                misses.append(h)
+        joined = False
+        for group in self._prefill_groups(misses):
+            joined |= self._join(*self._prefill(group))
+        for h in later:
+            matched, entry = self._prefix.match(h.prompt_ids)
+            joined |= self._join(*(self._prefill_cached(h, matched, entry) if entry else self._prefill([h])))
+        for h, matched, entry in hits:
+            joined |= self._join(*self._prefill_cached(h, matched, entry))
+        if joined:
+            self._sampler = BatchSampler([s.row for s in self._seqs])
+
+    @staticmethod
+    def _shares_prefix(h: RequestHandle, other: RequestHandle) -> bool:
+        if other.wants_prompt_logprobs:
+            return False
+        return common_prefix(np.asarray(h.prompt_ids), np.asarray(other.prompt_ids)) >= MIN_REUSE_TOKENS
+
+    def _join(self, block: KVBlock, seqs: list[SequenceState], pos: torch.Tensor, next_ids: torch.Tensor,
+              keep: list[int]) -> bool:
+        """Append a prefilled block's rows ``keep`` to the running batch (False: nothing joined)."""
+        if not keep:
+            return False  # every request of the group finished at its first token
+        if self._kv is None:
+            self._kv = BatchKV(len(block.keys), self.max_batch_size)
+        idx = torch.tensor(keep, dtype=torch.long)
+        self._kv.append(block, idx)
+        self._seqs.extend(seqs[i] for i in keep)
+        self._positions = torch.cat([self._positions, pos[idx]])
+        self._next_ids = torch.cat([self._next_ids, next_ids[idx]])
+        return True
+
+    def _prefill(self, group: list[RequestHandle]):
+        """Prefill one left-padded group; sample each request's first token; returns rows still running."""
+        length = max(len(h.prompt_ids) for h in group)
+        ids = torch.full((len(group), length), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(group), length, dtype=torch.bool)
+        for i, h in enumerate(group):
+            n = len(h.prompt_ids)
+            ids[i, length - n :] = torch.tensor(h.prompt_ids, dtype=torch.long)
+            mask[i, length - n :] = True
+        positions = (mask.long().cumsum(1) - 1).clamp_(min=0)
+        want_prompt_lps = any(h.wants_prompt_logprobs for h in group)
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=ids,
+            # no padding (one prompt, or equal lengths): plain causal attention, SDPA's fastest path
+            attention_mask=None if bool(mask.all()) else prefill_mask(mask),
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if want_prompt_lps else 1,
+        )
+        if want_prompt_lps:
+            self._prompt_logprobs(group, ids, out.logits)
+        for i, h in enumerate(group):
+            self._cache_prompt(h, cache, i, length)
+        return self._first_tokens(group, out.logits[:, -1], KVBlock.from_cache(cache, mask), mask.sum(1))
+
+    def _prefill_cached(self, h: RequestHandle, matched: int, entry: PrefixEntry):
+        """Prefill ``h`` on top of the first ``matched`` cached tokens: only the rest runs the model."""
+        cache = DynamicCache()
+        for layer, (k, v) in enumerate(zip(entry.keys, entry.values)):
+            cache.update(k[:, :, :matched], v[:, :, :matched], layer)  # copies: the entry stays intact
+        suffix = torch.tensor([h.prompt_ids[matched:]], dtype=torch.long)
+        n, total = suffix.shape[1], len(h.prompt_ids)
+        attention = torch.ones(n, total, dtype=torch.bool).tril_(diagonal=matched).view(1, 1, n, total)
+        out = self.model(
+            input_ids=suffix,
+            attention_mask=attention,
+            position_ids=torch.arange(matched, total, dtype=torch.long).view(1, -1),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        h.cached_tokens = matched
+        self._cache_prompt(h, cache, 0, total)
+        mask = torch.ones(1, total, dtype=torch.bool)
+        return self._first_tokens([h], out.logits[:, -1], KVBlock.from_cache(cache, mask), mask.sum(1))
+
+    def _cache_prompt(self, h: RequestHandle, cache: DynamicCache, row: int, length: int) -> None:
+        """Keep the prompt's KV (row ``row`` of a left-padded prefill of ``length`` columns)."""
+        h.cache_epoch = self._cache_epoch
+        n = len(h.prompt_ids)
+        if not self._prefix.enabled or self._prefix.covers(h.prompt_ids):
+            return
+        self._prefix.insert(
+            h.prompt_ids,
+            [layer.keys[row : row + 1, :, length - n : length].clone() for layer in cache.layers],
+            [layer.values[row : row + 1, :, length - n : length].clone() for layer in cache.layers],
+        )
+
+    def _first_tokens(self, group: list[RequestHandle], logits: torch.Tensor, block: KVBlock,
+                      next_pos: torch.Tensor):
+        """Sample each prefilled request's first token; returns what :meth:`_join` takes."""
+        seqs = [SequenceState(h, self.eos_token_ids, self.vocab_size, self.context_length) for h in group]
+        version = self._weight_version
+        for h in group:
+            h.start_version = version
+            self._counters["prompt_tokens"] += len(h.prompt_ids)
+        sampler = BatchSampler([s.row for s in seqs])
+        tokens, logprobs = sampler.sample(logits, self._blocked(seqs), self._generator)
+        keep = []
+        for i, (seq, tok, lp) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
+            if seq.handle.params.max_new_tokens == 0:
+                self._finish(seq.handle, {"type": "length", "length": 0})
+                continue
+            if not self._append(seq, tok, lp):
+                keep.append(i)
+        return block, seqs, next_pos, tokens.view(-1, 1), keep
+
+    def _prompt_logprobs(self, group: list[RequestHandle], ids: torch.Tensor, logits: torch.Tensor) -> None:
+        length = ids.shape[1]
+        for i, h in enumerate(group):
+            if not h.wants_prompt_logprobs:
+                continue
+            n = len(h.prompt_ids)
+            row_logits = logits[i, length - n : length - 1].float()
+            targets = ids[i, length - n + 1 :].view(-1, 1)
+            lps = torch.log_softmax(row_logits, dim=-1).gather(1, targets).view(-1).tolist()
+            values: list[Optional[float]] = [None] + lps
+            h.input_logprobs = values[h.logprob_start_len :]
+
+    def _cache_conversation(self, row: int) -> None:
+        """Keep a leaving request's KV (prompt and output but the last token, which never ran through
+        the model), so the conversation's next turn reuses it. Only KV made entirely by the current
+        weights is kept."""
+        h, kv = self._seqs[row].handle, self._kv
+        if not self._prefix.enabled or h.cache_epoch != self._cache_epoch or h.version_changes or not kv:
+            return
+        tokens = h.prompt_ids + h.output_ids[:-1]
+        n, length = len(tokens), kv.length
+        if n > length or self._prefix.covers(tokens) or int(kv.mask_buffer[row, :length].sum()) != n:
+            return
+        self._prefix.insert(
+            tokens,
+            [buf[row : row + 1, :, length - n : length].clone() for buf in kv.key_buffers],
+            [buf[row : row + 1, :, length - n : length].clone() for buf in kv.value_buffers],
+        )
+
