@@ -141,4 +141,6 @@ class PrefixCache:
             "prefix_cache_lookups": self.lookups,
             "prefix_cache_hits": self.hits,
             "prefix_cache_hit_tokens": self.hit_tokens,
+            "prefix_cache_inserted": self.inserted,
+            "prefix_cache_evicted": self.evicted,
         }
