@@ -395,7 +395,9 @@ def join_parts(parts: Sequence[GenerateOutput]) -> GenerateOutput:
         prompt_tokens=parts[0].prompt_tokens,
         completion_tokens=len(ids),
         rid=parts[0].rid,
-        meta_info={**last.meta_info, "continued_parts": len(parts)},
+        # the caller's prompt is the first part's: its cache hits are the ones to report
+        meta_info={**last.meta_info, "continued_parts": len(parts),
+                   "cached_tokens": parts[0].meta_info.get("cached_tokens", 0)},
     )
 
 

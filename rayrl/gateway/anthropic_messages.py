@@ -183,9 +183,10 @@ def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
     return {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": json.loads(fn["arguments"])}
 
 
-def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": input_tokens, "output_tokens": output_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+def _usage(input_tokens: int, output_tokens: int, cached: int = 0) -> dict[str, Any]:
+    """Anthropic's split: ``input_tokens`` excludes what was read from the (engine's prefix) cache."""
+    return {"input_tokens": input_tokens - cached, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 async def handle(gateway: Any, request: web.Request) -> web.StreamResponse:
@@ -205,7 +206,7 @@ async def handle(gateway: Any, request: web.Request) -> web.StreamResponse:
         return web.json_response({
             "id": message_id, "type": "message", "role": "assistant", "model": spec.model, "content": content,
             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": _usage(result.prompt_tokens, result.completion_tokens),
+            "usage": _usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens),
         })
     return await _stream(gateway, request, session, spec, message_id)
 
@@ -277,7 +278,7 @@ async def _stream(gateway: Any, request: web.Request, session: Any, spec: TurnSp
         await blocks.tool_use(call)
     stop_reason, stop_sequence = _stop_reason(result, spec)
     await blocks.event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                       usage=_usage(result.prompt_tokens, result.completion_tokens))
+                       usage=_usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens))
     await blocks.event("message_stop")
     return await sse.close()
 

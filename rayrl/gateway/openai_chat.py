@@ -58,11 +58,12 @@ def parse_request(body: dict[str, Any], default_model: str) -> TurnSpec:
     )
 
 
-def _usage(result: TurnResult) -> dict[str, int]:
+def _usage(result: TurnResult) -> dict[str, Any]:
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
     }
 
 

@@ -59,6 +59,11 @@ class TurnResult:
     def completion_tokens(self) -> int:
         return int(len(self.output.output_ids))
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the engine served from its prefix cache (SGLang's ``meta_info.cached_tokens``)."""
+        return max(0, min(int(self.output.meta_info.get("cached_tokens") or 0), self.prompt_tokens))
+
 
 @dataclass
 class Prepared:

@@ -84,3 +84,30 @@ def test_two_turns_one_sample(tiny_stack, apis, stream):
     s = samples[0]
     assert int(s.loss_mask.sum()) == total
     assert np.all(s.rollout_logprobs[s.loss_mask == 1] <= 0)
+
+
+def test_usage_reports_the_engines_prefix_cache_hits(tiny_stack):
+    """The second call with the same long prompt is served from the engine's prefix cache; each API
+    reports it in its own usage field (Anthropic's input_tokens then excludes the cache read)."""
+    info = tiny_stack.open()
+    clients = _clients(tiny_stack, info)
+    system = "You are a careful assistant. " * 12  # a long shared prefix
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Say something."}]
+    first = clients["chat"].chat.completions.create(model="any", messages=messages, max_tokens=4)
+    second = clients["chat"].chat.completions.create(model="any", messages=messages, max_tokens=4)
+    prompt = second.usage.prompt_tokens
+    assert first.usage.prompt_tokens == prompt
+    assert 0 < second.usage.prompt_tokens_details.cached_tokens < prompt
+
+    items = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": system}]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say something."}]}]
+    resp = clients["responses"].responses.create(model="any", input=items, max_output_tokens=4)
+    assert resp.usage.input_tokens_details.cached_tokens > 0
+
+    kwargs = dict(model="claude-opus-4-8", max_tokens=4, system=system, messages=messages[1:])
+    clients["anthropic"].messages.create(**kwargs)
+    out = clients["anthropic"].messages.create(**kwargs)
+    assert out.usage.cache_read_input_tokens > 0
+    counted = clients["anthropic"].messages.count_tokens(model="claude-opus-4-8", system=system,
+                                                          messages=messages[1:]).input_tokens
+    assert out.usage.input_tokens + out.usage.cache_read_input_tokens == counted and out.usage.input_tokens > 0
