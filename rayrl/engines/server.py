@@ -507,7 +507,8 @@ class EngineServer(WeightEndpoints):
 
     async def release_memory(self, request: web.Request) -> web.Response:
         body = await read_json(request, allow_empty=True)
-        self.engine.release_memory_occupation(body.get("tags"))
+        # releasing the KV cache empties the prefix cache on the engine thread: wait off the event loop
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.release_memory_occupation, body.get("tags"))
         return web.json_response(None)
 
     async def resume_memory(self, request: web.Request) -> web.Response:
@@ -540,7 +541,7 @@ class EngineServer(WeightEndpoints):
         return web.Response(status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        self.engine.flush_cache()
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.flush_cache)
         return web.Response(
             text="Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)\n"
