@@ -616,6 +616,11 @@ class Pipeline:
     def shutdown(self) -> None:
         """Stop every actor gracefully, then release it (names become free for the next pipeline)."""
         self.metrics.close()
+        if self.weight_transfer != "disk":  # leave the engines' broadcast group before they stop
+            try:
+                self.trainer.close_weight_sender()
+            except Exception as err:  # a dead trainer rank or engine: nothing left to close politely
+                logger.warning("closing the weight sender: %s", err)
         graceful = [h.shutdown.remote() for h in self.trajectories.handles]
         graceful += [self.engines.shutdown.remote(), self.pool.shutdown.remote()]
         launcher = self._agentcore_launcher()
