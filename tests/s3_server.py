@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from rayrl.engines.launcher import free_port
+from rayrl.engines.launcher import free_port, stop_process
 
 S3_TEST_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -46,8 +46,4 @@ def moto_s3_server(log_path: Path) -> Iterator[str]:
                 time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)

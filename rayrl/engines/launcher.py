@@ -35,6 +35,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM ``proc``, SIGKILL it if it has not exited after ``grace_s``, and reap it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
 def cpu_server_command(
     cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable, weight_version: str = "0"
 ) -> list[str]:

@@ -12,9 +12,9 @@ import sys
 from typing import Iterator
 
 import pytest
-from _agentcore_kit import BUCKET, CREDS, REGION, ROOT, aws_env, stop_process, wait_http
+from _agentcore_kit import BUCKET, CREDS, REGION, ROOT, aws_env, wait_http
 
-from rayrl.engines.launcher import free_port
+from rayrl.engines.launcher import free_port, stop_process
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto")

@@ -29,7 +29,7 @@ from typing import Any
 
 from rayrl.agents.agentcore.emulator import DEFAULT_LOCAL_ARN
 from rayrl.config import AgentCoreConfig
-from rayrl.engines.launcher import free_port
+from rayrl.engines.launcher import free_port, stop_process
 
 LOCAL_CREDENTIALS = {"aws_access_key_id": "rayrl-local", "aws_secret_access_key": "rayrl-local"}
 DEFAULT_LOCAL_BUCKET = "rayrl-local-rollouts"
@@ -160,14 +160,8 @@ class LocalAgentCore:
         """Terminate our children (by pid), agent first; then end the keeper thread."""
         for name in ("emulator", "agent", "moto"):
             proc = self.procs.pop(name, None)
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+            if proc is not None:
+                stop_process(proc)
         self._queue.put(None)
         self._stopped.set()
 
