@@ -51,6 +51,7 @@ from tqdm import tqdm
 from actors.dispatch import Group, GroupDispatcher, split_stale
 from actors.engine import EngineGroup
 from actors.placement import SharedPlacement
+from actors.ray_metrics import RayMetricsSink
 from actors.rollout_worker import RolloutWorker, start_workers
 from actors.sandbox_pool import SandboxPoolActor
 from actors.trainer import TrainerFailure, TrainerGroup
@@ -61,7 +62,7 @@ from rayrl.data import JsonlDataset, TaskSampler
 from rayrl.engines.launcher import resolve_backend
 from rayrl.metrics import MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
-from rayrl.placement import node_cores, plan_cpu_threads
+from rayrl.placement import with_cpu_threads
 from rayrl.trainers.losses import grpo_advantages
 from rayrl.trainers.weight_transfer import resolve_weight_transfer
 from rayrl.trainers.weights import shared_memory_root
@@ -69,7 +70,6 @@ from rayrl.types import Episode, Sample
 
 logger = logging.getLogger("rayrl.pipeline")
 
-STALENESS_BUCKETS = [0.5, 1.5, 2.5, 3.5, 4.5, 8.5]  # policy versions behind; bucket edges between integers
 ENGINE_CHECK_INTERVAL_S = 1.0  # how often the dispatch loop looks for dead engine processes (a cheap liveness poll)
 
 
@@ -77,44 +77,11 @@ class WeightSyncError(RuntimeError):
     """A weight update to the engines failed or did not finish within ``pipeline.weight_sync_timeout_s``."""
 
 
-class RayMetricsSink:
-    """Step metrics as Ray gauges, visible in the Ray dashboard's Metrics view."""
-
-    def __init__(self, exp_id: str) -> None:
-        from ray.util.metrics import Gauge
-
-        self._gauge = Gauge("rayrl_step_metric", "rayrl per-step metrics", tag_keys=("exp_id", "metric"))
-        self.exp_id = exp_id
-
-        from ray.util.metrics import Histogram
-
-        self._staleness = Histogram("rayrl_sample_staleness", "policy versions between a sample's oldest token "
-                                    "and the weights it trains", boundaries=STALENESS_BUCKETS, tag_keys=("exp_id",))
-
-    def __call__(self, step: int, metrics: dict[str, Any]) -> None:
-        for key, value in metrics.items():
-            self._gauge.set(float(value), tags={"exp_id": self.exp_id, "metric": key})
-
-    def staleness(self, values: list[int]) -> None:
-        for v in values:
-            self._staleness.observe(float(v), tags={"exp_id": self.exp_id})
-
-
-def with_cpu_threads(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with ``engine.num_threads`` and ``trainer.num_threads`` resolved for this node's cores and
-    the schedule (rayrl.placement.plan_cpu_threads); the run's config.yaml records the counts used."""
-    threads = plan_cpu_threads(cfg.pipeline.schedule, node_cores(), num_engines=cfg.engine.num_engines,
-                               trainer_ranks=cfg.trainer.num_ranks, engine_threads=cfg.engine.num_threads,
-                               trainer_threads=cfg.trainer.num_threads)
-    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, num_threads=threads.engine),
-                               trainer=dataclasses.replace(cfg.trainer, num_threads=threads.trainer))
-
-
 class Pipeline:
     """Builds every actor from one RunConfig and runs the training loop."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        cfg = with_cpu_threads(cfg)
+        cfg = with_cpu_threads(cfg)  # recorded in the run's config.yaml
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,10 +7,11 @@ with it at load, so a layout that cannot fit fails before anything starts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
-from rayrl.config import ConfigError
+from rayrl.config import ConfigError, RunConfig
 
 MODES = ("colocated", "split")
 
@@ -117,3 +118,13 @@ def plan_cpu_threads(
         engine=engine_threads if engine_threads > 0 else max(1, share // max(1, num_engines)),
         trainer=trainer_threads if trainer_threads > 0 else max(1, rest // max(1, trainer_ranks)),
     )
+
+
+def with_cpu_threads(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``engine.num_threads`` and ``trainer.num_threads`` resolved for this node's cores and
+    the schedule (:func:`plan_cpu_threads`); the caller's config is not changed."""
+    threads = plan_cpu_threads(cfg.pipeline.schedule, node_cores(), num_engines=cfg.engine.num_engines,
+                               trainer_ranks=cfg.trainer.num_ranks, engine_threads=cfg.engine.num_threads,
+                               trainer_threads=cfg.trainer.num_threads)
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, num_threads=threads.engine),
+                               trainer=dataclasses.replace(cfg.trainer, num_threads=threads.trainer))

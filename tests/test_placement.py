@@ -13,7 +13,7 @@ import ray
 
 from actors.placement import SharedPlacement
 from rayrl.config import ConfigError, TrainerConfig, load_config
-from rayrl.placement import node_cores, plan_cpu_threads, plan_placement
+from rayrl.placement import node_cores, plan_cpu_threads, plan_placement, with_cpu_threads
 
 
 def test_colocated_plan_shares_every_bundle():
@@ -48,8 +48,6 @@ def test_cpu_threads_set_in_the_config_are_kept():
 def test_pipeline_config_resolves_auto_threads(tmp_path):
     """Ray starts actors with OMP_NUM_THREADS=1: "auto" must become an explicit count before the
     engines and the trainer start, or torch would use one core of the machine."""
-    from actors.pipeline import with_cpu_threads
-
     cfg = load_config(None, ["pipeline.schedule=sync", f"logging.output_dir={tmp_path}"])
     resolved = with_cpu_threads(cfg)
     assert (resolved.engine.num_threads, resolved.trainer.num_threads) == (node_cores(), node_cores())
