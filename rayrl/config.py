@@ -116,7 +116,7 @@ class RolloutConfig:
     prompts_per_step: int = 4  # distinct tasks per training step
     group_size: int = 4  # episodes per task (GRPO group)
     num_workers: int = 1  # rollout worker actors
-    max_concurrent_episodes: int = 16  # episodes in flight per worker
+    max_concurrent_episodes: int = 0  # episodes in flight per worker (0: every episode of the groups the schedule keeps in flight, over num_workers)
     episode_timeout_s: float = 180.0  # an episode still running after this is failed
     max_turns: int = 4  # LLM calls per episode for the python agent
     temperature: float = 1.0  # sampling temperature the agent requests
@@ -176,6 +176,7 @@ class TrainerConfig:
     dtype: str = "float32"  # master weights dtype
     compute_dtype: str = "auto"  # torch backend: forward/backward under autocast (mixed precision; master weights stay trainer.dtype): auto | float32 | bfloat16 (auto: bfloat16 on CUDA or a CPU with native bf16, else float32)
     gradient_checkpointing: bool = False  # trade compute for memory
+    share_prefix: bool = True  # torch backend: a micro-batch's common leading tokens (system prompt, a group's prompt) run once, exact gradients (off under gradient_checkpointing)
     num_threads: int = 0  # torch CPU threads per rank (0: auto, the cores the schedule gives the trainer)
     tp_size: int = 1  # megatron: tensor-parallel ranks
     pp_size: int = 1  # megatron: pipeline-parallel stages
@@ -307,7 +308,6 @@ _POSITIVE: tuple[str, ...] = (
     "rollout.prompts_per_step",
     "rollout.group_size",
     "rollout.num_workers",
-    "rollout.max_concurrent_episodes",
     "rollout.episode_timeout_s",
     "rollout.max_turns",
     "rollout.max_tokens",
@@ -339,6 +339,7 @@ _NON_NEGATIVE: tuple[str, ...] = (
     "pipeline.keep_checkpoints",
     "pipeline.max_staleness",
     "pipeline.groups_in_flight",
+    "rollout.max_concurrent_episodes",
     "pipeline.max_episode_retries",
     "pipeline.eval_interval",
     "pipeline.eval_tasks",

@@ -8,7 +8,7 @@ import torch
 
 from rayrl.config import TrainerConfig
 from rayrl.engines.cpu_engine import CPUEngine
-from rayrl.trainers.torch_backend import TorchTrainer, autocast_dtype, pack_micro_batches
+from rayrl.trainers.torch_backend import TorchTrainer, autocast_dtype, pack_micro_batches, shared_prefix_length
 from rayrl.trainers.weights import write_weights
 from rayrl.types import Sample
 
@@ -134,3 +134,51 @@ def test_write_weights_keeps_the_version_just_written(tmp_path):
     kept = write_weights(state, tmp_path, version=3)  # e.g. after resuming an older checkpoint
     assert kept.name == "v000003" and (kept / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.glob("v*")] == ["v000003"]
+
+
+def test_shared_prefix_length_rules():
+    def s(tokens, prompt_len, first_trained=0):
+        tokens = np.array(tokens, dtype=np.int32)
+        mask = np.zeros(len(tokens) - prompt_len, np.int8)
+        mask[first_trained:] = 1
+        return Sample(tokens=tokens, prompt_length=prompt_len, loss_mask=mask,
+                      rollout_logprobs=np.zeros(len(mask), np.float32), policy_versions=np.zeros(len(mask), np.int32))
+
+    common = list(range(100, 140))
+    assert shared_prefix_length([s(common + [1, 2, 3], 41), s(common + [5, 6], 41)]) == 40
+    assert shared_prefix_length([s(common + [1, 2, 3], 41)]) == 0  # one sample: nothing to share
+    assert shared_prefix_length([s(common[:10] + [1], 5), s(common[:10] + [2], 5)]) == 0  # too short to pay
+    # a trained token at response position 0 is predicted from position prompt_length - 1: not shared
+    assert shared_prefix_length([s(common + [1, 2], 30), s(common + [3], 30)]) == 29
+    # masked-out response tokens (tool output) before the first trained one may be shared
+    assert shared_prefix_length([s(common + [1, 2], 30, first_trained=5), s(common + [3], 30, first_trained=5)]) == 34
+    # identical samples still keep a token of their own
+    assert shared_prefix_length([s(common, 39), s(common, 39)]) == 38
+
+
+def test_shared_prefix_gives_the_same_logprobs_and_gradients(tiny_model_dir):
+    """Running the common prefix once and repeating its keys/values is exact: same log-probs, same
+    update, for samples of different lengths (right padding) in one micro-batch."""
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(10, 4000, size=48).astype(np.int32)
+    tails = [rng.integers(10, 4000, size=n).astype(np.int32) for n in (20, 9, 15)]
+    results = []
+    for share in (False, True):
+        cfg = TrainerConfig(lr=5e-3, micro_batch_tokens=4096, compute_dtype="float32", share_prefix=share)
+        trainer = TorchTrainer(tiny_model_dir, cfg, seed=0, device="cpu")
+        samples = [_sample(np.concatenate([prefix, t[:4], t]), 52, trainer) for t in tails]
+        samples[0].loss_mask[:3] = 0
+        batch = trainer._micro_batch(samples, [1.0, -1.0, 0.5])
+        assert int(batch["prefix"]) == (48 if share else 0)
+        logp = trainer.token_logprobs(batch)
+        (logp * batch["advantages"]).sum().backward()
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+        trainer.optimizer.zero_grad(set_to_none=True)
+        metrics = trainer.train_step(samples, [1.0, -1.0, 0.5])
+        results.append((logp.detach(), metrics, grads))
+    (lp_plain, m_plain, g_plain), (lp_shared, m_shared, g_shared) = results
+    assert torch.allclose(lp_plain, lp_shared, atol=1e-5)
+    assert abs(m_plain["grad_norm"] - m_shared["grad_norm"]) < 1e-4 * max(1.0, m_plain["grad_norm"])
+    assert m_plain["trained_tokens"] == m_shared["trained_tokens"] == 20 + 9 + 15 - 3
+    for name, g in g_plain.items():  # the prefix's weights get the sum of what every sample sends back
+        assert torch.allclose(g, g_shared[name], atol=1e-5, rtol=1e-4), name

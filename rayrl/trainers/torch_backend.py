@@ -4,7 +4,10 @@ One ``train_step`` is one optimizer step over a rollout batch: samples are packe
 of at most ``micro_batch_tokens`` (padded) tokens, each micro-batch's summed token loss is divided by
 the global number of trained tokens (all ranks), gradients are all-reduced across ranks, clipped, and
 AdamW steps. Logits are computed only at trained positions, which saves most of the LM-head cost and
-memory for tool-heavy episodes.
+memory for tool-heavy episodes. The tokens every sample of a micro-batch starts with (the system prompt,
+tool schemas and few-shot turns all episodes share; a GRPO group's whole prompt) are run once and their
+keys/values repeated for each sample (``trainer.share_prefix``): the gradient is the same, since autograd
+sums what each sample sends back through the shared prefix, and the compute of the prefix is paid once.
 """
 
 from __future__ import annotations
@@ -46,6 +49,30 @@ def pack_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     if current:
         groups.append(current)
     return groups
+
+
+MIN_SHARED_PREFIX = 16  # a shorter common prefix is not worth a second forward call
+
+
+def shared_prefix_length(samples: Sequence[Sample]) -> int:
+    """Tokens all ``samples`` start with that no trained position needs the logits of.
+
+    The shared part ends before the first position whose hidden state predicts a trained token, and
+    leaves every sample at least one token of its own.
+    """
+    if len(samples) < 2:
+        return 0
+    limit = min(len(s.tokens) - 1 for s in samples)
+    for s in samples:
+        trained = np.nonzero(s.loss_mask)[0]
+        if len(trained):
+            limit = min(limit, s.prompt_length + int(trained[0]) - 1)
+    first = samples[0].tokens[:limit]
+    for s in samples[1:]:
+        differs = np.nonzero(s.tokens[:limit] != first)[0]
+        limit = int(differs[0]) if len(differs) else limit
+        first = first[:limit]
+    return limit if limit >= MIN_SHARED_PREFIX else 0
 
 
 def autocast_dtype(compute_dtype: str, device: torch.device) -> torch.dtype | None:
@@ -111,6 +138,8 @@ class TorchTrainer:
     # -- training ----------------------------------------------------------------------------------
 
     def _micro_batch(self, samples: list[Sample], advantages: list[float]) -> dict[str, torch.Tensor]:
+        share = self.cfg.share_prefix and not self.cfg.gradient_checkpointing  # HF drops the cache under checkpointing
+        prefix = shared_prefix_length(samples) if share else 0
         longest = max(len(s.tokens) for s in samples)
         n = len(samples)
         input_ids = torch.zeros((n, longest), dtype=torch.long)
@@ -137,17 +166,27 @@ class TorchTrainer:
             "targets": input_ids[rows_t, cols_t + 1].to(self.device),
             "rollout_logp": torch.from_numpy(np.concatenate(rollout_lp)).to(self.device),
             "advantages": torch.from_numpy(np.concatenate(adv)).to(self.device),
+            "prefix": torch.tensor(prefix),
         }
 
     def token_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Log-probs of the target tokens at the selected positions only."""
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            hidden = self.model.base_model(
-                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-            ).last_hidden_state
-            selected = hidden[batch["rows"], batch["cols"]]
+            hidden = self._hidden_states(batch)
+            selected = hidden[batch["rows"], batch["cols"] - int(batch["prefix"])]
             logits = self.model.get_output_embeddings()(selected).float()
         return torch.log_softmax(logits, dim=-1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+
+    def _hidden_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Last hidden states from position ``batch["prefix"]`` on; the shared prefix runs once."""
+        ids, mask, prefix = batch["input_ids"], batch["attention_mask"], int(batch["prefix"])
+        base = self.model.base_model
+        if prefix == 0:
+            return base(input_ids=ids, attention_mask=mask).last_hidden_state
+        cache = base(input_ids=ids[:1, :prefix], use_cache=True).past_key_values
+        cache.batch_repeat_interleave(ids.shape[0])
+        return base(input_ids=ids[:, prefix:], attention_mask=mask, past_key_values=cache,
+                    use_cache=True).last_hidden_state
 
     def train_step(
         self, samples: list[Sample], advantages: Sequence[float], global_tokens: int | None = None
