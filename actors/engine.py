@@ -87,16 +87,19 @@ class EngineGroup:
     async def health(self) -> list[bool]:
         return list(await asyncio.gather(*(c.health() for c in self.clients)))
 
-    async def prefill_stats(self) -> dict[str, int]:
-        """Prompt tokens prefilled and of those served from the prefix cache, summed over the engines
-        (the CPU engine's counters; engines that do not report them, or do not answer, count 0)."""
+    async def work_stats(self) -> dict[str, float]:
+        """Cumulative counters summed over the engines: prompt tokens prefilled, those served from the
+        prefix cache, and seconds spent in prefill and decode forward passes (the CPU engine's counters;
+        engines that do not report them, or do not answer, count 0)."""
         infos = await asyncio.gather(*(c.get_server_info() for c in self.clients), return_exceptions=True)
-        totals = {"prompt_tokens": 0, "cached_prompt_tokens": 0}
+        keys = {"prompt_tokens": "prompt_tokens", "cached_prompt_tokens": "prefix_cache_hit_tokens",
+                "prefill_s": "prefill_seconds", "decode_s": "decode_seconds"}
+        totals = {name: 0.0 for name in keys}
         for info in infos:
             states = info.get("internal_states") if isinstance(info, dict) else None
             state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
-            totals["prompt_tokens"] += int(state.get("prompt_tokens", 0))
-            totals["cached_prompt_tokens"] += int(state.get("prefix_cache_hit_tokens", 0))
+            for name, key in keys.items():
+                totals[name] += float(state.get(key, 0) or 0)
         return totals
 
     def control_log(self) -> list[str]:

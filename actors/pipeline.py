@@ -57,6 +57,7 @@ from actors.sandbox_pool import SandboxPoolActor
 from actors.trainer import TrainerFailure, TrainerGroup
 from actors.trajectory_manager import TrajectoryManagers, start_trajectory_managers
 from rayrl.checkpoint import CheckpointStore
+from rayrl.concurrency import episodes_per_worker, groups_in_flight, with_rollout_concurrency
 from rayrl.config import RunConfig, to_yaml
 from rayrl.data import JsonlDataset, TaskSampler
 from rayrl.engines.launcher import resolve_backend
@@ -81,7 +82,7 @@ class Pipeline:
     """Builds every actor from one RunConfig and runs the training loop."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        cfg = with_cpu_threads(cfg)  # recorded in the run's config.yaml
+        cfg = with_rollout_concurrency(with_cpu_threads(cfg))  # recorded in the run's config.yaml
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -129,9 +130,16 @@ class Pipeline:
         self.schedule = cfg.pipeline.schedule
         if self.schedule == "colocated_async":
             self.trainer.offload()  # the engines hold the devices outside the train phase
-        per_step = cfg.rollout.prompts_per_step
-        lookahead = (cfg.pipeline.max_staleness + 1) * per_step  # batches the staleness bound lets train
-        self.groups_in_flight = per_step if self.schedule == "sync" else (cfg.pipeline.groups_in_flight or lookahead)
+        self.groups_in_flight = groups_in_flight(cfg)
+        slots = cfg.rollout.num_workers * cfg.rollout.max_concurrent_episodes
+        if slots < self.groups_in_flight * cfg.rollout.group_size:
+            logger.warning("rollout.max_concurrent_episodes=%d x %d workers run fewer episodes than the %d groups "
+                           "in flight hold (%d): the rest wait for a worker thread",
+                           cfg.rollout.max_concurrent_episodes, cfg.rollout.num_workers, self.groups_in_flight,
+                           self.groups_in_flight * cfg.rollout.group_size)
+        if cfg.rollout.agent != "agentcore" and cfg.sandbox_pool.max_size < min(slots, self.groups_in_flight * cfg.rollout.group_size):
+            logger.warning("sandbox_pool.max_size=%d is below the episodes in flight; episodes wait for a sandbox "
+                           "(up to sandbox_pool.acquire_timeout_s)", cfg.sandbox_pool.max_size)
         self.dispatcher = GroupDispatcher(workers, cfg.rollout.group_size, self.groups_in_flight,
                                           self._restart_worker, cfg.pipeline.max_episode_retries)
         self.group_seq = 0  # groups ever queued; part of each group id
@@ -140,6 +148,7 @@ class Pipeline:
         self._devices_with_trainer = False  # colocated: the gateway holds calls during the train phase
         self._engine_checked_at = time.monotonic()
         self._episodes_total = 0
+        self._engine_work: dict[str, float] = {}  # the engines' cumulative counters at the last step
         self._started_at = time.monotonic()
 
     @property
@@ -152,7 +161,7 @@ class Pipeline:
         cfg = self.cfg
         return RolloutWorker.options(
             name=f"rayrl-{cfg.exp_id}-rollout-{index}-r{self.worker_restarts}",
-            max_concurrency=cfg.rollout.max_concurrent_episodes + 1,
+            max_concurrency=episodes_per_worker(cfg) + 1,
         ).remote(cfg, self.trajectories.handles, self.pool, index)
 
     # -- rollout -----------------------------------------------------------------------------------
@@ -360,9 +369,12 @@ class Pipeline:
         self._untrained_taken = []  # trained (or nothing to learn from: equal rewards in every group)
         metrics["train/policy_version"] = self.version
         metrics.update(self._trajectory_metrics())
-        prefill = ray.get(self.engines.prefill_stats.remote())
-        metrics["engine/prompt_tokens"] = prefill["prompt_tokens"]  # cumulative since the engines started
-        metrics["engine/prefix_cache_hit_rate"] = prefill["cached_prompt_tokens"] / max(prefill["prompt_tokens"], 1)
+        work = ray.get(self.engines.work_stats.remote())  # cumulative since the engines started
+        metrics["engine/prompt_tokens"] = int(work["prompt_tokens"])
+        metrics["engine/prefix_cache_hit_rate"] = work["cached_prompt_tokens"] / max(work["prompt_tokens"], 1)
+        before = {k: self._engine_work.get(k, 0.0) for k in ("prefill_s", "decode_s")}
+        busy = {k: work[k] - v if work[k] >= v else work[k] for k, v in before.items()}  # < : an engine restarted
+        self._engine_work = work
         for kind, n in {**self.failure_counts, **self.dispatcher.counts}.items():
             metrics[f"failures/{kind}"] = n
         if (launcher := self._agentcore_launcher()) is not None:
@@ -370,6 +382,9 @@ class Pipeline:
         step_s = time.monotonic() - t_step
         self._episodes_total += len(episodes)
         metrics["time/step_s"] = step_s
+        for kind, seconds in busy.items():  # forward-pass time per engine over the step: how busy they were
+            metrics[f"engine/{kind}"] = seconds / max(len(self.engine_urls), 1)
+        metrics["engine/busy_fraction"] = sum(busy.values()) / max(len(self.engine_urls), 1) / max(step_s, 1e-9)
         metrics["rollout/episodes_per_s"] = len(episodes) / max(step_s, 1e-9)
         metrics["rollout/generated_tokens_per_s"] = generated / max(step_s, 1e-9)
         metrics["rollout/episodes_per_s_run"] = self._episodes_total / max(time.monotonic() - self._started_at, 1e-9)

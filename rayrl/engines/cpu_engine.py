@@ -355,6 +355,8 @@ class CPUEngine(PrefillMixin):
             "prompt_tokens": self._counters["prompt_tokens"],
             "requests_finished": self._counters["finished"],
             "decode_steps": self._counters["steps"],
+            "prefill_seconds": round(self._counters["prefill_s"], 3),  # forward time: how busy the engine was
+            "decode_seconds": round(self._counters["decode_s"], 3),
             "paused": self._paused,
             "released_memory": sorted(self._released),
             "weight_version": self._weight_version,
@@ -423,10 +425,14 @@ class CPUEngine(PrefillMixin):
                         self._apply_aborts(aborts)
                     if admitted:
                         self._admitting = admitted
+                        started = time.perf_counter()
                         self._admit(admitted)
+                        self._counters["prefill_s"] += time.perf_counter() - started
                         self._admitting = []
                     if self._seqs and not self._paused:
+                        started = time.perf_counter()
                         self._decode_step()
+                        self._counters["decode_s"] += time.perf_counter() - started
                 except Exception as err:
                     logger.exception("decode loop error; aborting the running batch")
                     self._loop_error = err
