@@ -20,6 +20,21 @@ def parity_reward(task: Task, result: AgentResult) -> float:
     return 1.0 if len(result.final_answer or "") % 2 == 0 else 0.0
 
 
+def index_parity_reward(task: Task, result: AgentResult) -> float:
+    """1.0 for even episode indexes (``IndexedAgent`` records them): every group has both rewards, so
+    every step trains."""
+    return 1.0 if result.info.get("episode_index", 0) % 2 == 0 else 0.0
+
+
+class IndexedAgent(PythonToolAgent):
+    """The python agent, recording the episode's index in the group for ``index_parity_reward``."""
+
+    def run(self, task: Task, ctx: EpisodeContext) -> AgentResult:
+        result = super().run(task, ctx)
+        result.info["episode_index"] = ctx.episode_index
+        return result
+
+
 class FlakyAgent(PythonToolAgent):
     """The python agent, except, for task "...first": episode 0 crashes, episode 1 loops forever, and
     episode 2's sandbox dies under it (its directory vanishes, as when a node's disk is cleaned)."""

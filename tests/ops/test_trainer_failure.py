@@ -80,7 +80,8 @@ def test_pipeline_stops_with_a_checkpoint_and_resumes_the_failed_step(ray_local,
     overrides = [
         f"model.path={tiny_model_dir}", "exp_id=rankfail", f"logging.output_dir={tmp_path / 'runs'}",
         f"data.train_path={data}", "data.val_path=null", "data.shuffle=false", "engine.dtype=float32",
-        "rollout.reward=tests.e2e_support:parity_reward", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        "rollout.agent=tests.e2e_support:IndexedAgent", "rollout.reward=tests.e2e_support:index_parity_reward",
+        "rollout.prompts_per_step=2", "rollout.group_size=2",
         "rollout.max_tokens=8", "rollout.max_turns=1", "rollout.few_shot_examples=0", "trainer.num_ranks=2",
         "trainer.steps=3", "sandbox_pool.min_warm=1", "logging.tensorboard=false", "logging.plot=false",
     ]
