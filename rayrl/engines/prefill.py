@@ -53,10 +53,10 @@ class PrefillMixin:
     def _admit(self, handles: list[RequestHandle]) -> None:
         """Prefill new requests and append the rows still running to the batch.
 
-        Requests whose prompt starts with a cached prefix prefill only the rest, one by one. The others
-        prefill in left-padded groups; a request sharing a long prefix with one of those waits for it
-        (its prompt KV is cached right after) and then reuses it, so a group's episodes that arrive
-        together pay for their shared prompt once.
+        Requests whose prompt starts with a cached prefix prefill only the rest, batched with other such
+        requests whose rest is about as long. The others prefill in left-padded groups; a request
+        sharing a long prefix with one of those waits for it (its prompt KV is cached right after) and
+        then reuses it, so a group's episodes that arrive together pay for their shared prompt once.
         """
         hits: list[tuple[RequestHandle, int, PrefixEntry]] = []
         misses: list[RequestHandle] = []
@@ -77,9 +77,12 @@ class PrefillMixin:
             joined |= self._join(*self._prefill(group))
         for h in later:
             matched, entry = self._prefix.match(h.prompt_ids)
-            joined |= self._join(*(self._prefill_cached(h, matched, entry) if entry else self._prefill([h])))
-        for h, matched, entry in hits:
-            joined |= self._join(*self._prefill_cached(h, matched, entry))
+            if entry is not None:
+                hits.append((h, matched, entry))
+            else:
+                joined |= self._join(*self._prefill([h]))
+        for group in self._cached_groups(hits):
+            joined |= self._join(*self._prefill_cached(group))
         if joined:
             self._sampler = BatchSampler([s.row for s in self._seqs])
 
@@ -130,26 +133,73 @@ class PrefillMixin:
             self._cache_prompt(h, cache, i, length)
         return self._first_tokens(group, out.logits[:, -1], KVBlock.from_cache(cache, mask), mask.sum(1))
 
-    def _prefill_cached(self, h: RequestHandle, matched: int, entry: PrefixEntry):
-        """Prefill ``h`` on top of the first ``matched`` cached tokens: only the rest runs the model."""
+    def _cached_groups(self, hits: list[tuple[RequestHandle, int, PrefixEntry]]):
+        """Cache hits cut into batches by the length of their uncached rest: a batch runs as many new
+        columns as its longest rest, so a shorter rest recomputes some of its cached tokens; that extra
+        work stays under PAD_WASTE of the batch's columns, and the batch within the prefill budget."""
+        ordered = sorted(hits, key=lambda hit: len(hit[0].prompt_ids) - hit[1])
+        groups: list[list[tuple[RequestHandle, int, PrefixEntry]]] = []
+        real = 0
+        for hit in ordered:
+            rest = len(hit[0].prompt_ids) - hit[1]
+            if groups:
+                padded = (len(groups[-1]) + 1) * rest  # rest is the batch's longest (sorted)
+                if padded <= self.prefill_budget_tokens and padded - (real + rest) <= PAD_WASTE * padded:
+                    groups[-1].append(hit)
+                    real += rest
+                    continue
+            groups.append([hit])
+            real = rest
+        return groups
+
+    def _prefill_cached(self, group: list[tuple[RequestHandle, int, PrefixEntry]]):
+        """Prefill requests on top of their cached prefixes in one forward pass.
+
+        Every row ends at the last column. The batch runs ``new`` columns, its longest uncached rest, on
+        top of ``past`` cached columns: row i reuses the first ``n_i - new`` tokens of its match (at most
+        all of it) and computes the rest, so rows stay contiguous and left-padded, as the running batch
+        and the prefix cache expect.
+        """
+        handles = [h for h, _, _ in group]
+        lengths = [len(h.prompt_ids) for h in handles]
+        new = max(n - matched for n, (_, matched, _) in zip(lengths, group))
+        total = max(lengths)
+        past = total - new
+        rows = len(group)
+        reused = [max(0, n - new) for n in lengths]
+        first = group[0][2]
+        keys = [torch.zeros(rows, k.shape[1], past, k.shape[3], dtype=k.dtype) for k in first.keys]
+        values = [torch.zeros(rows, v.shape[1], past, v.shape[3], dtype=v.dtype) for v in first.values]
+        ids = torch.full((rows, new), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(rows, total, dtype=torch.bool)
+        for i, ((h, matched, entry), n, c) in enumerate(zip(group, lengths, reused)):
+            for layer, (k, v) in enumerate(zip(entry.keys, entry.values)):
+                keys[layer][i, :, past - c : past] = k[0, :, :c]
+                values[layer][i, :, past - c : past] = v[0, :, :c]
+            ids[i, new - (n - c) :] = torch.tensor(h.prompt_ids[c:], dtype=torch.long)
+            mask[i, total - n :] = True
+            h.cached_tokens = c
+            self._prefix.hit_tokens -= matched - c  # matched but recomputed: not served from the cache
         cache = DynamicCache()
-        for layer, (k, v) in enumerate(zip(entry.keys, entry.values)):
-            cache.update(k[:, :, :matched], v[:, :, :matched], layer)  # copies: the entry stays intact
-        suffix = torch.tensor([h.prompt_ids[matched:]], dtype=torch.long)
-        n, total = suffix.shape[1], len(h.prompt_ids)
-        attention = torch.ones(n, total, dtype=torch.bool).tril_(diagonal=matched).view(1, 1, n, total)
+        if past:
+            for layer, (k, v) in enumerate(zip(keys, values)):
+                cache.update(k, v, layer)
+        columns = torch.arange(new).view(1, -1)
+        positions = (columns + torch.tensor(lengths).view(-1, 1) - new).clamp_(min=0)
+        query_at = (columns + past).view(1, 1, new, 1)  # each new column's place among all columns
+        key_at = torch.arange(total).view(1, 1, 1, total)
+        attention = ((key_at <= query_at) & mask.view(rows, 1, 1, total)) | (key_at == query_at)
         out = self.model(
-            input_ids=suffix,
+            input_ids=ids,
             attention_mask=attention,
-            position_ids=torch.arange(matched, total, dtype=torch.long).view(1, -1),
+            position_ids=positions,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        h.cached_tokens = matched
-        self._cache_prompt(h, cache, 0, total)
-        mask = torch.ones(1, total, dtype=torch.bool)
-        return self._first_tokens([h], out.logits[:, -1], KVBlock.from_cache(cache, mask), mask.sum(1))
+        for i, h in enumerate(handles):
+            self._cache_prompt(h, cache, i, total)
+        return self._first_tokens(handles, out.logits[:, -1], KVBlock.from_cache(cache, mask), mask.sum(1))
 
     def _cache_prompt(self, h: RequestHandle, cache: DynamicCache, row: int, length: int) -> None:
         """Keep the prompt's KV (row ``row`` of a left-padded prefill of ``length`` columns)."""

@@ -83,6 +83,32 @@ def test_group_arriving_together_prefills_its_prompt_once(cached_engine, referen
     assert stats["prefix_cache_hits"] >= 4 and 0 < stats["prefix_cache_bytes"] <= stats["prefix_cache_budget_bytes"]
 
 
+def test_hits_admitted_together_prefill_in_one_batch_with_identical_numbers(cached_engine, reference_model):
+    """Next turns of several conversations (different cached lengths, different new parts) and a new
+    question after the cached system prompt, admitted in one iteration: they prefill as batches on
+    top of their cached prefixes, and each gives what a plain forward pass gives."""
+    firsts = {}
+    for name, question in {"a": [11, 12, 13], "b": list(range(20, 41)), "c": [50]}.items():
+        firsts[name] = SYSTEM + question + cached_engine.generate(SYSTEM + question, GREEDY, timeout=30).output_ids
+    prompts = [firsts["a"] + [61, 62, 63, 64], firsts["b"] + [65, 66], firsts["c"] + [67, 68, 69, 70, 71],
+               SYSTEM + [72, 73, 74, 75]]
+    cached_engine.pause("in_place")
+    handles = [cached_engine.submit(p, GREEDY) for p in prompts]
+    cached_engine.resume()
+    results = [h.result(30) for h in handles]
+    for prompt, res in zip(prompts, results):
+        assert len(SYSTEM) - 2 <= res.cached_tokens < len(prompt)
+        expected = forward_logprobs(reference_model, prompt, res.output_ids)
+        torch.testing.assert_close(torch.tensor(res.output_logprobs), expected, atol=1e-4, rtol=0)
+        greedy = reference_model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
+                                          do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert res.output_ids == greedy
+    # new parts (uncached rests) are b 3, d 4, a 5, c 6 tokens: b, d and a run as one batch of 5 new
+    # columns (b recomputes 2 cached tokens, d 1), c on its own (6 against 5 would waste too much)
+    assert [r.cached_tokens for r in results] == [len(prompts[0]) - 5, len(prompts[1]) - 5, len(prompts[2]) - 6,
+                                                  len(prompts[3]) - 5]
+
+
 def test_weight_update_and_flush_empty_the_cache(cached_engine, reference_model):
     prompt = SYSTEM + [5, 6, 7]
     cached_engine.generate(prompt, GREEDY, timeout=30)
