@@ -57,7 +57,12 @@ from actors.sandbox_pool import SandboxPoolActor
 from actors.trainer import TrainerFailure, TrainerGroup
 from actors.trajectory_manager import TrajectoryManagers, start_trajectory_managers
 from rayrl.checkpoint import CheckpointStore
-from rayrl.concurrency import episodes_per_worker, groups_in_flight, with_rollout_concurrency
+from rayrl.concurrency import (
+    capacity_warnings,
+    episodes_per_worker,
+    groups_in_flight,
+    with_rollout_concurrency,
+)
 from rayrl.config import RunConfig, to_yaml
 from rayrl.data import JsonlDataset, TaskSampler
 from rayrl.engines.launcher import resolve_backend
@@ -131,15 +136,8 @@ class Pipeline:
         if self.schedule == "colocated_async":
             self.trainer.offload()  # the engines hold the devices outside the train phase
         self.groups_in_flight = groups_in_flight(cfg)
-        slots = cfg.rollout.num_workers * cfg.rollout.max_concurrent_episodes
-        if slots < self.groups_in_flight * cfg.rollout.group_size:
-            logger.warning("rollout.max_concurrent_episodes=%d x %d workers run fewer episodes than the %d groups "
-                           "in flight hold (%d): the rest wait for a worker thread",
-                           cfg.rollout.max_concurrent_episodes, cfg.rollout.num_workers, self.groups_in_flight,
-                           self.groups_in_flight * cfg.rollout.group_size)
-        if cfg.rollout.agent != "agentcore" and cfg.sandbox_pool.max_size < min(slots, self.groups_in_flight * cfg.rollout.group_size):
-            logger.warning("sandbox_pool.max_size=%d is below the episodes in flight; episodes wait for a sandbox "
-                           "(up to sandbox_pool.acquire_timeout_s)", cfg.sandbox_pool.max_size)
+        for warning in capacity_warnings(cfg):
+            logger.warning(warning)
         self.dispatcher = GroupDispatcher(workers, cfg.rollout.group_size, self.groups_in_flight,
                                           self._restart_worker, cfg.pipeline.max_episode_retries)
         self.group_seq = 0  # groups ever queued; part of each group id
@@ -373,7 +371,8 @@ class Pipeline:
         metrics["engine/prompt_tokens"] = int(work["prompt_tokens"])
         metrics["engine/prefix_cache_hit_rate"] = work["cached_prompt_tokens"] / max(work["prompt_tokens"], 1)
         before = {k: self._engine_work.get(k, 0.0) for k in ("prefill_s", "decode_s")}
-        busy = {k: work[k] - v if work[k] >= v else work[k] for k, v in before.items()}  # < : an engine restarted
+        # a counter that went down belongs to a restarted engine: all of it is this step's
+        busy = {k: work[k] - v if work[k] >= v else work[k] for k, v in before.items()}
         self._engine_work = work
         for kind, n in {**self.failure_counts, **self.dispatcher.counts}.items():
             metrics[f"failures/{kind}"] = n
@@ -382,9 +381,10 @@ class Pipeline:
         step_s = time.monotonic() - t_step
         self._episodes_total += len(episodes)
         metrics["time/step_s"] = step_s
+        engines = max(len(self.engine_urls), 1)
         for kind, seconds in busy.items():  # forward-pass time per engine over the step: how busy they were
-            metrics[f"engine/{kind}"] = seconds / max(len(self.engine_urls), 1)
-        metrics["engine/busy_fraction"] = sum(busy.values()) / max(len(self.engine_urls), 1) / max(step_s, 1e-9)
+            metrics[f"engine/{kind}"] = seconds / engines
+        metrics["engine/busy_fraction"] = sum(busy.values()) / engines / max(step_s, 1e-9)
         metrics["rollout/episodes_per_s"] = len(episodes) / max(step_s, 1e-9)
         metrics["rollout/generated_tokens_per_s"] = generated / max(step_s, 1e-9)
         metrics["rollout/episodes_per_s_run"] = self._episodes_total / max(time.monotonic() - self._started_at, 1e-9)

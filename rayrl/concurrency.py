@@ -43,3 +43,18 @@ def with_rollout_concurrency(cfg: RunConfig) -> RunConfig:
     if pipeline.schedule != "sync":
         pipeline = dataclasses.replace(pipeline, groups_in_flight=groups_in_flight(cfg))
     return dataclasses.replace(cfg, rollout=rollout, pipeline=pipeline)
+
+
+def capacity_warnings(cfg: RunConfig) -> list[str]:
+    """What makes some episodes of the groups in flight wait, when explicit limits are below them."""
+    episodes = groups_in_flight(cfg) * cfg.rollout.group_size
+    slots = cfg.rollout.num_workers * episodes_per_worker(cfg)
+    warnings = []
+    if slots < episodes:
+        warnings.append(f"rollout.max_concurrent_episodes={episodes_per_worker(cfg)} x {cfg.rollout.num_workers} "
+                        f"workers run fewer episodes than the {groups_in_flight(cfg)} groups in flight hold "
+                        f"({episodes}): the rest wait for a worker thread")
+    if cfg.rollout.agent != "agentcore" and cfg.sandbox_pool.max_size < min(slots, episodes):
+        warnings.append(f"sandbox_pool.max_size={cfg.sandbox_pool.max_size} is below the {min(slots, episodes)} "
+                        "episodes in flight: the rest wait for a sandbox (up to sandbox_pool.acquire_timeout_s)")
+    return warnings

@@ -2,7 +2,12 @@
 
 import pytest
 
-from rayrl.concurrency import episodes_per_worker, groups_in_flight, with_rollout_concurrency
+from rayrl.concurrency import (
+    capacity_warnings,
+    episodes_per_worker,
+    groups_in_flight,
+    with_rollout_concurrency,
+)
 from rayrl.config import ConfigError, load_config
 
 EXAMPLE = "examples/calculator/config.yaml"
@@ -43,3 +48,14 @@ def test_explicit_values_win_and_resolution_is_recorded():
 def test_negative_concurrency_is_a_config_error():
     with pytest.raises(ConfigError, match="rollout.max_concurrent_episodes"):
         _cfg("rollout.max_concurrent_episodes=-1")
+
+
+def test_capacity_warnings_name_the_limit():
+    assert capacity_warnings(_cfg("pipeline.schedule=async", "pipeline.max_staleness=2",
+                                  "sandbox_pool.max_size=32")) == []
+    short = capacity_warnings(_cfg("pipeline.schedule=async", "pipeline.max_staleness=2",
+                                   "rollout.max_concurrent_episodes=16", "sandbox_pool.max_size=8",
+                                   "sandbox_pool.min_warm=4"))
+    assert len(short) == 2
+    assert "rollout.max_concurrent_episodes=16" in short[0] and "(24)" in short[0]
+    assert short[1].startswith("sandbox_pool.max_size=8 is below the 16 episodes")

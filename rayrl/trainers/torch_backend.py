@@ -138,7 +138,8 @@ class TorchTrainer:
     # -- training ----------------------------------------------------------------------------------
 
     def _micro_batch(self, samples: list[Sample], advantages: list[float]) -> dict[str, torch.Tensor]:
-        share = self.cfg.share_prefix and not self.cfg.gradient_checkpointing  # HF drops the cache under checkpointing
+        # transformers drops the cache under gradient checkpointing: no shared prefix there
+        share = self.cfg.share_prefix and not self.cfg.gradient_checkpointing
         prefix = shared_prefix_length(samples) if share else 0
         longest = max(len(s.tokens) for s in samples)
         n = len(samples)
