@@ -36,13 +36,13 @@ run: model
 	$(BIN)/python driver.py $(ARGS)
 
 test: $(TDEPS) model
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -X faulthandler -m pytest -q -ra
 
 test-slow: $(TDEPS) model
-	$(BIN)/python -m pytest -q -ra -m slow
+	$(BIN)/python -X faulthandler -m pytest -q -ra -m slow
 
 test-all: $(TDEPS) model
-	$(BIN)/python -m pytest -q -ra -m "slow or not slow"
+	$(BIN)/python -X faulthandler -m pytest -q -ra -m "slow or not slow"
 
 bench: $(TDEPS) model
 	$(BIN)/pip install --quiet -e '.[bench]'
