@@ -147,6 +147,7 @@ class Pipeline:
         self._engine_checked_at = time.monotonic()
         self._episodes_total = 0
         self._engine_work: dict[str, float] = {}  # the engines' cumulative counters at the last step
+        self._engine_work_at = time.monotonic()  # when they were read
         self._started_at = time.monotonic()
 
     @property
@@ -373,7 +374,8 @@ class Pipeline:
         before = {k: self._engine_work.get(k, 0.0) for k in ("prefill_s", "decode_s")}
         # a counter that went down belongs to a restarted engine: all of it is this step's
         busy = {k: work[k] - v if work[k] >= v else work[k] for k, v in before.items()}
-        self._engine_work = work
+        window = time.monotonic() - self._engine_work_at  # since the last read: the step and what ran between
+        self._engine_work, self._engine_work_at = work, time.monotonic()
         for kind, n in {**self.failure_counts, **self.dispatcher.counts}.items():
             metrics[f"failures/{kind}"] = n
         if (launcher := self._agentcore_launcher()) is not None:
@@ -384,7 +386,7 @@ class Pipeline:
         engines = max(len(self.engine_urls), 1)
         for kind, seconds in busy.items():  # forward-pass time per engine over the step: how busy they were
             metrics[f"engine/{kind}"] = seconds / engines
-        metrics["engine/busy_fraction"] = sum(busy.values()) / engines / max(step_s, 1e-9)
+        metrics["engine/busy_fraction"] = sum(busy.values()) / engines / max(window, 1e-9)
         metrics["rollout/episodes_per_s"] = len(episodes) / max(step_s, 1e-9)
         metrics["rollout/generated_tokens_per_s"] = generated / max(step_s, 1e-9)
         metrics["rollout/episodes_per_s_run"] = self._episodes_total / max(time.monotonic() - self._started_at, 1e-9)

@@ -142,13 +142,14 @@ def main() -> int:
         r["throughput_x"] = r["episodes_per_s"] / base["episodes_per_s"]
         r["step_x"] = r["step_s"] / base["step_s"]
         print(f"{r['schedule']:<16} {r['episodes_per_s']:>10.3f} {r['throughput_x']:>7.2f} {r['step_s']:>7.1f} "
-              f"{r['step_x']:>7.2f} {r['train_s']:>7.1f} {r['staleness_mean']:>9.2f} {r['dropped_groups']:>7d} {r['engine_busy']:>11.0%}  "
+              f"{r['step_x']:>7.2f} {r['train_s']:>7.1f} {r['staleness_mean']:>9.2f} {r['dropped_groups']:>7d} "
+              f"{r['engine_busy']:>11.0%}  "
               + " ".join(f"{x:.2f}" for x in r["rewards"]))
     if base["schedule"] == "sync":
         busy = base["engine_busy"] + base["trainer_busy"]
         print(f"sync keeps the engine or the trainer computing {busy:.0%} of its wall time (they take turns "
-              f"on the same cores): a schedule that only overlaps waiting can gain about {1 / max(busy, 1e-9):.2f}x "
-              f"at most here, plus what larger decode batches save")
+              f"on the same cores): a schedule that only overlaps waiting can gain about "
+              f"{1 / max(busy, 1e-9):.2f}x at most here, plus what larger decode batches save")
     plot(results, Path(args.plot))
     summary = Path(args.out) / "pipeline_overlap.json"
     summary.parent.mkdir(parents=True, exist_ok=True)
