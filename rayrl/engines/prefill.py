@@ -10,7 +10,7 @@ cache (``_prefix``, ``_cache_epoch``) and helpers (``_append``, ``_finish``, ``_
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -22,6 +22,27 @@ from rayrl.engines.requests import RequestHandle, SequenceState
 from rayrl.engines.sampling import BatchSampler
 
 PAD_WASTE = 0.2  # largest share of padding in a prefill group
+
+T = TypeVar("T")
+
+
+def pack_by_length(items: list[T], length: Callable[[T], int], budget: int) -> list[list[T]]:
+    """``items`` sorted by ``length`` and cut into batches that run as wide as their longest member:
+    the columns the shorter ones waste stay under PAD_WASTE of the batch, and the batch's columns
+    (count × longest) within ``budget``."""
+    groups: list[list[T]] = []
+    real = 0
+    for item in sorted(items, key=length):
+        n = length(item)
+        if groups:
+            padded = (len(groups[-1]) + 1) * n  # n is the batch's longest (sorted)
+            if padded <= budget and padded - (real + n) <= PAD_WASTE * padded:
+                groups[-1].append(item)
+                real += n
+                continue
+        groups.append([item])
+        real = n
+    return groups
 
 
 class PrefillMixin:
@@ -35,20 +56,8 @@ class PrefillMixin:
         padded tokens and whose padded size fits the prefill budget (padding is wasted compute).
         Requests that want prompt log-probs (full logits) prefill alone."""
         alone = [[h] for h in handles if h.wants_prompt_logprobs]
-        rest = sorted((h for h in handles if not h.wants_prompt_logprobs), key=lambda h: len(h.prompt_ids))
-        groups: list[list[RequestHandle]] = []
-        real = 0
-        for h in rest:
-            n = len(h.prompt_ids)
-            if groups:
-                padded = (len(groups[-1]) + 1) * n  # n is the group's longest prompt (sorted)
-                if padded <= self.prefill_budget_tokens and padded - (real + n) <= PAD_WASTE * padded:
-                    groups[-1].append(h)
-                    real += n
-                    continue
-            groups.append([h])
-            real = n
-        return groups + alone
+        rest = [h for h in handles if not h.wants_prompt_logprobs]
+        return pack_by_length(rest, lambda h: len(h.prompt_ids), self.prefill_budget_tokens) + alone
 
     def _admit(self, handles: list[RequestHandle]) -> None:
         """Prefill new requests and append the rows still running to the batch.
@@ -137,20 +146,7 @@ class PrefillMixin:
         """Cache hits cut into batches by the length of their uncached rest: a batch runs as many new
         columns as its longest rest, so a shorter rest recomputes some of its cached tokens; that extra
         work stays under PAD_WASTE of the batch's columns, and the batch within the prefill budget."""
-        ordered = sorted(hits, key=lambda hit: len(hit[0].prompt_ids) - hit[1])
-        groups: list[list[tuple[RequestHandle, int, PrefixEntry]]] = []
-        real = 0
-        for hit in ordered:
-            rest = len(hit[0].prompt_ids) - hit[1]
-            if groups:
-                padded = (len(groups[-1]) + 1) * rest  # rest is the batch's longest (sorted)
-                if padded <= self.prefill_budget_tokens and padded - (real + rest) <= PAD_WASTE * padded:
-                    groups[-1].append(hit)
-                    real += rest
-                    continue
-            groups.append([hit])
-            real = rest
-        return groups
+        return pack_by_length(hits, lambda hit: len(hit[0].prompt_ids) - hit[1], self.prefill_budget_tokens)
 
     def _prefill_cached(self, group: list[tuple[RequestHandle, int, PrefixEntry]]):
         """Prefill requests on top of their cached prefixes in one forward pass.
