@@ -168,14 +168,14 @@ class PrefillMixin:
         values = [torch.zeros(rows, v.shape[1], past, v.shape[3], dtype=v.dtype) for v in first.values]
         ids = torch.full((rows, new), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros(rows, total, dtype=torch.bool)
-        for i, ((h, matched, entry), n, c) in enumerate(zip(group, lengths, reused)):
+        for i, ((h, _, entry), n, c) in enumerate(zip(group, lengths, reused)):
             for layer, (k, v) in enumerate(zip(entry.keys, entry.values)):
                 keys[layer][i, :, past - c : past] = k[0, :, :c]
                 values[layer][i, :, past - c : past] = v[0, :, :c]
             ids[i, new - (n - c) :] = torch.tensor(h.prompt_ids[c:], dtype=torch.long)
             mask[i, total - n :] = True
             h.cached_tokens = c
-            self._prefix.hit_tokens -= matched - c  # matched but recomputed: not served from the cache
+            self._prefix.record_reuse(c)
         cache = DynamicCache()
         if past:
             for layer, (k, v) in enumerate(zip(keys, values)):

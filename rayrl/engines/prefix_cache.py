@@ -87,8 +87,12 @@ class PrefixCache:
             return 0, None
         self._entries.move_to_end(best_key)
         self.hits += 1
-        self.hit_tokens += best
         return best, self._entries[best_key]
+
+    def record_reuse(self, tokens: int) -> None:
+        """Count prompt tokens a prefill actually took from an entry (a batched prefill may recompute
+        part of a match; ``prefix_cache_hit_tokens`` counts only what was reused)."""
+        self.hit_tokens += tokens
 
     def covers(self, ids: Sequence[int]) -> bool:
         """True when an entry already holds all of ``ids`` (so inserting them would add nothing)."""
