@@ -66,7 +66,7 @@ from rayrl.concurrency import (
 from rayrl.config import RunConfig, to_yaml
 from rayrl.data import JsonlDataset, TaskSampler
 from rayrl.engines.launcher import resolve_backend
-from rayrl.metrics import MetricsLogger, summary_line
+from rayrl.metrics import CounterDeltas, MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
 from rayrl.placement import with_cpu_threads
 from rayrl.trainers.losses import grpo_advantages
@@ -146,8 +146,7 @@ class Pipeline:
         self._devices_with_trainer = False  # colocated: the gateway holds calls during the train phase
         self._engine_checked_at = time.monotonic()
         self._episodes_total = 0
-        self._engine_work: dict[str, float] = {}  # the engines' cumulative counters at the last step
-        self._engine_work_at = time.monotonic()  # when they were read
+        self._engine_busy = CounterDeltas(time.monotonic())  # the engines' cumulative forward-pass seconds
         self._started_at = time.monotonic()
 
     @property
@@ -371,11 +370,8 @@ class Pipeline:
         work = ray.get(self.engines.work_stats.remote())  # cumulative since the engines started
         metrics["engine/prompt_tokens"] = int(work["prompt_tokens"])
         metrics["engine/prefix_cache_hit_rate"] = work["cached_prompt_tokens"] / max(work["prompt_tokens"], 1)
-        before = {k: self._engine_work.get(k, 0.0) for k in ("prefill_s", "decode_s")}
-        # a counter that went down belongs to a restarted engine: all of it is this step's
-        busy = {k: work[k] - v if work[k] >= v else work[k] for k, v in before.items()}
-        window = time.monotonic() - self._engine_work_at  # since the last read: the step and what ran between
-        self._engine_work, self._engine_work_at = work, time.monotonic()
+        # since the last read: the step and whatever the engines did between steps
+        busy, window = self._engine_busy.update({k: work[k] for k in ("prefill_s", "decode_s")}, time.monotonic())
         for kind, n in {**self.failure_counts, **self.dispatcher.counts}.items():
             metrics[f"failures/{kind}"] = n
         if (launcher := self._agentcore_launcher()) is not None:

@@ -40,6 +40,23 @@ def summary_line(step: int, total: int, metrics: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+class CounterDeltas:
+    """Per-step amounts from counters that only grow (an engine's cumulative forward seconds), and the
+    wall time they cover. A counter that went down was reset (its engine restarted): all of its
+    current value is new."""
+
+    def __init__(self, now: float) -> None:
+        self._last: dict[str, float] = {}
+        self._last_at = now
+
+    def update(self, totals: dict[str, float], now: float) -> tuple[dict[str, float], float]:
+        """``(what each counter added since the last update, seconds since then)``."""
+        deltas = {k: v - self._last.get(k, 0.0) if v >= self._last.get(k, 0.0) else v for k, v in totals.items()}
+        window = now - self._last_at
+        self._last, self._last_at = dict(totals), now
+        return deltas, window
+
+
 class MetricsLogger:
     """Writes each step's metrics to every configured destination."""
 

@@ -6,7 +6,7 @@ import json
 import time
 
 from rayrl.config import LoggingConfig
-from rayrl.metrics import MetricsLogger
+from rayrl.metrics import CounterDeltas, MetricsLogger
 from tests.ops.wandb_log import history_rows
 
 
@@ -40,3 +40,11 @@ def test_tensorboard_and_wandb_offline_receive_every_step(tmp_path, monkeypatch)
     assert rewards == [(1, 0.1), (2, 0.2), (3, 0.3)]
     assert [s for s, _ in sink] == [1, 2, 3]
     assert [json.loads(line)["step"] for line in (tmp_path / "exp" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_counter_deltas_per_step_and_after_a_reset():
+    deltas = CounterDeltas(now=100.0)
+    assert deltas.update({"decode_s": 3.0, "prefill_s": 1.0}, now=110.0) == ({"decode_s": 3.0, "prefill_s": 1.0}, 10.0)
+    assert deltas.update({"decode_s": 5.5, "prefill_s": 1.0}, now=115.0) == ({"decode_s": 2.5, "prefill_s": 0.0}, 5.0)
+    # the engine restarted: its counters began again from zero
+    assert deltas.update({"decode_s": 0.5, "prefill_s": 2.0}, now=117.0) == ({"decode_s": 0.5, "prefill_s": 1.0}, 2.0)
