@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import signal
 import sys
 from typing import Optional, Sequence
@@ -41,6 +42,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--prefix-cache-mb", type=int, default=1024, help="KV of known prefixes kept for reuse (0: off)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu",
+                    help="cpu, or cuda[:N] to run the model on a GPU (checks CUDA IPC weight updates)")
     ap.add_argument("--slow-request-s", type=float, default=120.0, help="log requests slower than this")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
@@ -51,6 +54,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error("--num-threads must be >= 0")
     if args.prefix_cache_mb < 0:
         ap.error("--prefix-cache-mb must be >= 0")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        ap.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     return args
 
 
@@ -63,7 +68,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.dtype == "auto":
         from rayrl.config.resolve import compute_dtype, cpu_has_native_bf16
 
-        args.dtype = compute_dtype("auto", cuda=False, native_bf16=cpu_has_native_bf16())
+        args.dtype = compute_dtype("auto", cuda=args.device != "cpu", native_bf16=cpu_has_native_bf16())
     engine = CPUEngine(
         path,
         dtype=args.dtype,
@@ -74,6 +79,7 @@ async def serve(args: argparse.Namespace) -> None:
         prefill_budget_tokens=args.prefill_budget_tokens,
         seed=args.seed,
         prefix_cache_mb=args.prefix_cache_mb,
+        device=args.device,
     ).start()
     server = EngineServer(
         engine,
@@ -91,7 +97,8 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     url = await server.start()
-    print(f"rayrl cpu engine ready at {url} (model {path}, dtype {args.dtype})", flush=True)
+    print(f"rayrl cpu engine ready at {url} (model {path}, dtype {args.dtype}, device {args.device})",
+          flush=True)
     try:
         await stop.wait()
     finally:

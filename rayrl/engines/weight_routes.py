@@ -95,9 +95,10 @@ class WeightEndpoints:
                 f"load_format {load_format!r} is not supported by the CPU engine "
                 '(null, "direct", "flattened_bucket" or "safetensors")'
             )
+        on_gpu = getattr(getattr(self.engine, "device", None), "type", "cpu") == "cuda"  # CUDA IPC handles
         try:
-            named = deserialize_from_trainer(entries[0])
-        except ValueError as err:  # WeightUpdateError: not a payload, disallowed names, CUDA handles
+            named = deserialize_from_trainer(entries[0], allow_cuda=on_gpu)
+        except ValueError as err:  # WeightUpdateError: not a payload, disallowed names, CUDA handles on CPU
             raise RequestError(
                 f"{err} (SGLang's form: base64 of a multiprocessing pickle of [(name, tensor)] or a "
                 'flattened bucket; bytes from another machine: load_format="safetensors")'

@@ -3,9 +3,13 @@
 What it adds over the torch backend: tensor, pipeline and context parallelism (``trainer.tp_size``,
 ``pp_size``, ``cp_size``), sequence packing (a micro-batch is one packed sequence in Megatron's THD
 format: no padding between samples), the distributed optimizer, and torch_memory_saver regions for
-colocation. The loss is the same function as the torch backend's (rayrl.trainers.losses), and the
-semantics are the same: each trained token counts once, normalised by the trained-token count of the
-whole batch over all data-parallel ranks (Megatron's ``calculate_per_token_loss``).
+colocation: parameters, gradient buffers, fp32 main parameters and Adam's moments are all allocated
+inside the region when the trainer is made (the moments eagerly, by Megatron's own ``init_state_fn``:
+Adam would otherwise create them at the first step, outside the region, and ``offload`` would leave
+the largest block of trainer memory on the GPU). The loss is the same function as the torch
+backend's (rayrl.trainers.losses), and the semantics are the same: each trained token counts once,
+normalised by the trained-token count of the whole batch over all data-parallel ranks (Megatron's
+``calculate_per_token_loss``).
 
 Data layout: each rank trains the samples it is given. TrainerGroup hands every rank of one
 data-parallel replica (its TP, PP and CP ranks) the same shard, balanced by tokens over the replicas
@@ -38,7 +42,7 @@ import torch
 from rayrl.config import TrainerConfig
 from rayrl.rl.shard import dp_rank_of
 from rayrl.trainers.losses import ppo_clip_token_loss
-from rayrl.trainers.memory_saver import MemorySaver
+from rayrl.trainers.memory_saver import MemorySaver, init_optimizer_state
 from rayrl.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -244,7 +248,7 @@ class MegatronTrainer:
         self.bridge.set_extra_args(**extra)
 
         self.memory = MemorySaver(cfg.memory_saver, tag="trainer")
-        with self.memory.region():  # parameters, gradient buffers and optimizer state: all pauseable
+        with self.memory.region():  # parameters, gradient buffers and optimizer state: all pauseable, kept
             self.model = self.bridge.get_model(
                 weight_path=str(model_path),
                 wrap_with_ddp=True,
@@ -270,6 +274,8 @@ class MegatronTrainer:
                 ),
                 self.model,
             )
+            if self.memory.active:  # Adam's moments now, inside the region, not at the first step
+                init_optimizer_state(self.optimizer)
         config = get_model_config(self.model[0])
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
@@ -468,6 +474,7 @@ class MegatronTrainer:
         for i, m in enumerate(self.model):
             _unwrap_for_sharding(m).load_state_dict(loaded[f"model{i}"])
         self.optimizer.load_state_dict(loaded["optimizer"])
+        self.memory.adopt_optimizer_state(self.optimizer)  # loaded state that landed outside the region
         self.policy_version = int(json.loads((directory / "trainer_state.json").read_text())["policy_version"])
         rng_file = directory / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
@@ -480,7 +487,8 @@ class MegatronTrainer:
     # -- colocation --------------------------------------------------------------------------------
 
     def offload(self) -> bool:
-        """Release parameters, gradients and optimizer state (host backup) so engines get the GPU."""
+        """Release parameters, gradients and optimizer state (contents kept in pinned host memory) so
+        engines get the GPU; False when a no-op (``trainer.memory_saver`` off)."""
         return self.memory.pause()
 
     def onload(self) -> bool:

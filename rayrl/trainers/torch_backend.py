@@ -8,6 +8,13 @@ memory for tool-heavy episodes. The tokens every sample of a micro-batch starts 
 tool schemas and few-shot turns all episodes share; a GRPO group's whole prompt) are run once and their
 keys/values repeated for each sample (``trainer.share_prefix``): the gradient is the same, since autograd
 sums what each sample sends back through the shared prefix, and the compute of the prefix is paid once.
+
+Colocated on a GPU (``trainer.memory_saver``), parameters, gradients and AdamW's moments are all
+allocated inside the :class:`~rayrl.trainers.memory_saver.MemorySaver` region when the trainer is made:
+gradients stay allocated (zeroed in place instead of freed) and the optimizer state is created eagerly
+(``init_optimizer_state``), because AdamW would otherwise create its moments lazily at the first step,
+outside the region, where ``offload`` could not free them. ``offload``/``onload`` pause and resume
+that region; on CPU they do nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from rayrl.config import TrainerConfig
 from rayrl.config.resolve import compute_dtype as resolve_compute_dtype
 from rayrl.config.resolve import cpu_has_native_bf16
 from rayrl.trainers.losses import ppo_clip_token_loss
+from rayrl.trainers.memory_saver import MemorySaver, init_optimizer_state
 from rayrl.weights.files import export_state_dict
 from rayrl.types import Sample
 
@@ -108,7 +116,9 @@ class TorchTrainer:
         world_size: int = 1,
         seed: int = 0,
         device: str | None = None,
+        memory: MemorySaver | None = None,
     ) -> None:
+        """``memory``: the saver holding the trainer's GPU state (default: one from ``cfg.memory_saver``)."""
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
@@ -121,7 +131,10 @@ class TorchTrainer:
         torch.manual_seed(seed + rank)
         random.seed(seed + rank)
         np.random.seed(seed + rank)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[cfg.dtype]).to(self.device)
+        self.memory = memory if memory is not None else MemorySaver(cfg.memory_saver, device=self.device)
+        with self.memory.region():  # parameters (and buffers) land on the device inside the region
+            model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[cfg.dtype])
+            self.model = model.to(self.device)
         self.model.config.use_cache = False
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -129,6 +142,12 @@ class TorchTrainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
         )
+        if self.memory.active:  # everything offload must free exists now, inside the region
+            with self.memory.region():
+                for p in self.model.parameters():
+                    if p.requires_grad:
+                        p.grad = torch.zeros_like(p)
+                init_optimizer_state(self.optimizer)
         self.policy_version = 0
 
     # -- training ----------------------------------------------------------------------------------
@@ -196,7 +215,7 @@ class TorchTrainer:
         local_tokens = sum(s.num_trained_tokens for s in samples)
         total = float(global_tokens if global_tokens is not None else local_tokens)
         sums = {"loss": 0.0, "clip": 0.0, "kl": 0.0, "tis": 0.0, "tokens": 0.0, "abs_lp_diff": 0.0}
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         for group in pack_micro_batches([len(s.tokens) for s in samples], self.cfg.micro_batch_tokens):
             batch = self._micro_batch([samples[i] for i in group], [advantages[i] for i in group])
             logp = self.token_logprobs(batch)
@@ -254,35 +273,24 @@ class TorchTrainer:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
         if math.isfinite(grad_norm):
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         return grad_norm
+
+    def _zero_grad(self) -> None:
+        # with the memory saver the gradients keep their place in the region: zeroed, never freed
+        self.optimizer.zero_grad(set_to_none=not self.memory.active)
 
     # -- device memory (colocated schedule) --------------------------------------------------------
 
     def offload(self) -> bool:
-        """Move weights and optimizer state to host memory so colocated engines can use the GPU.
-
-        A no-op on CPU (returns False): there the trainer and engines share host memory anyway.
-        """
-        if self.device.type == "cpu":
-            return False
-        self._move(torch.device("cpu"))
-        torch.cuda.empty_cache()
-        return True
+        """Release parameters, gradients and optimizer state (contents kept in pinned host memory) so
+        colocated engines can use the GPU. False when nothing moves: on CPU, where the trainer and the
+        engines share host memory anyway, or with ``trainer.memory_saver`` off."""
+        return self.memory.pause()
 
     def onload(self) -> bool:
-        """Bring weights and optimizer state back to the training device (no-op on CPU)."""
-        if self.device.type == "cpu":
-            return False
-        self._move(self.device)
-        return True
-
-    def _move(self, device: torch.device) -> None:
-        self.model.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    state[key] = value.to(device, non_blocking=True)
+        """Map them back, contents restored bit for bit at the same addresses (False when a no-op)."""
+        return self.memory.resume()
 
     # -- weights and checkpoints -------------------------------------------------------------------
 
@@ -314,6 +322,7 @@ class TorchTrainer:
         model_state = mine.get("model") or torch.load(directory / "rank0.pt", weights_only=False)["model"]
         self.model.load_state_dict(model_state)
         self.optimizer.load_state_dict(mine["optimizer"])
+        self.memory.adopt_optimizer_state(self.optimizer)  # load_state_dict made new tensors, outside it
         self.policy_version = int(mine["policy_version"])
         torch.set_rng_state(mine["torch_rng"])
         np.random.set_state(mine["numpy_rng"])
