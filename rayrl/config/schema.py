@@ -67,28 +67,39 @@ class GatewayConfig:
 
     host: str = "127.0.0.1"  # bind address; loopback unless you need remote agents
     port: int = 0  # 0 picks a free port
-    tool_parser: Literal["auto", "hermes", "llama3", "none"] = "auto"  # auto | hermes | llama3 | none  (auto: from the model family)
+    tool_parser: Literal["auto", "hermes", "llama3", "deepseek", "none"] = "auto"  # auto | hermes | llama3 | deepseek | none  (auto: from the model family, rayrl/gateway/families.py)
     reasoning_parser: Literal["auto", "think", "none"] = "auto"  # auto | think | none
     default_max_tokens: int = 512  # when a request sets neither max_tokens nor max_completion_tokens
     max_body_mb: float = 32.0  # larger request bodies get 413
+    max_prompt_tokens: int = 0  # longest prompt in tokens; longer ones get the API's context-length error without being tokenized in full (0: the context length)
     cumulative_token_mode: bool = True  # reuse recorded tokens when a request's history matches exactly
     inject_tool_schemas: bool = True  # chat templates without tool support: describe tools in the system message
     slow_request_log_s: float = 120.0  # requests slower than this are logged (others are not)
     max_tokens_cap: int = 0  # clamp every request's max tokens to this (0: no cap); agent CLIs ask for 32K-64K
     served_model_names: list[str] = field(default_factory=list)  # model names requests may use; empty accepts any (CLIs send e.g. claude-opus-4-8)
+    max_turns_per_session: int = 0  # LLM calls one session may make; the next gets a 400 in the caller's API dialect, counted (0: no cap)
 
     def __post_init__(self) -> None:
         positive(self, "gateway.", "default_max_tokens", "max_body_mb")
-        non_negative(self, "gateway.", "port", "max_tokens_cap")
+        non_negative(self, "gateway.", "port", "max_tokens_cap", "max_prompt_tokens", "max_turns_per_session")
 
 
 @dataclass
 class TrajectoryConfig:
     """How recorded turns become training samples."""
 
-    fork_merge_max_response_tokens: int = 1024  # merge re-rendered short assistant turns instead of forking
-    on_drift: Literal["split", "raise"] = "split"  # split | raise : what a token-prefix break (TITO drift) does
+    fork_merge_max_response_tokens: int = 1024  # merge re-rendered short assistant turns instead of forking; also on_drift=mask's limit (0: neither)
+    on_drift: Literal["split", "raise", "mask"] = "split"  # split | raise | mask : what a token-prefix break (TITO drift) does (mask: a drift inside the previous response, giving up fewer than fork_merge_max_response_tokens tokens, stays in the same sample; docs/trajectory.md)
     num_shards: int = 1  # trajectory-manager actors; sessions are sharded by session id
+    debug_callback: Optional[str] = None  # package.module:function called with every recorded turn, fork-merge and drift (rayrl.trajectory.TreeEvent), in the trajectory manager, for your own logging
+
+    def __post_init__(self) -> None:
+        non_negative(self, "trajectory.", "fork_merge_max_response_tokens")
+        if self.on_drift not in ("split", "raise", "mask"):
+            raise ConfigError(f"trajectory.on_drift: must be split, raise or mask, got {self.on_drift!r}")
+        module, _, name = (self.debug_callback or "x:x").partition(":")
+        if not module or not name:
+            raise ConfigError(f"trajectory.debug_callback: need package.module:function, got {self.debug_callback!r}")
 
 
 @dataclass
@@ -157,10 +168,11 @@ class RolloutConfig:
     tool_delay_s: list[float] = field(default_factory=list)  # [min, max]: each tool call also sleeps that long (uniform) in the sandbox, as slow real tools do; [] none
     step_deadline_s: float = 0.0  # a step stops waiting for episodes after this (0: no deadline)
     min_groups_fraction: float = 1.0  # finish the step once this fraction of groups completed
+    min_group_episodes: int = 2  # a group trains only if at least this many (capped at group_size) of its episodes succeeded; else its task runs again (failed episodes, mostly infrastructure, never count)
 
     def __post_init__(self) -> None:
         positive(self, "rollout.", "prompts_per_step", "group_size", "num_workers", "episode_timeout_s",
-                 "max_turns", "max_tokens")
+                 "max_turns", "max_tokens", "min_group_episodes")
         non_negative(self, "rollout.", "max_concurrent_episodes", "temperature", "few_shot_examples",
                      "step_deadline_s")
         if not 0.0 < self.top_p <= 1.0:
@@ -328,6 +340,7 @@ class PipelineConfig:
     weight_sync_timeout_s: float = 300.0  # a weight update to the engines that takes longer fails the step with a clear error
     weight_transfer: Literal["auto", "disk", "tensor", "distributed"] = "auto"  # how new weights reach the engines: auto | disk | tensor | distributed (auto: tensor, i.e. shared-memory handles on CPU and CUDA IPC on GPU, when every engine has a trainer rank on its node (on GPU: on its GPU, colocated), else distributed: a gloo / NCCL broadcast; rayrl/weights/routes.py)
     max_episode_retries: int = 2  # an episode whose rollout worker died is re-queued at most this many times
+    max_group_reruns: int = 2  # a task whose group had too few successful episodes runs again at most this many times
     checkpoint_interval: int = 0  # save every N steps (0: only at the end)
     checkpoint_dir: Optional[str] = None  # a directory or s3://bucket/prefix (boto3 config, e.g. AWS_ENDPOINT_URL_S3); default runs/<exp_id>/checkpoints
     keep_checkpoints: int = 0  # keep only the newest N complete checkpoints (0: keep all)
@@ -338,7 +351,7 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         positive(self, "pipeline.", "generation_wait_timeout_s", "weight_sync_timeout_s")
         non_negative(self, "pipeline.", "checkpoint_interval", "keep_checkpoints", "max_staleness",
-                     "groups_in_flight", "max_episode_retries", "eval_interval", "eval_tasks")
+                     "groups_in_flight", "max_episode_retries", "max_group_reruns", "eval_interval", "eval_tasks")
         at_least_one(self, "pipeline.", "eval_max_concurrent")
         self._check_checkpoint_dir()
 
@@ -367,6 +380,10 @@ class LoggingConfig:
     wandb_mode: Literal["online", "offline"] = "online"  # online | offline
     plot: bool = True  # write reward_curve.png after each step
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"  # python logging level
+    inspect_episodes_per_step: int = 4  # the first N episodes of each step keep token detail (ids, masks, log-probs, versions, advantages) in runs/<exp_id>/inspect/ for `python -m rayrl.inspect`; every episode keeps its turn tree; 0: no inspection data (docs/inspector.md)
+
+    def __post_init__(self) -> None:
+        non_negative(self, "logging.", "inspect_episodes_per_step")
 
 
 @dataclass

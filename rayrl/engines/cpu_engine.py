@@ -15,11 +15,18 @@ steps; a request that spans an update records which version produced each token.
 
 Log-probs are the RAW model distribution's (``log_softmax`` of the logits, no temperature, no top-p),
 as float32 — see sampling.py for why.
+
+One request's failure is its own: bad values are refused at :meth:`CPUEngine.submit` (ValueError, a 400
+over HTTP), and what still fails inside the batch (a row that cannot be sampled, a prefill that raises)
+finishes that request alone with an engine error (``requests.engine_error``: finish type ``abort`` with
+``status_code``), see decode.py and prefill.py. Only a failed forward pass of the whole batch ends every
+running request, each with that engine error. ``context_length`` defaults to the model's own maximum.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -28,14 +35,15 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-import numpy as np
 import torch
 
 from rayrl.engines.kv_cache import ATTENTION_NAME, BatchKV
 from rayrl.engines.prefill import PrefillMixin
 from rayrl.engines.prefix_cache import PrefixCache
 from rayrl.engines.decode import DecodeMixin
-from rayrl.engines.requests import GenerationResult, RequestHandle, SequenceState, eos_token_ids
+from rayrl.engines.requests import (
+    GenerationResult, RequestHandle, SequenceState, checked_prompt, engine_error, eos_token_ids,
+)
 from rayrl.engines.sampling import BatchSampler, SamplingParams
 from rayrl.weights.files import read_checkpoint
 from rayrl.weights.wire import copy_into
@@ -56,13 +64,17 @@ class CPUEngine(PrefillMixin, DecodeMixin):
         *,
         dtype: str = "bfloat16",
         max_batch_size: int = 32,
-        context_length: int = 4096,
+        context_length: Optional[int] = None,
         num_threads: int = 0,
         weight_version: str = "0",
         prefill_budget_tokens: int = 4096,
         seed: int = 0,
         prefix_cache_mb: int = 1024,
+        device: str = "cpu",
     ) -> None:
+        """``device``: where the model, the KV cache and sampling live. "cpu" is the engine's purpose;
+        "cuda" runs the same loop on a GPU (tensors the loop makes default to it), which is how CUDA IPC
+        weight updates are checked against our own engine (tests/gpu/test_gpu_engine_ipc.py)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if dtype not in DTYPES:
@@ -77,16 +89,21 @@ class CPUEngine(PrefillMixin, DecodeMixin):
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=DTYPES[dtype], attn_implementation=ATTENTION_NAME
         )
+        self.device = torch.device(device)
+        self.model.to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)
         self._params = self.model.state_dict(keep_vars=True)
-        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
-        max_pos = getattr(self.model.config, "max_position_embeddings", None) or context_length
-        self.context_length = int(min(context_length, max_pos))
+        # token ids both the embeddings and the logits cover (they differ when the vocabulary is padded)
+        out_emb = self.model.get_output_embeddings()
+        self.vocab_size = int(min(self.model.get_input_embeddings().num_embeddings,
+                                  getattr(out_emb, "out_features", None) or 1 << 62))
+        max_pos = getattr(self.model.config, "max_position_embeddings", None) or context_length or 4096
+        self.context_length = int(min(context_length or max_pos, max_pos))
         self.eos_token_ids = frozenset(eos_token_ids(self.model, self.tokenizer))
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else next(iter(sorted(self.eos_token_ids)), 0))
-        self._generator = torch.Generator().manual_seed(seed)
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
 
         self._weight_version = str(weight_version)
         self._lock = threading.Lock()
@@ -106,8 +123,8 @@ class CPUEngine(PrefillMixin, DecodeMixin):
         self._seqs: list[SequenceState] = []
         self._kv: Optional[BatchKV] = None  # created at the first join, kept (buffers reused) after
         self._admitting: list[RequestHandle] = []  # popped from the queue, not yet in the batch
-        self._positions = torch.zeros(0, dtype=torch.long)
-        self._next_ids = torch.zeros(0, 1, dtype=torch.long)
+        self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._next_ids = torch.zeros(0, 1, dtype=torch.long, device=self.device)
         self._sampler = BatchSampler([])
         self._counters = collections.Counter()
         self._prefix = PrefixCache(int(prefix_cache_mb) * 1024 * 1024)
@@ -168,9 +185,9 @@ class CPUEngine(PrefillMixin, DecodeMixin):
         ids = self.validate_prompt(input_ids, params)
         if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int):
             raise ValueError("logprob_start_len must be an integer")
-        if logprob_start_len >= len(ids):
+        if not -1 <= logprob_start_len < len(ids):
             raise ValueError(
-                f"logprob_start_len ({logprob_start_len}) must be < the prompt length ({len(ids)})"
+                f"logprob_start_len ({logprob_start_len}) must be -1 (none) or in [0, {len(ids)}) (the prompt length)"
             )
         handle = RequestHandle(
             rid or uuid.uuid4().hex, ids, params, bool(return_logprob), logprob_start_len, stream, on_update
@@ -198,32 +215,7 @@ class CPUEngine(PrefillMixin, DecodeMixin):
 
     def validate_prompt(self, input_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """Token ids as a list of ints, checked against the vocabulary and the context length."""
-        if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__iter__"):
-            raise ValueError("input_ids must be a list of integers")
-        ids = list(input_ids)
-        if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
-            raise ValueError("input_ids must be a list of integers")
-        ids = [int(i) for i in ids]
-        if not ids:
-            raise ValueError("input_ids must not be empty")
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"input_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
-            )
-        if len(ids) >= self.context_length:
-            raise ValueError(
-                f"The input ({len(ids)} tokens) is longer than the model's context length "
-                f"({self.context_length} tokens)."
-            )
-        if len(ids) + params.max_new_tokens > self.context_length:
-            raise ValueError(
-                "Requested token count exceeds the model's maximum context length of "
-                f"{self.context_length} tokens. You requested a total of {len(ids) + params.max_new_tokens} "
-                f"tokens: {len(ids)} tokens from the input messages and {params.max_new_tokens} tokens for "
-                "the completion."
-            )
-        return ids
+        return checked_prompt(input_ids, params, self.vocab_size, self.context_length)
 
     def abort(self, rid: str) -> bool:
         """Finish ``rid`` with finish_reason abort (partial output kept); False if unknown or done."""
@@ -348,6 +340,7 @@ class CPUEngine(PrefillMixin, DecodeMixin):
             "decode_steps": self._counters["steps"],
             "prefill_seconds": round(self._counters["prefill_s"], 3),  # forward time: how busy the engine was
             "decode_seconds": round(self._counters["decode_s"], 3),
+            "request_errors": self._counters["request_errors"],  # requests that failed alone (decode.py)
             "paused": self._paused,
             "released_memory": sorted(self._released),
             "weight_version": self._weight_version,
@@ -388,7 +381,8 @@ class CPUEngine(PrefillMixin, DecodeMixin):
 
     def _loop(self) -> None:
         self._loop_ident = threading.get_ident()
-        with torch.inference_mode():
+        on_device = contextlib.nullcontext() if self.device.type == "cpu" else self.device  # default device
+        with torch.inference_mode(), on_device:
             while True:
                 with self._cv:
                     while not self._has_work():
@@ -427,8 +421,8 @@ class CPUEngine(PrefillMixin, DecodeMixin):
                 except Exception as err:
                     logger.exception("decode loop error; aborting the running batch")
                     self._loop_error = err
-                    self._reset_batch(f"engine error: {type(err).__name__}: {err}")
-        self._reset_batch("the engine is shutting down")
+                    self._reset_batch(engine_error(f"engine error: {type(err).__name__}: {err}"))
+        self._reset_batch(engine_error("the engine is shutting down", 503))
         self._fail_commands()
 
     def _fail_commands(self) -> None:
@@ -472,17 +466,17 @@ class CPUEngine(PrefillMixin, DecodeMixin):
         for h in waiting:
             self._finish(h, {"type": "abort", "message": "Aborted"})
 
-    def _reset_batch(self, message: str) -> None:
+    def _reset_batch(self, reason: dict[str, Any]) -> None:
         for seq in self._seqs:
-            self._finish(seq.handle, {"type": "abort", "message": message})
+            self._finish(seq.handle, reason)
         for handle in self._admitting:
-            self._finish(handle, {"type": "abort", "message": message})
+            self._finish(handle, reason)
         self._admitting = []
         self._seqs = []
         if self._kv is not None:
             self._kv.clear()
-        self._positions = torch.zeros(0, dtype=torch.long)
-        self._next_ids = torch.zeros(0, 1, dtype=torch.long)
+        self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._next_ids = torch.zeros(0, 1, dtype=torch.long, device=self.device)
         self._sampler = BatchSampler([])
 
     def _fail_all(self, message: str) -> None:
@@ -490,4 +484,4 @@ class CPUEngine(PrefillMixin, DecodeMixin):
             waiting = list(self._waiting)
             self._waiting.clear()
         for h in waiting:
-            self._finish(h, {"type": "abort", "message": message})
+            self._finish(h, engine_error(message, 503))

@@ -5,17 +5,27 @@ A mixin of :class:`rayrl.engines.cpu_engine.CPUEngine`, kept apart from the requ
 model, batch state (``_kv``, ``_seqs``, ``_positions``, ``_next_ids``, ``_sampler``), counters and
 prefix cache. A decode step writes one KV column for the whole batch; a request that finished leaves
 right after the step that finished it, and its conversation goes into the prefix cache.
+
+A request that fails, fails alone: a row the sampler cannot sample (its logits are NaN or infinite
+after its own parameters), a token it cannot append (decoding for its stop strings raised), an output
+that cannot be decoded: that request finishes with an engine error (``requests.engine_error``) and
+leaves; the other rows' tokens are the ones they would have had without it. Each such failure is
+counted (``request_errors``) and logged once. Only a failure of the batch's forward pass itself, which
+no single request can be blamed for, still ends the whole batch (cpu_engine.py's loop).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import torch
 
-from rayrl.engines.requests import GenerationResult, RequestHandle, SequenceState, final_text
+from rayrl.engines.requests import GenerationResult, RequestHandle, SequenceState, engine_error, final_text
 from rayrl.engines.sampling import BatchSampler
+
+logger = logging.getLogger("rayrl.engines.cpu_engine")
 
 
 class DecodeMixin:
@@ -37,21 +47,39 @@ class DecodeMixin:
             logits_to_keep=1,
         )
         kv.commit()
-        tokens, logprobs = self._sampler.sample(out.logits[:, -1], self._blocked(self._seqs), self._generator)
+        tokens, logprobs, failed = self._sampler.sample(
+            out.logits[:, -1], self._blocked(self._seqs), self._generator
+        )
         self._positions += 1
         self._next_ids = tokens.view(-1, 1)
         self._counters["steps"] += 1
         leave = set()
         for i, (seq, tok, lp) in enumerate(zip(self._seqs, tokens.tolist(), logprobs.tolist())):
-            if self._append(seq, tok, lp):
+            if i in failed:
+                self._fail(seq.handle, failed[i])
+                leave.add(i)
+            elif self._append(seq, tok, lp):
                 leave.add(i)
         if leave:
             self._leave(leave)
 
+    def _fail(self, handle: RequestHandle, message: str) -> None:
+        """Finish one request with an engine error, alone (counted and logged once)."""
+        if handle.done.is_set():
+            return
+        self._counters["request_errors"] += 1
+        logger.warning("request %s failed alone: %s", handle.rid, message)
+        self._finish(handle, engine_error(f"engine error: {message}"))
+
     def _append(self, seq: SequenceState, token: int, logprob: float) -> bool:
-        """Record one generated token; finish the request when a stop condition holds. True = finished."""
+        """Record one generated token; finish the request when a stop condition holds (or when recording
+        the token fails: that request alone). True = finished."""
         self._counters["tokens"] += 1
-        reason = seq.append(token, logprob, self.tokenizer)
+        try:
+            reason = seq.append(token, logprob, self.tokenizer)
+        except Exception as err:
+            self._fail(seq.handle, f"recording token {token} failed: {type(err).__name__}: {err}")
+            return True
         if reason is not None:
             self._finish(seq.handle, reason)
             return True
@@ -62,7 +90,11 @@ class DecodeMixin:
     def _leave(self, rows: set[int]) -> None:
         assert self._kv is not None
         for row in rows:
-            self._cache_conversation(row)
+            try:
+                self._cache_conversation(row)
+            except Exception:  # the prefix cache is an optimisation: keeping a conversation may fail alone
+                self._counters["prefix_cache_errors"] += 1
+                logger.exception("keeping request %s in the prefix cache failed", self._seqs[row].handle.rid)
         order = self._kv.remove(sorted(rows))
         idx = torch.tensor(order, dtype=torch.long)
         self._seqs = [self._seqs[i] for i in order]
@@ -82,12 +114,19 @@ class DecodeMixin:
             version = handle.start_version
         else:
             version = self._weight_version
+        try:
+            text = final_text(handle, reason, self.tokenizer)
+        except Exception as err:
+            self._counters["request_errors"] += 1
+            logger.warning("request %s failed alone: decoding its output failed: %s", handle.rid, err)
+            text = ""
+            reason = engine_error(f"engine error: decoding the output failed: {type(err).__name__}: {err}")
         result = GenerationResult(
             rid=handle.rid,
             prompt_tokens=len(handle.prompt_ids),
             output_ids=list(handle.output_ids),
             output_logprobs=list(handle.output_logprobs),
-            text=final_text(handle, reason, self.tokenizer),
+            text=text,
             finish_reason=reason,
             weight_version=version,
             token_versions=versions,

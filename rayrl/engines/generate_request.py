@@ -2,8 +2,9 @@
 
 A body becomes a :class:`GenerateBatch` of items (prompts, expanded by ``sampling_params.n`` the way
 SGLang expands them) or a RequestError naming the field, before anything reaches the engine: fields SGLang
-does not know are refused, fields the CPU engine cannot honour are refused, and one request's size is
-bounded.
+does not know are refused, fields the CPU engine cannot honour are refused, values outside what the engine
+can hold are refused (sampling.SamplingParams), and one request's size is bounded. Nothing that passes
+here can make the batch it joins fail for the other requests in it.
 """
 
 from __future__ import annotations
@@ -123,7 +124,13 @@ def parse_generate(body: dict[str, Any], engine: CPUEngine) -> GenerateBatch:
         texts = [text] if single else text
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
             raise RequestError("text must be a string or a non-empty list of strings")
-        prompts = [tok.encode(t) for t in texts]
+        prompts = []
+        for i, t in enumerate(texts):
+            try:
+                prompts.append(tok.encode(t))
+            except Exception as err:  # e.g. a lone surrogate: valid JSON, not valid text
+                where = "text" if single else f"text[{i}]"
+                raise RequestError(f"{where} cannot be tokenized: {type(err).__name__}") from None
     else:
         ids = body["input_ids"]
         if not isinstance(ids, list) or not ids:
@@ -173,9 +180,9 @@ def parse_generate(body: dict[str, Any], engine: CPUEngine) -> GenerateBatch:
     items = []
     for i in range(size):
         ids = engine.validate_prompt(prompts[i], params[i])
-        if start_len[i] >= len(ids):
+        if not -1 <= start_len[i] < len(ids):
             raise RequestError(
-                f"logprob_start_len ({start_len[i]}) must be < the prompt length ({len(ids)})"
+                f"logprob_start_len ({start_len[i]}) must be -1 (none) or in [0, {len(ids)}) (the prompt length)"
             )
         items.append(GenerateItem(ids, params[i], rids[i], return_lp[i], start_len[i]))
     return GenerateBatch(items, single, bool_flag(body, "stream"), bool_flag(body, "return_text_in_logprobs"))

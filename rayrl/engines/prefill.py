@@ -5,11 +5,17 @@ A mixin of :class:`rayrl.engines.cpu_engine.CPUEngine`, kept apart because it is
 how prompt tokens are computed (left-padded groups, cached prefixes, deduplicated group prompts), while
 cpu_engine.py holds the request API and the decode loop. Its methods run on the engine thread and use the
 engine's model, batch state (``_kv``, ``_seqs``, ``_positions``, ``_next_ids``, ``_sampler``), prefix
-cache (``_prefix``, ``_cache_epoch``) and helpers (``_append``, ``_finish``, ``_blocked``).
+cache (``_prefix``, ``_cache_epoch``) and helpers (``_append``, ``_finish``, ``_fail``, ``_blocked``).
+
+Admission isolates requests as the decode step does: a request whose own state cannot be built (its
+sampler row) or whose first token cannot be sampled fails alone, and a prefill forward pass that raises
+is run again one request at a time, so only the request that makes it fail is failed; the running
+batch is never touched by a failed admission.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional, TypeVar
 
 import numpy as np
@@ -24,6 +30,12 @@ from rayrl.engines.sampling import BatchSampler
 PAD_WASTE = 0.2  # largest share of padding in a prefill group
 
 T = TypeVar("T")
+logger = logging.getLogger("rayrl.engines.cpu_engine")
+
+
+def _handle_of(item: Any) -> RequestHandle:
+    """The request of a prefill group item (a handle, or a prefix-cache hit ``(handle, matched, entry)``)."""
+    return item if isinstance(item, RequestHandle) else item[0]
 
 
 def pack_by_length(items: list[T], length: Callable[[T], int], budget: int) -> list[list[T]]:
@@ -83,17 +95,33 @@ class PrefillMixin:
                 misses.append(h)
         joined = False
         for group in self._prefill_groups(misses):
-            joined |= self._join(*self._prefill(group))
+            joined |= self._join_isolated(self._prefill, group)
         for h in later:
             matched, entry = self._prefix.match(h.prompt_ids)
             if entry is not None:
                 hits.append((h, matched, entry))
             else:
-                joined |= self._join(*self._prefill([h]))
+                joined |= self._join_isolated(self._prefill, [h])
         for group in self._cached_groups(hits):
-            joined |= self._join(*self._prefill_cached(group))
+            joined |= self._join_isolated(self._prefill_cached, group)
         if joined:
             self._sampler = BatchSampler([s.row for s in self._seqs])
+
+    def _join_isolated(self, prefill: Callable[[list[Any]], tuple], group: list[Any]) -> bool:
+        """Prefill ``group`` and join it; if that raises, each request is tried alone, so only the one
+        that fails is failed (False: nothing joined)."""
+        try:
+            return self._join(*prefill(group))
+        except Exception as err:
+            pending = [item for item in group if not _handle_of(item).done.is_set()]
+            # alone already, or past the first token (joining failed): these cannot be retried cleanly
+            if len(group) == 1 or any(_handle_of(item).output_ids for item in pending):
+                for item in pending:
+                    self._fail(_handle_of(item), f"prefill failed: {type(err).__name__}: {err}")
+                return False
+            logger.warning("prefill of %d requests failed (%s: %s); trying each alone", len(group),
+                           type(err).__name__, err)
+            return any([self._join_isolated(prefill, [item]) for item in pending])
 
     @staticmethod
     def _shares_prefix(h: RequestHandle, other: RequestHandle) -> bool:
@@ -101,8 +129,8 @@ class PrefillMixin:
             return False
         return common_prefix(np.asarray(h.prompt_ids), np.asarray(other.prompt_ids)) >= MIN_REUSE_TOKENS
 
-    def _join(self, block: KVBlock, seqs: list[SequenceState], pos: torch.Tensor, next_ids: torch.Tensor,
-              keep: list[int]) -> bool:
+    def _join(self, block: KVBlock, seqs: list[Optional[SequenceState]], pos: torch.Tensor,
+              next_ids: torch.Tensor, keep: list[int]) -> bool:
         """Append a prefilled block's rows ``keep`` to the running batch (False: nothing joined)."""
         if not keep:
             return False  # every request of the group finished at its first token
@@ -212,20 +240,33 @@ class PrefillMixin:
     def _first_tokens(self, group: list[RequestHandle], logits: torch.Tensor, block: KVBlock,
                       next_pos: torch.Tensor):
         """Sample each prefilled request's first token; returns what :meth:`_join` takes."""
-        seqs = [SequenceState(h, self.eos_token_ids, self.vocab_size, self.context_length) for h in group]
+        seqs: list[Optional[SequenceState]] = []
         version = self._weight_version
         for h in group:
             h.start_version = version
             self._counters["prompt_tokens"] += len(h.prompt_ids)
-        sampler = BatchSampler([s.row for s in seqs])
-        tokens, logprobs = sampler.sample(logits, self._blocked(seqs), self._generator)
-        keep = []
-        for i, (seq, tok, lp) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
-            if seq.handle.params.max_new_tokens == 0:
-                self._finish(seq.handle, {"type": "length", "length": 0})
-                continue
-            if not self._append(seq, tok, lp):
-                keep.append(i)
+            try:
+                seqs.append(SequenceState(h, self.eos_token_ids, self.vocab_size, self.context_length))
+            except Exception as err:  # this request's own sampling state: it fails alone
+                self._fail(h, f"setting up its sampling state failed: {type(err).__name__}: {err}")
+                seqs.append(None)
+        live = [i for i, seq in enumerate(seqs) if seq is not None]
+        tokens = torch.zeros(len(group), dtype=torch.long)
+        keep: list[int] = []
+        if live:
+            rows = [seqs[i] for i in live]
+            idx = torch.tensor(live, dtype=torch.long)
+            sampled, logprobs, failed = BatchSampler([s.row for s in rows]).sample(
+                logits[idx], self._blocked(rows), self._generator
+            )
+            tokens[idx] = sampled
+            for j, (seq, tok, lp) in enumerate(zip(rows, sampled.tolist(), logprobs.tolist())):
+                if j in failed:
+                    self._fail(seq.handle, failed[j])
+                elif seq.handle.params.max_new_tokens == 0:
+                    self._finish(seq.handle, {"type": "length", "length": 0})
+                elif not self._append(seq, tok, lp):
+                    keep.append(live[j])
         return block, seqs, next_pos, tokens.view(-1, 1), keep
 
     def _prompt_logprobs(self, group: list[RequestHandle], ids: torch.Tensor, logits: torch.Tensor) -> None:

@@ -2,7 +2,9 @@
 
 The handle is shared between threads: the engine thread appends tokens and finishes it; other threads
 read snapshots (lists are copied atomically under the GIL) or wait on ``done``. Stop conditions live
-on :class:`SequenceState` so the decode loop stays a loop over tensors.
+on :class:`SequenceState` so the decode loop stays a loop over tensors. :func:`checked_prompt` is the
+one check of a prompt against the vocabulary and the context; :func:`engine_error` the one shape of a
+request the engine failed.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from rayrl.engines.sampling import RowState, SamplingParams
@@ -20,6 +23,15 @@ from rayrl.engines.sampling import RowState, SamplingParams
 logger = logging.getLogger(__name__)
 
 FinishReason = dict[str, Any]
+
+
+def engine_error(message: str, status: int = 500) -> FinishReason:
+    """The finish reason of a request the engine failed (SGLang's FINISH_ABORT with a status code): an
+    error of the engine, never the request's own output. ``type`` stays "abort", so every reader that
+    only knows SGLang's types still sees an unfinished generation; ``status_code`` tells a failure
+    (5xx: the engine's) from an abort someone asked for (no status code)."""
+    err_type = "ServiceUnavailable" if status == 503 else "InternalServerError"
+    return {"type": "abort", "message": message, "status_code": status, "err_type": err_type}
 
 
 @dataclass
@@ -150,6 +162,38 @@ class SequenceState:
         if n >= self.max_len:
             return {"type": "length", "length": n}
         return None
+
+
+def checked_prompt(
+    input_ids: Sequence[int], params: SamplingParams, vocab_size: int, context_length: int
+) -> list[int]:
+    """Token ids as a list of ints, checked against the vocabulary and the context length."""
+    if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__iter__"):
+        raise ValueError("input_ids must be a list of integers")
+    ids = list(input_ids)
+    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+        raise ValueError("input_ids must be a list of integers")
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise ValueError("input_ids must not be empty")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(
+            f"input_ids contains token id {bad[0]} outside the vocabulary [0, {vocab_size})"
+        )
+    if len(ids) >= context_length:
+        raise ValueError(
+            f"The input ({len(ids)} tokens) is longer than the model's context length "
+            f"({context_length} tokens)."
+        )
+    if len(ids) + params.max_new_tokens > context_length:
+        raise ValueError(
+            "Requested token count exceeds the model's maximum context length of "
+            f"{context_length} tokens. You requested a total of {len(ids) + params.max_new_tokens} "
+            f"tokens: {len(ids)} tokens from the input messages and {params.max_new_tokens} tokens for "
+            "the completion."
+        )
+    return ids
 
 
 def final_text(handle: RequestHandle, reason: FinishReason, tokenizer: Any) -> str:

@@ -9,6 +9,14 @@ logit bias.
 Log-probs are always taken from the RAW model distribution: ``log_softmax(logits)`` before temperature,
 top-p/top-k/min-p, penalties or biases. That is the distribution the trainer recomputes, so importance
 ratios compare like with like; a sampler-adjusted log-prob would differ for every temperature != 1.
+
+Isolation: the batch is one tensor, so one request must never be able to break the step for the others.
+Parsing bounds every value to what the sampler can hold (a seed a ``torch.Generator`` takes, floats
+float32 can represent, ``top_k`` a tensor can hold). What parsing cannot foresee is caught per row:
+:meth:`BatchSampler.sample` reports rows whose logits are NaN or infinite after that row's own
+penalties and biases, or whose distribution has nothing left to sample from, and rows whose own
+adjustment raised; the engine then fails those requests alone. Every operation is row-wise, so such a
+row never changes another row's token.
 """
 
 from __future__ import annotations
@@ -20,6 +28,11 @@ from typing import Any, Mapping, Sequence
 import torch
 
 GREEDY_EPS = 1e-6  # temperature below this means greedy, as in SGLang
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # sampling runs in float32
+TOP_K_ALL = 1 << 30  # top_k at or above the vocabulary: every token (SGLang stores -1 the same way)
+MAX_STOP_STRINGS = 64  # every stop string is looked for after every step: bounded work per request
+MAX_STOP_CHARS = 1024
 
 _UNSUPPORTED_IF_SET = ("json_schema", "regex", "ebnf", "stop_regex", "custom_params")
 _ACCEPTED_AND_IGNORED = ("spaces_between_special_tokens", "stream_interval")
@@ -85,11 +98,12 @@ class SamplingParams:
         p.min_new_tokens = _int(get, "min_new_tokens", p.min_new_tokens, lo=0)
         if p.min_new_tokens > p.max_new_tokens:
             raise ValueError("sampling_params.min_new_tokens must be at most max_new_tokens")
-        p.temperature = _float(get, "temperature", p.temperature, lo=0.0)
+        p.temperature = _float(get, "temperature", p.temperature, lo=0.0, hi=FLOAT32_MAX)
         p.top_p = _float(get, "top_p", p.top_p, lo=0.0, hi=1.0, lo_open=True)
         p.top_k = _int(get, "top_k", p.top_k, lo=-1)
         if p.top_k == 0:
             raise ValueError("sampling_params.top_k must be -1 (disabled) or at least 1")
+        p.top_k = min(p.top_k, TOP_K_ALL)
         p.min_p = _float(get, "min_p", p.min_p, lo=0.0, hi=1.0)
         p.frequency_penalty = _float(get, "frequency_penalty", 0.0, lo=-2.0, hi=2.0)
         p.presence_penalty = _float(get, "presence_penalty", 0.0, lo=-2.0, hi=2.0)
@@ -100,6 +114,9 @@ class SamplingParams:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise ValueError("sampling_params.stop must be a string or a list of strings")
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise ValueError(f"sampling_params.stop: at most {MAX_STOP_STRINGS} strings of at most "
+                             f"{MAX_STOP_CHARS} characters")
         p.stop = [s for s in stop if s]
         ids = get.get("stop_token_ids", [])
         if not isinstance(ids, list) or not all(is_int(i) for i in ids):
@@ -123,11 +140,11 @@ class SamplingParams:
                 raise ValueError(f"sampling_params.logit_bias: key {k!r} is not a token id") from None
             if vocab_size is not None and not 0 <= tok < vocab_size:
                 raise ValueError(f"sampling_params.logit_bias: token id {tok} is outside the vocabulary")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError("sampling_params.logit_bias values must be finite numbers")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= FLOAT32_MAX:
+                raise ValueError("sampling_params.logit_bias values must be finite float32 numbers")
             p.logit_bias[tok] = float(v)
         if "sampling_seed" in get:
-            p.sampling_seed = _int(get, "sampling_seed", 0)
+            p.sampling_seed = _int(get, "sampling_seed", 0, lo=SEED_MIN, hi=SEED_MAX)
         return p
 
 
@@ -136,7 +153,7 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int(raw: Mapping[str, Any], key: str, default: int, lo: int | None = None) -> int:
+def _int(raw: Mapping[str, Any], key: str, default: int, lo: int | None = None, hi: int | None = None) -> int:
     value = raw.get(key, default)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -144,6 +161,8 @@ def _int(raw: Mapping[str, Any], key: str, default: int, lo: int | None = None) 
         raise ValueError(f"sampling_params.{key} must be an integer, got {value!r}")
     if lo is not None and value < lo:
         raise ValueError(f"sampling_params.{key} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"sampling_params.{key} must be <= {hi}, got {value}")
     return int(value)
 
 
@@ -238,23 +257,43 @@ class BatchSampler:
         logits: torch.Tensor,
         blocked: Sequence[tuple[int, torch.Tensor]] = (),
         default_generator: torch.Generator | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (token ids [B] int64, raw log-probs of those tokens [B] float32)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, str]]:
+        """Return (token ids [B] int64, raw log-probs of those tokens [B] float32, failed rows).
+
+        ``failed`` maps the index of each row that could not be sampled to the reason; such a row gets
+        token 0 as a placeholder, and the caller fails its request alone. The other rows are sampled
+        exactly as they would be without it.
+        """
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
+        failed: dict[int, str] = {}
         if self.adjusted_rows or blocked:
             logits = logits.clone()
             for i in self.adjusted_rows:
-                self.rows[i].adjust(logits[i])
+                try:
+                    self.rows[i].adjust(logits[i])
+                except Exception as err:  # this row's penalties or bias: its failure alone
+                    failed[i] = f"applying penalties/logit_bias failed: {type(err).__name__}: {err}"
             for i, ids in blocked:
                 logits[i, ids] = float("-inf")
+        # one reduction finds NaN anywhere in a row, +inf, and rows with every token at -inf
+        bad = ~torch.isfinite(logits.amax(dim=-1))
         if self.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample_stochastic(logits, default_generator)
-        return tokens, raw_logprobs.gather(1, tokens.view(-1, 1)).view(-1)
+            tokens, unsampleable = self._sample_stochastic(logits, default_generator)
+            bad |= unsampleable
+        if failed or bool(bad.any()):
+            for i in bad.nonzero().view(-1).tolist():
+                failed.setdefault(i, "the row's logits are not finite after its sampling parameters "
+                                     "(NaN, infinity, or no token left to sample)")
+            tokens = tokens.masked_fill(torch.tensor([i in failed for i in range(len(tokens))]), 0)
+        return tokens, raw_logprobs.gather(1, tokens.view(-1, 1)).view(-1), failed
 
-    def _sample_stochastic(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    def _sample_stochastic(
+        self, logits: torch.Tensor, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled tokens, and the rows whose tempered, filtered distribution has no finite positive mass."""
         greedy_tokens = logits.argmax(dim=-1)
         scaled = logits / self.temperature if self.any_temperature else logits
         if self.any_top_k or self.any_top_p:
@@ -272,9 +311,11 @@ class BatchSampler:
         uniform = torch.rand(probs.shape[0], 1, generator=generator)
         for i in self.seeded_rows:
             uniform[i] = torch.rand(1, generator=self.rows[i].generator)
+        total = cdf[:, -1]
+        unsampleable = ~(torch.isfinite(total) & (total > 0)) & ~self.greedy
         sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).view(-1)
         sampled = sampled.clamp_(max=probs.shape[-1] - 1)
-        return torch.where(self.greedy, greedy_tokens, sampled)
+        return torch.where(self.greedy, greedy_tokens, sampled), unsampleable
 
     def _top_k_top_p(self, scaled: torch.Tensor) -> torch.Tensor:
         if self.any_top_k and not self.any_top_p:

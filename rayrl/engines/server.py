@@ -5,9 +5,13 @@ exactly as they talk to SGLang on GPU (see /work/shared/reference/sglang_api.md 
 the CPU tests exercise the GPU path's client code.
 
 Errors: bad input is answered 400 with SGLang's body ``{"object":"error","message":...,"type":"Bad
-Request","param":null,"code":400}``, never a 5xx. Weight/handler failures use the endpoint's own
-``{"success": false, "message": ...}`` shape, as SGLang does. Only non-2xx and slow requests are logged.
-A client that disconnects from ``/generate`` aborts its requests.
+Request","param":null,"code":400}``, never a 5xx: values out of the range the engine can hold included
+(sampling.SamplingParams), so one caller's request can never fail the batch it would join. A request
+the engine fails while it runs (cpu_engine.py: it fails alone) is still answered 200, as SGLang does, with
+``finish_reason`` ``{"type": "abort", "message", "status_code", "err_type"}``: in a batch, the other
+items are unaffected. Weight/handler failures use the endpoint's own ``{"success": false, "message":
+...}`` shape, as SGLang does. Only non-2xx and slow requests are logged. A client that disconnects from
+``/generate`` aborts its requests. Large bodies are parsed off the event loop (http_input.py).
 """
 
 from __future__ import annotations
@@ -24,7 +28,16 @@ from aiohttp import web
 from rayrl import __version__
 from rayrl.engines.cpu_engine import PAUSE_MODES, CPUEngine, GenerationResult, RequestHandle
 from rayrl.engines.generate_request import GenerateBatch, GenerateItem, parse_generate
-from rayrl.engines.http_input import RequestError, bool_flag, error_response, read_json
+from rayrl.engines.http_input import (
+    OFF_LOOP_BYTES,
+    RequestError,
+    bool_flag,
+    error_response,
+    json_object,
+    read_body,
+    read_json,
+    request_charset,
+)
 from rayrl.engines.weight_routes import WeightEndpoints
 from rayrl.weights.group import WeightGroups
 
@@ -74,7 +87,8 @@ class EngineServer(WeightEndpoints):
 
     async def start(self) -> str:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # auto_decompress off: http_input.read_body decodes Content-Encoding (bounded, JSON 4xx errors).
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -174,8 +188,15 @@ class EngineServer(WeightEndpoints):
         return handles
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        batch = parse_generate(await read_json(request), self.engine)
+        raw = await read_body(request)
         loop = asyncio.get_running_loop()
+
+        def parse() -> GenerateBatch:
+            return parse_generate(json_object(raw, request_charset(request)), self.engine)
+
+        # a large body (long prompts, text to tokenize) is parsed off the event loop: /health and the
+        # other requests' streams keep going meanwhile
+        batch = await loop.run_in_executor(None, parse) if len(raw) > OFF_LOOP_BYTES else parse()
         changed = asyncio.Event()
 
         def wake(_: RequestHandle) -> None:

@@ -10,6 +10,9 @@ message. ``cache_control``, ``metadata``, ``output_config``, ``context_managemen
 ``thinking`` (any type, ``adaptive`` included) are accepted and have no effect. Server tools
 (``web_search_*``, ``bash_*``, ... i.e. any tool with a ``type`` other than ``custom``) are skipped.
 
+Validation follows the real API's: ``max_tokens`` is required, ``temperature`` is in [0, 1], and tool
+blocks pair up: every ``tool_result`` answers a ``tool_use`` of the assistant message just before it,
+and every ``tool_use`` of an assistant message (but the last message) is answered in the next message.
 Errors use Anthropic's body shape; streaming errors after ``message_start`` are an ``error`` event.
 """
 
@@ -24,9 +27,10 @@ from aiohttp import web
 from rayrl.gateway import params as p
 from rayrl.gateway.errors import RequestError
 from rayrl.gateway.params import TurnSpec
+from rayrl.gateway.render import PromptTooLong
 from rayrl.gateway.streaming import SSEStream
 from rayrl.gateway.tools import anthropic_tool_choice, anthropic_tools, apply_tool_choice
-from rayrl.gateway.turns import TurnResult
+from rayrl.gateway.turns import Prepared, TurnResult
 
 _IMAGE_PLACEHOLDER = "[image omitted: this model reads text only]"
 _DROPPED_BLOCKS = {"thinking", "redacted_thinking"}
@@ -118,6 +122,26 @@ def _user(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     return out
 
 
+def _check_tool_results(blocks: list[dict[str, Any]], called: list[str], where: str) -> None:
+    """The real API's pairing: the ``tool_result`` blocks of the message after an assistant message with
+    ``tool_use`` blocks answer exactly those calls (``called``; empty when that message made none)."""
+    answered = set()
+    for j, block in enumerate(blocks):
+        if block["type"] != "tool_result":
+            continue
+        call_id = block.get("tool_use_id")
+        if call_id not in called:
+            raise RequestError(f"{where}.content[{j}]: unexpected `tool_use_id` found in `tool_result` blocks: "
+                               f"{call_id}. Each `tool_result` block must have a corresponding `tool_use` block "
+                               "in the previous message.")
+        answered.add(call_id)
+    missing = [c for c in called if c not in answered]
+    if missing:
+        raise RequestError(f"{where}: `tool_use` ids were found without `tool_result` blocks immediately after: "
+                           f"{', '.join(missing)}. Each `tool_use` block must have a corresponding `tool_result` "
+                           "block in the next message.")
+
+
 def canonical_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     system = system_text(body.get("system"))
@@ -126,12 +150,16 @@ def canonical_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", param="messages")
+    called: list[str] = []  # tool_use ids of the last assistant message, until the next message answers them
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
             raise RequestError(f"{where} must be an object")
         role = msg.get("role")
         blocks = _blocks(msg.get("content"), where)
+        if role in ("assistant", "user"):
+            _check_tool_results(blocks, called, where)
+            called = [b["id"] for b in blocks if b["type"] == "tool_use" and isinstance(b.get("id"), str)]
         if role == "assistant":
             out.append(_assistant(blocks, where))
         elif role == "user":
@@ -150,9 +178,8 @@ def parse_request(body: dict[str, Any], default_model: str) -> TurnSpec:
         raise RequestError("thinking must be an object", param="thinking")
     choice = anthropic_tool_choice(body)
     tools = apply_tool_choice(anthropic_tools(body.get("tools")), choice)
-    top_k = body.get("top_k")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise RequestError("top_k must be a positive integer", param="top_k")
+    if body.get("max_tokens") is None:
+        raise RequestError("max_tokens: Field required", param="max_tokens")
     return TurnSpec(
         messages=canonical_messages(body),
         tools=tools,
@@ -160,9 +187,9 @@ def parse_request(body: dict[str, Any], default_model: str) -> TurnSpec:
         model=p.string(body, "model", default_model) or default_model,
         stream=p.boolean(body, "stream"),
         max_tokens=p.positive_int(body, "max_tokens"),
-        temperature=p.number(body, "temperature", 0.0, 2.0, 1.0),
+        temperature=p.number(body, "temperature", 0.0, 1.0, 1.0),
         top_p=p.number(body, "top_p", 1e-9, 1.0, 1.0),
-        top_k=top_k,
+        top_k=p.positive_int(body, "top_k"),
         stop=p.stop_list(body.get("stop_sequences"), "stop_sequences"),
         id_prefix="toolu_",
     )
@@ -192,10 +219,10 @@ def _usage(input_tokens: int, output_tokens: int, cached: int = 0) -> dict[str, 
 async def handle(gateway: Any, request: web.Request) -> web.StreamResponse:
     session = gateway.session_for(request)
     body = await gateway.json_body(request)
-    spec = parse_request(body, gateway.model_name)
+    spec, prepared = await gateway.prepare_turn(request, session, lambda: parse_request(body, gateway.model_name))
     message_id = "msg_" + uuid.uuid4().hex
     if not spec.stream:
-        result = await gateway.turns.run(session, spec)
+        result = await gateway.turns.run(session, spec, prepared=prepared)
         content: list[dict[str, Any]] = []
         if result.reasoning:
             content.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
@@ -208,7 +235,7 @@ async def handle(gateway: Any, request: web.Request) -> web.StreamResponse:
             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": _usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens),
         })
-    return await _stream(gateway, request, session, spec, message_id)
+    return await _stream(gateway, request, session, spec, prepared, message_id)
 
 
 class _BlockStream:
@@ -258,8 +285,8 @@ class _BlockStream:
         await self.event("content_block_stop", index=self.index)
 
 
-async def _stream(gateway: Any, request: web.Request, session: Any, spec: TurnSpec, message_id: str) -> web.StreamResponse:
-    prepared = gateway.turns.prepare(session, spec)
+async def _stream(gateway: Any, request: web.Request, session: Any, spec: TurnSpec, prepared: Prepared,
+                  message_id: str) -> web.StreamResponse:
     sse = SSEStream(request)
     blocks = _BlockStream(sse)
     await blocks.event("message_start", message={
@@ -269,6 +296,7 @@ async def _stream(gateway: Any, request: web.Request, session: Any, spec: TurnSp
     try:
         result = await gateway.turns.run(session, spec, blocks, prepared)
     except RequestError as err:
+        gateway.stream_failed(request, err)
         await sse.send(err.anthropic_body(), event="error")
         return await sse.close()
     if blocks.index < 0 and not result.tool_calls:
@@ -284,8 +312,19 @@ async def _stream(gateway: Any, request: web.Request, session: Any, spec: TurnSp
 
 
 async def count_tokens(gateway: Any, request: web.Request) -> web.Response:
+    """The prompt's exact length, counted up to the gateway's prompt limit (a longer prompt gets the
+    prompt-too-long error, without being tokenized in full)."""
     gateway.session_for(request)
     body = await gateway.json_body(request)
-    messages = canonical_messages(body)
-    tools = anthropic_tools(body.get("tools"))
-    return web.json_response({"input_tokens": gateway.renderer.count_tokens(messages, tools)})
+
+    def count() -> int:
+        messages = canonical_messages(body)
+        tools = anthropic_tools(body.get("tools"))
+        limit = gateway.turns.prompt_limit
+        try:
+            return gateway.renderer.count_tokens(messages, tools, limit)
+        except PromptTooLong as err:
+            spec = TurnSpec(messages=messages, tools=tools, model=gateway.model_name)
+            raise gateway.turns.too_long(err.at_least, spec, exact=err.exact) from None
+
+    return web.json_response({"input_tokens": await gateway.off_loop(request, count)})

@@ -5,7 +5,16 @@ runs it standalone as a trace-capturing proxy. Three wire APIs (OpenAI Chat Comp
 Responses, Anthropic Messages; modules openai_chat, openai_responses, anthropic_messages) translate to
 one canonical request; turns.TurnPipeline renders it to token ids, sends it to an engine as
 ``/generate`` with log-probs on, parses the answer and records a TurnRecord in the session's tree.
-Only unusual requests are logged (non-2xx or slow), never one line per request.
+
+Logging: one line per non-2xx answer (method, path, status, session, reason; INFO for 4xx, WARNING for
+5xx), written where the answer is made (the error middleware), before it is sent; a gateway bug is
+logged once, with its traceback, instead. An error reported inside a stream that already answered 200
+gets the same one line. Slow requests are logged too; never one line per request. (A request aiohttp
+cannot even parse as HTTP never reaches the app: aiohttp answers and logs it.)
+
+No request blocks the server: a body over ``OFF_LOOP_BYTES`` is decoded, validated, rendered and
+tokenized in a worker thread (:meth:`Gateway.off_loop`), and the token limit (render.py) stops a huge
+prompt early, so ``/health`` and other sessions' calls keep being answered meanwhile.
 """
 
 from __future__ import annotations
@@ -13,28 +22,51 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
-from typing import Any, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable, TypeVar
 
 from aiohttp import web
 
 from rayrl.config import GatewayConfig, TrajectoryConfig
+from rayrl.engines import http_input
 from rayrl.engines.client import GenerateOutput
-from rayrl.gateway import anthropic_messages, openai_chat, openai_responses
+from rayrl.gateway import admin_trees, anthropic_messages, openai_chat, openai_responses
 from rayrl.gateway.errors import RequestError
 from rayrl.gateway.openapi import openapi_spec
-from rayrl.gateway.params import number
+from rayrl.gateway.params import TurnSpec, lone_surrogate_path, number
 from rayrl.gateway.parsers import ThinkReasoningParser, get_tool_parser, infer_family
 from rayrl.gateway.render import ChatRenderer
 from rayrl.gateway.sessions import Session, SessionInfo, SessionRegistry
-from rayrl.gateway.turns import TurnPipeline
+from rayrl.gateway.turns import Prepared, TurnPipeline
 from rayrl.gateway.upstream import StreamingUpstream
 from rayrl.types import Sample
 
 logger = logging.getLogger("rayrl.gateway")
 
 _ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def _request_key(name: str, kind: type) -> Any:
+    """A key for per-request state: aiohttp >= 3.14 wants typed keys, older versions take the name."""
+    make = getattr(web, "RequestKey", None)
+    return make(name, kind) if make is not None else name
+
+
+# per-request state (aiohttp requests are mappings): the caller's session, and whether its body is
+# large enough to be handled off the event loop
+_SESSION = _request_key("rayrl_session", Session)
+_BIG = _request_key("rayrl_big", bool)
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+PREP_THREADS = 2  # worker threads for large requests (decode, render, tokenize)
+T = TypeVar("T")
+
+
+def _printable(text: str) -> str:
+    """Text safe for any log stream (a lone surrogate from a request would break a UTF-8 handler)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class Gateway:
@@ -99,6 +131,7 @@ class Gateway:
                                   self.upstream, context_length, self.counters)
         self.base_url = ""
         self._runner: web.AppRunner | None = None
+        self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="gateway-prep")
         self.app = self._build_app()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -118,6 +151,7 @@ class Gateway:
         app.router.add_post("/rayrl/sessions", self._http_open_session)
         app.router.add_get("/rayrl/sessions/{session_id}", self._http_session_stats)
         app.router.add_post("/rayrl/sessions/{session_id}/finish", self._http_finish_session)
+        app.router.add_get("/rayrl/sessions/{session_id}/tree", admin_trees.tree_handler(self))
         return app
 
     def _api(self, handler: Callable[[Any, web.Request], Awaitable[web.StreamResponse]]):
@@ -134,7 +168,10 @@ class Gateway:
         interface (0.0.0.0, ::), the URL names ``advertise_host`` (the node's address) instead."""
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its
         # engine request (rayrl.engines.client / gateway.upstream) instead of generating for nobody.
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True)
+        # auto_decompress off: http_input.read_body decodes Content-Encoding itself, so a body that does
+        # not decode is a JSON 4xx in the route's dialect, and a compressed body's decoded size is bounded
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True,
+                                     auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host or self.cfg.host, self.cfg.port if port is None else port)
         await site.start()
@@ -151,6 +188,7 @@ class Gateway:
             await self._runner.cleanup()
             self._runner = None
         await self.upstream.close()
+        self._prep.shutdown(wait=False, cancel_futures=True)
 
     # -- sessions (in-process API used by the TrajectoryManager actor) -----------------------------
 
@@ -179,7 +217,7 @@ class Gateway:
     async def _error_middleware(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        """Every failure becomes a JSON error in the route's dialect; only unusual requests are logged."""
+        """Every failure becomes a JSON error in the route's dialect, logged in one line."""
         started = time.monotonic()
         anthropic = request.path.startswith(_ANTHROPIC_PATHS)
         try:
@@ -198,40 +236,96 @@ class Gateway:
         except ConnectionResetError:
             # The client went away while we were streaming to it; the engine request was aborted.
             self.counters["client_disconnects"] += 1
+            self._log_failure(request, 499, "the client disconnected")
             return web.Response(status=499)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # a gateway bug: answer, count, log once with the traceback
             self.counters["errors_internal"] += 1
-            logger.exception("internal error on %s %s", request.method, request.path)
+            session = request.get(_SESSION)
+            logger.exception("%s %s -> 500 session=%s: internal error", request.method, request.path,
+                             session.session_id if session is not None else "-")
             return self._error_response(request, RequestError(f"internal error: {type(err).__name__}", 500),
-                                        anthropic, log=False)
+                                        anthropic, logged=True)
         elapsed = time.monotonic() - started
         if elapsed > self.cfg.slow_request_log_s:
             logger.warning("slow request %s %s: %.1f s", request.method, request.path, elapsed)
         return response
 
-    def _error_response(self, request: web.Request, err: RequestError, anthropic: bool, log: bool = True) -> web.Response:
+    def _count_failure(self, request: web.Request, err: RequestError) -> None:
+        """Count one failed answer: a 4xx, or for a 5xx the caller's session's infrastructure errors."""
         if 400 <= err.status < 500:
             self.counters["errors_4xx"] += 1
-        if log:
-            logger.info("%s %s -> %d: %s", request.method, request.path, err.status, err.message)
+        elif err.status >= 500:
+            session = request.get(_SESSION)
+            if session is not None:
+                session.note_infra_error(err.message)
+
+    def _log_failure(self, request: web.Request, status: int, reason: str, where: str = "") -> None:
+        """The one line per failed answer: method, path, status, session, reason."""
+        session = request.get(_SESSION)
+        logger.log(logging.WARNING if status >= 500 else logging.INFO, "%s %s -> %d%s session=%s: %s",
+                   request.method, request.path, status, where, session.session_id if session is not None else "-",
+                   _printable(reason))
+
+    def _error_response(self, request: web.Request, err: RequestError, anthropic: bool,
+                        logged: bool = False) -> web.Response:
+        self._count_failure(request, err)
+        if not logged:
+            self._log_failure(request, err.status, err.message)
         body = err.anthropic_body() if anthropic else err.openai_body()
         return web.json_response(body, status=err.status)
 
-    @staticmethod
-    async def json_body(request: web.Request) -> dict[str, Any]:
-        """The request body as a JSON object (400 otherwise)."""
+    def stream_failed(self, request: web.Request, err: RequestError) -> None:
+        """An error reported inside a stream that already answered 200: counted and logged once, as a
+        non-2xx answer is (streaming handlers call this, then send the error in their dialect)."""
+        self._count_failure(request, err)
+        self._log_failure(request, err.status, err.message, " in-stream")
+
+    async def off_loop(self, request: web.Request, work: Callable[[], T]) -> T:
+        """``work()``, in a worker thread when the request's body is large (it may render and tokenize
+        for a long time), inline otherwise (a thread hop costs more than a small request's work)."""
+        if request.get(_BIG):
+            return await asyncio.get_running_loop().run_in_executor(self._prep, work)
+        return work()
+
+    async def json_body(self, request: web.Request) -> dict[str, Any]:
+        """The request body as a JSON object; any decoding failure is a 4xx naming what was wrong
+        (Content-Encoding, charset, JSON, a lone surrogate's field; 413 when too large)."""
         try:
-            raw = await request.read()
-            body = json.loads(raw) if raw else None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise RequestError(f"request body is not valid JSON: {err}") from None
-        except RecursionError:
-            raise RequestError("request body is nested too deeply") from None
-        if not isinstance(body, dict):
-            raise RequestError("request body must be a JSON object")
+            raw = await http_input.read_body(request)
+        except http_input.RequestError as err:
+            raise RequestError(str(err), status=err.status) from None
+        request[_BIG] = len(raw) > http_input.OFF_LOOP_BYTES
+        charset = http_input.request_charset(request)
+        return await self.off_loop(request, lambda: self._decode(raw, charset))
+
+    @staticmethod
+    def _decode(raw: bytes, charset: str | None) -> dict[str, Any]:
+        try:
+            body = http_input.json_object(raw, charset)
+        except http_input.RequestError as err:
+            raise RequestError(str(err), status=err.status) from None
+        encoding = (charset or json.detect_encoding(raw)).lower().replace("_", "-")
+        utf8 = encoding in ("utf-8", "utf8", "utf-8-sig", "ascii", "us-ascii")
+        if not utf8 or _ESCAPED_SURROGATE.search(raw):  # a lone surrogate can only come from an escape
+            where = lone_surrogate_path(body)
+            if where is not None:
+                raise RequestError(f"{where}: the string holds a lone UTF-16 surrogate, which is not valid "
+                                   "Unicode", param=where)
         return body
+
+    async def prepare_turn(self, request: web.Request, session: Session,
+                           parse: Callable[[], TurnSpec]) -> tuple[TurnSpec, Prepared]:
+        """Parse a request into a TurnSpec and render its prompt (off the event loop when large)."""
+
+        def work() -> tuple[TurnSpec, Prepared]:
+            spec = parse()
+            return spec, self.turns.build(session, spec)
+
+        spec, prepared = await self.off_loop(request, work)
+        self.turns.count(session, prepared)
+        return spec, prepared
 
     @staticmethod
     def _bearer(request: web.Request) -> str | None:
@@ -248,6 +342,7 @@ class Gateway:
         if session.finished:
             raise RequestError("this session has finished; open a new one", status=409)
         session.api_calls += 1
+        request[_SESSION] = session
         return session
 
     def logprob_content(self, out: GenerateOutput) -> list[dict[str, Any]]:
@@ -281,10 +376,7 @@ class Gateway:
     async def _http_session_stats(self, request: web.Request) -> web.Response:
         self._check_admin(request)
         sid = request.match_info["session_id"]
-        session = self.sessions.get(sid)
-        stats = {**session.tree.stats(), "api_calls": session.api_calls, "requests": session.requests,
-                 "cumulative_hits": session.cumulative_hits}
-        return web.json_response({"session_id": sid, "stats": stats})
+        return web.json_response({"session_id": sid, "stats": self.sessions.stats_of(sid)})
 
     async def _http_open_session(self, request: web.Request) -> web.Response:
         self._check_admin(request)

@@ -5,6 +5,10 @@ might still be a tool-call marker, see streaming.DeltaTracker); tool calls go ou
 parsed, one ``tool_calls`` delta per call (name first, then the arguments), then the finish chunk,
 an optional usage chunk (``stream_options.include_usage``) and ``[DONE]``. With ``logprobs``, each
 content chunk carries the log-probs of its tokens and the finish chunk the rest (streaming.TokenProgress).
+
+Validation follows OpenAI's: numbers in range (params.py), ``logit_bias`` passed to the engine, and a
+``tool`` message must answer a call of the assistant message before it (``tool_call_id`` among its
+``tool_calls``), as the real API requires.
 """
 
 from __future__ import annotations
@@ -21,9 +25,23 @@ from rayrl.gateway.params import TurnSpec
 from rayrl.gateway.render import normalize_messages
 from rayrl.gateway.streaming import SSEStream, TokenProgress
 from rayrl.gateway.tools import apply_tool_choice, chat_tool_choice, chat_tools
-from rayrl.gateway.turns import TurnResult
+from rayrl.gateway.turns import Prepared, TurnResult
 
-_WIRE_FINISH = {"abort": "stop"}
+
+def check_tool_messages(messages: list[dict[str, Any]]) -> None:
+    """Each tool message answers a call of the assistant message it follows (only tool messages between)."""
+    calls: set[str] | None = None  # ids called by the assistant message the current tool run answers
+    for i, msg in enumerate(messages):
+        if msg["role"] != "tool":
+            calls = {c["id"] for c in msg.get("tool_calls", [])} if msg["role"] == "assistant" else None
+            calls = calls or None
+            continue
+        if calls is None:
+            raise RequestError(f"messages[{i}]: a message with role 'tool' must be a response to a preceding "
+                               "message with 'tool_calls'", param=f"messages[{i}].role")
+        if msg["tool_call_id"] not in calls:
+            raise RequestError(f"messages[{i}].tool_call_id: {msg['tool_call_id']!r} is not the id of any of the "
+                               "preceding assistant message's tool_calls", param=f"messages[{i}].tool_call_id")
 
 
 def parse_request(body: dict[str, Any], default_model: str) -> TurnSpec:
@@ -40,8 +58,11 @@ def parse_request(body: dict[str, Any], default_model: str) -> TurnSpec:
     if stream_options is not None and not isinstance(stream_options, dict):
         raise RequestError("stream_options must be an object", param="stream_options")
     penalties = {k: p.number(body, k, -2.0, 2.0, None) for k in ("frequency_penalty", "presence_penalty")}
+    p.integer(body, "top_logprobs", 0, 20)  # checked as OpenAI does; alternatives are not returned
+    messages = normalize_messages(body.get("messages"))
+    check_tool_messages(messages)
     return TurnSpec(
-        messages=normalize_messages(body.get("messages")),
+        messages=messages,
         tools=tools,
         tool_choice=choice,
         model=p.string(body, "model", default_model) or default_model,
@@ -53,6 +74,7 @@ def parse_request(body: dict[str, Any], default_model: str) -> TurnSpec:
         seed=p.seed(body),
         frequency_penalty=penalties["frequency_penalty"],
         presence_penalty=penalties["presence_penalty"],
+        logit_bias=p.logit_bias(body),
         want_logprobs=bool(logprobs),
         id_prefix="call_",
     )
@@ -80,29 +102,28 @@ def _wire_message(result: TurnResult) -> dict[str, Any]:
 async def handle(gateway: Any, request: web.Request) -> web.StreamResponse:
     session = gateway.session_for(request)
     body = await gateway.json_body(request)
-    spec = parse_request(body, gateway.model_name)
+    spec, prepared = await gateway.prepare_turn(request, session, lambda: parse_request(body, gateway.model_name))
     completion_id = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
     if not spec.stream:
-        result = await gateway.turns.run(session, spec)
+        result = await gateway.turns.run(session, spec, prepared=prepared)
         choice: dict[str, Any] = {
             "index": 0,
             "message": _wire_message(result),
-            "finish_reason": _WIRE_FINISH.get(result.finish, result.finish),
+            "finish_reason": result.finish,
             "logprobs": {"content": gateway.logprob_content(result.output)} if spec.want_logprobs else None,
         }
         return web.json_response(
             {"id": completion_id, "object": "chat.completion", "created": created, "model": spec.model,
              "choices": [choice], "usage": _usage(result)}
         )
-    return await _stream(gateway, request, session, spec, body, completion_id, created)
+    return await _stream(gateway, request, session, spec, prepared, body, completion_id, created)
 
 
 async def _stream(
-    gateway: Any, request: web.Request, session: Any, spec: TurnSpec, body: dict[str, Any],
+    gateway: Any, request: web.Request, session: Any, spec: TurnSpec, prepared: Prepared, body: dict[str, Any],
     completion_id: str, created: int,
 ) -> web.StreamResponse:
-    prepared = gateway.turns.prepare(session, spec)
     sse = SSEStream(request)
     progress = TokenProgress() if spec.want_logprobs else None
 
@@ -129,6 +150,7 @@ async def _stream(
     try:
         result = await gateway.turns.run(session, spec, Sink(), prepared, progress)
     except RequestError as err:
+        gateway.stream_failed(request, err)
         await sse.send(err.openai_body())
         await sse.send("[DONE]")
         return await sse.close()
@@ -137,7 +159,7 @@ async def _stream(
         head = {"index": i, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}
         await sse.send(chunk({"tool_calls": [head]}))
         await sse.send(chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}))
-    await sse.send(chunk({}, _WIRE_FINISH.get(result.finish, result.finish), new_logprobs()))
+    await sse.send(chunk({}, result.finish, new_logprobs()))
     options = body.get("stream_options") or {}
     if options.get("include_usage"):
         await sse.send({"id": completion_id, "object": "chat.completion.chunk", "created": created,

@@ -6,7 +6,8 @@ assistant message with tool calls (that is how a turn's output is replayed, so i
 response); ``function_call_output`` is a tool message; ``reasoning`` items are dropped (clients may or
 may not echo them; the recorded response has no reasoning either, so routing is unaffected).
 Non-function tools (``namespace``, ``web_search``, ``custom``, ...) are skipped: the model cannot call
-them here. ``previous_response_id`` is refused: nothing is stored, clients replay the input.
+them here. ``previous_response_id`` is refused: nothing is stored, clients replay the input. As in
+the real API, a ``function_call_output`` must answer a ``function_call`` earlier in the input.
 
 The stream emits the event sequence the API defines (created, in_progress, output items with their
 content parts and deltas, function-call argument deltas, then ``response.completed`` with usage, or
@@ -29,7 +30,7 @@ from rayrl.gateway.params import TurnSpec
 from rayrl.gateway.render import normalize_message
 from rayrl.gateway.streaming import SSEStream
 from rayrl.gateway.tools import apply_tool_choice, responses_tool_choice, responses_tools
-from rayrl.gateway.turns import TurnResult
+from rayrl.gateway.turns import Prepared, TurnResult
 
 _IMAGE_PLACEHOLDER = "[image omitted: this model reads text only]"
 _SKIPPED_ITEMS = {"reasoning", "item_reference", "web_search_call", "file_search_call", "compaction"}
@@ -72,6 +73,7 @@ def _string_field(item: dict[str, Any], key: str, where: str) -> str:
 def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """``instructions`` + ``input`` as canonical OpenAI messages."""
     out: list[dict[str, Any]] = []
+    called: set[str] = set()  # call ids of the function calls so far
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -103,12 +105,16 @@ def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             else:
                 arguments = json.dumps({"input": _string_field(item, "input", where)}, ensure_ascii=False)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            called.add(call_id)
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = _string_field(item, "call_id", where)
+            if call_id not in called:
+                raise RequestError(f"{where}: no tool call found for function call output with call_id "
+                                   f"{call_id!r}", param="input")
             output = item.get("output")
             text = output if isinstance(output, str) else _text(output, where)
             out.append({"role": "tool", "content": text, "tool_call_id": call_id})
@@ -127,6 +133,7 @@ def parse_request(body: dict[str, Any], default_model: str) -> TurnSpec:
                            "whole input (store=false)", param="previous_response_id")
     choice = responses_tool_choice(body)
     tools = apply_tool_choice(responses_tools(body.get("tools")), choice)
+    p.integer(body, "top_logprobs", 0, 20)  # checked as OpenAI does; alternatives are not returned
     return TurnSpec(
         messages=input_messages(body),
         tools=tools,
@@ -137,6 +144,7 @@ def parse_request(body: dict[str, Any], default_model: str) -> TurnSpec:
         temperature=p.number(body, "temperature", 0.0, 2.0, 1.0),
         top_p=p.number(body, "top_p", 1e-9, 1.0, 1.0),
         id_prefix="call_",
+        prompt_field="input",
     )
 
 
@@ -205,14 +213,14 @@ def _response(ids: _Ids, spec: TurnSpec, body: dict[str, Any], created: int, sta
 async def handle(gateway: Any, request: web.Request) -> web.StreamResponse:
     session = gateway.session_for(request)
     body = await gateway.json_body(request)
-    spec = parse_request(body, gateway.model_name)
+    spec, prepared = await gateway.prepare_turn(request, session, lambda: parse_request(body, gateway.model_name))
     ids = _Ids()
     created = int(time.time())
     if not spec.stream:
-        result = await gateway.turns.run(session, spec)
+        result = await gateway.turns.run(session, spec, prepared=prepared)
         status = "incomplete" if result.finish == "length" else "completed"
         return web.json_response(_response(ids, spec, body, created, status, output_items(ids, result), result))
-    return await _stream(gateway, request, session, spec, body, ids, created)
+    return await _stream(gateway, request, session, spec, prepared, body, ids, created)
 
 
 class _EventStream:
@@ -292,9 +300,8 @@ class _EventStream:
         self.items.append(item)
 
 
-async def _stream(gateway: Any, request: web.Request, session: Any, spec: TurnSpec, body: dict[str, Any],
-                  ids: _Ids, created: int) -> web.StreamResponse:
-    prepared = gateway.turns.prepare(session, spec)
+async def _stream(gateway: Any, request: web.Request, session: Any, spec: TurnSpec, prepared: Prepared,
+                  body: dict[str, Any], ids: _Ids, created: int) -> web.StreamResponse:
     sse = SSEStream(request)
     events = _EventStream(sse, ids)
     await events.event("response.created", response=_response(ids, spec, body, created, "in_progress", []))
@@ -302,6 +309,7 @@ async def _stream(gateway: Any, request: web.Request, session: Any, spec: TurnSp
     try:
         result = await gateway.turns.run(session, spec, events, prepared)
     except RequestError as err:
+        gateway.stream_failed(request, err)
         failed = _response(ids, spec, body, created, "failed", events.items)
         failed["error"] = {"code": err.code or "server_error" if err.status >= 500 else "invalid_request",
                            "message": err.message}

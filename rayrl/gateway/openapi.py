@@ -240,6 +240,11 @@ def openapi_spec() -> dict[str, Any]:
                                               ("post", "/rayrl/sessions"), "the session", security="admin")},
             "/rayrl/sessions/{session_id}": {"get": {**_get("a session's trajectory-tree stats", "admin"),
                                                      "parameters": sid}},
+            "/rayrl/sessions/{session_id}/tree": {"get": {
+                **_get("an open session's turn tree for inspection (rayrl/gateway/admin_trees.py); 400 names "
+                       "text_chars when it is not an integer in 0..1000000", "admin"),
+                "parameters": sid + [{"name": "text_chars", "in": "query", "required": False,
+                                      "schema": {"type": "integer", "minimum": 0, "maximum": 1000000}}]}},
             "/rayrl/sessions/{session_id}/finish": {"post": {
                 **_post("finish a session: its samples as JSON",
                         {"type": "object", "required": ["reward"], "properties": {"reward": {"type": "number"}}},

@@ -5,12 +5,23 @@ The API modules (openai_chat, openai_responses, anthropic_messages) only transla
 once: the prompt is rendered with the model's chat template (or extended from the recorded tokens in
 cumulative token mode), sent to an engine as token ids with log-probs on, parsed back into a canonical
 assistant message and recorded as a TurnRecord in the session's trajectory tree.
+
+Only a generation the engine finished normally is recorded. One the engine failed or cut (an engine
+error or an unreachable engine, or a finish reason ``abort``: a request the engine failed alone, a
+batch it aborted) is an error to the client (5xx; 4xx when the engine blames the request) and never
+enters the tree as a normal turn: its tokens are not the model's answer. The gateway counts it once
+per answer (``Gateway`` counts 5xx answers in the session's ``infra_errors``); here it is counted in
+``errors_engine`` and the session's ``failed_requests``.
+
+:meth:`TurnPipeline.build` is pure (no counters, no session writes), so the gateway may run it in a
+worker thread for a large request; :meth:`TurnPipeline.count` then counts on the event loop, and admits
+the call against ``gateway.max_turns_per_session``: a session past its cap gets a 400 in its API's
+dialect (``turn_limit_exceeded``), before any byte is streamed, counted in ``turn_cap_refusals``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -19,16 +30,15 @@ import numpy as np
 
 from rayrl.config import GatewayConfig
 from rayrl.engines.client import GenerateOutput
-from rayrl.gateway.errors import RequestError
+from rayrl.gateway.errors import ContextLengthError, RequestError
 from rayrl.gateway.params import TurnSpec
 from rayrl.gateway.parsers import ParsedOutput, ThinkReasoningParser, ToolParser, parse_completion
-from rayrl.gateway.render import ChatRenderer
+from rayrl.gateway.render import ChatRenderer, PromptTooLong
 from rayrl.gateway.sessions import Session, versions_from
 from rayrl.gateway.streaming import DeltaTracker, TokenProgress
 from rayrl.gateway.upstream import StreamingUpstream
 from rayrl.types import TurnRecord
 
-logger = logging.getLogger("rayrl.gateway")
 
 
 class DeltaSink(Protocol):
@@ -45,7 +55,7 @@ class TurnResult:
 
     message: dict[str, Any]  # canonical assistant message (what was recorded)
     reasoning: str | None
-    finish: str  # stop | length | tool_calls | abort
+    finish: str  # stop | length | tool_calls
     matched_stop: str | None  # the stop string that ended generation, if any
     prompt_tokens: int
     output: GenerateOutput
@@ -77,6 +87,7 @@ class Prepared:
     prompt_ids: np.ndarray
     params: dict[str, Any]
     forced: str = ""
+    cumulative: bool = False  # built from a recorded turn's tokens (cumulative token mode)
 
 
 class TurnPipeline:
@@ -95,35 +106,46 @@ class TurnPipeline:
     ) -> None:
         self.cfg = cfg
         self.renderer = renderer
+        self.vocab_size = len(renderer.tokenizer)  # once: len() of a fast tokenizer costs tens of ms
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.router = router
         self.upstream = upstream
         self.context_length = context_length
         self.counters = counters
+        counters.setdefault("turn_cap_refusals", 0)
 
     # -- prompt ------------------------------------------------------------------------------------
 
-    def prompt_ids(self, session: Session, messages: list[dict[str, Any]], tools: list | None) -> np.ndarray:
-        """Cumulative token mode when the history matches a recorded turn exactly, else a full render."""
-        if self.cfg.cumulative_token_mode:
-            prev = session.history_match(messages)
-            if prev is not None:
-                ids = self.renderer.extend(prev, messages, tools)
-                if ids is not None:
-                    self.counters["cumulative_hits"] += 1
-                    session.cumulative_hits += 1
-                    return ids
-        self.counters["full_renders"] += 1
-        return self.renderer.render(messages, tools)
+    @property
+    def prompt_limit(self) -> int:
+        """The longest prompt accepted: the context less one token to generate, or the configured limit."""
+        limit = self.context_length - 1
+        return min(limit, self.cfg.max_prompt_tokens) if self.cfg.max_prompt_tokens > 0 else limit
+
+    def too_long(self, tokens: int, spec: TurnSpec, exact: bool = True) -> ContextLengthError:
+        by_config = 0 < self.cfg.max_prompt_tokens < self.context_length - 1
+        maximum = self.cfg.max_prompt_tokens if by_config else self.context_length
+        return ContextLengthError(tokens, maximum, exact=exact, by_config=by_config, param=spec.prompt_field)
+
+    def prompt_ids(self, session: Session, spec: TurnSpec) -> tuple[np.ndarray, bool]:
+        """Cumulative token mode when the history matches a recorded turn exactly, else a full render;
+        True when cumulative. A prompt longer than :attr:`prompt_limit` is a ContextLengthError."""
+        try:
+            if self.cfg.cumulative_token_mode:
+                prev = session.history_match(spec.messages)
+                if prev is not None:
+                    ids = self.renderer.extend(prev, spec.messages, spec.tools, self.prompt_limit)
+                    if ids is not None:
+                        return ids, True
+            return self.renderer.render(spec.messages, spec.tools, self.prompt_limit), False
+        except PromptTooLong as err:
+            raise self.too_long(err.at_least, spec, exact=err.exact) from None
 
     def max_new_tokens(self, spec: TurnSpec, prompt_len: int) -> int:
+        if prompt_len > self.prompt_limit:
+            raise self.too_long(prompt_len, spec)
         room = self.context_length - prompt_len
-        if room < 1:
-            raise RequestError(
-                f"the prompt has {prompt_len} tokens; this model's context is {self.context_length}",
-                code="context_length_exceeded",
-            )
         wanted = spec.max_tokens or self.cfg.default_max_tokens
         if self.cfg.max_tokens_cap > 0:
             wanted = min(wanted, self.cfg.max_tokens_cap)
@@ -131,16 +153,18 @@ class TurnPipeline:
 
     # -- the call ----------------------------------------------------------------------------------
 
-    def prepare(self, session: Session, spec: TurnSpec) -> Prepared:
-        """Render and size the prompt. Streaming handlers call this before sending any byte, so a bad
-        request (template error, context overflow) is still an HTTP 4xx, not an in-stream error."""
+    def build(self, session: Session, spec: TurnSpec) -> Prepared:
+        """Render and size the prompt, without side effects (see :meth:`prepare`)."""
         if session.finished:
             raise RequestError("this session has finished; open a new one", status=409)
         served = self.cfg.served_model_names
         if served and spec.model not in served:
             raise RequestError(f"model {spec.model!r} is not served here (served: {', '.join(served)})",
                                status=404, param="model", code="model_not_found")
-        prompt_ids = self.prompt_ids(session, spec.messages, spec.tools)
+        if spec.logit_bias and max(spec.logit_bias) >= self.vocab_size:
+            raise RequestError(f"logit_bias: token id {max(spec.logit_bias)} is not in the vocabulary "
+                               f"[0, {self.vocab_size})", param="logit_bias")
+        prompt_ids, cumulative = self.prompt_ids(session, spec)
         forced = self.forced_text(spec)
         if forced:
             prompt_ids = np.concatenate([prompt_ids, self.renderer.tokenize(forced)]).astype(np.int32, copy=False)
@@ -148,7 +172,31 @@ class TurnPipeline:
         if spec.tools and not spec.tool_choice.parallel and self.tool_parser.call_end:
             # at most one call: generation stops where the first call closes
             params["stop"] = [*params.get("stop", []), self.tool_parser.call_end]
-        return Prepared(prompt_ids, params, forced)
+        return Prepared(prompt_ids, params, forced, cumulative)
+
+    def count(self, session: Session, prepared: Prepared) -> None:
+        """Admit the call against the session's turn cap, and count how its prompt was built (on the event
+        loop: counters are not shared with threads, and no await splits the check from the increment)."""
+        cap = self.cfg.max_turns_per_session
+        if cap and session.admitted >= cap:
+            session.turn_cap_refusals += 1
+            self.counters["turn_cap_refusals"] += 1
+            raise RequestError(f"this session has used its {cap} LLM calls (gateway.max_turns_per_session); "
+                               "no more are accepted", code="turn_limit_exceeded")
+        session.admitted += 1
+        if prepared.cumulative:
+            self.counters["cumulative_hits"] += 1
+            session.cumulative_hits += 1
+        else:
+            self.counters["full_renders"] += 1
+
+    def prepare(self, session: Session, spec: TurnSpec) -> Prepared:
+        """Render and size the prompt, and count it. Handlers call this (or build + count) before
+        sending any byte, so a bad request (template error, context overflow) is still an HTTP 4xx,
+        not an in-stream error."""
+        prepared = self.build(session, spec)
+        self.count(session, prepared)
+        return prepared
 
     def forced_text(self, spec: TurnSpec) -> str:
         """The forced start of the assistant turn for a ``tool_choice`` that requires a call ("" when
@@ -200,15 +248,15 @@ class TurnPipeline:
         except (ConnectionError, RequestError):
             raise
         except Exception as err:
-            session.failed_requests += 1
-            self.counters["errors_engine"] += 1
-            status = getattr(err, "status", None)
-            if isinstance(status, int) and 400 <= status < 500:
-                raise RequestError(f"the engine rejected the request: {err}") from None
-            logger.warning("engine call failed for session %s: %s", session.session_id, err)
-            raise RequestError(f"the inference engine is unavailable: {err}", status=503) from None
+            raise self._engine_failure(session, getattr(err, "status", None),
+                                       f"the inference engine is unavailable: {err}", str(err)) from None
         finally:
             session.in_flight.discard(task)
+        reason = out.finish_reason or {}
+        if reason.get("type") == "abort":  # failed or cut by the engine: not the model's answer
+            raise self._engine_failure(session, reason.get("status_code"),
+                                       f"the engine aborted the generation: {reason.get('message') or 'aborted'}",
+                                       str(reason.get("message")))
 
         result = self._finish(session, spec, prompt_ids, out, forced)
         if progress is not None:
@@ -225,6 +273,16 @@ class TurnPipeline:
             if d_content:
                 await sink.content(d_content)
         return result
+
+    def _engine_failure(self, session: Session, status: Any, message: str, detail: str) -> RequestError:
+        """The error for a call the engine failed: 400 when the engine blamed the request, else a 5xx
+        (the engine's status when it gave one, 503 otherwise). Nothing is recorded."""
+        session.failed_requests += 1
+        self.counters["errors_engine"] += 1
+        if isinstance(status, int) and not isinstance(status, bool) and 400 <= status < 500:
+            return RequestError(f"the engine rejected the request: {detail}")
+        code = status if isinstance(status, int) and not isinstance(status, bool) and 500 <= status < 600 else 503
+        return RequestError(message, status=code)
 
     def _finish(self, session: Session, spec: TurnSpec, prompt_ids: np.ndarray, out: GenerateOutput,
                 forced: str = "") -> TurnResult:
@@ -261,7 +319,7 @@ class TurnPipeline:
             session.remember(turn)
         self.counters["generated_tokens"] += len(out.output_ids)
         matched = reason.get("matched")
-        finish = "tool_calls" if parsed.tool_calls else {"length": "length", "abort": "abort"}.get(kind, "stop")
+        finish = "tool_calls" if parsed.tool_calls else ("length" if kind == "length" else "stop")
         return TurnResult(
             message=message,
             reasoning=parsed.reasoning,

@@ -273,10 +273,11 @@ def test_sampling_filters_restrict_the_support():
     gen = torch.Generator().manual_seed(0)
     seen = [set() for _ in rows]
     for _ in range(300):
-        tokens, lps = sampler.sample(logits, (), gen)
+        tokens, lps, failed = sampler.sample(logits, (), gen)
         for i, t in enumerate(tokens.tolist()):
             seen[i].add(t)
         torch.testing.assert_close(lps, logits.gather(1, tokens.view(-1, 1)).view(-1))
+        assert failed == {}
     assert seen == [{0, 1}, {0, 1}, {0, 1}]
 
 
@@ -291,7 +292,7 @@ def test_sampled_frequencies_follow_the_tempered_distribution():
     gen = torch.Generator().manual_seed(0)
     counts = torch.zeros(4, 6)
     for _ in range(5000):
-        tokens, _ = sampler.sample(logits, (), gen)
+        tokens, _, _ = sampler.sample(logits, (), gen)
         counts[torch.arange(4), tokens] += 1
     freq = counts / counts.sum(1, keepdim=True)
     for row, t in enumerate((1.0, 1.0, 0.5, 2.0)):
@@ -372,3 +373,14 @@ def test_bfloat16_engine_runs(tiny_model):
         for h in handles:
             res = h.result(30)
             assert len(res.output_ids) == 4 and all(lp <= 0 for lp in res.output_logprobs)
+
+
+def test_context_length_defaults_to_the_models_maximum(tiny_model):
+    """No context_length: the model's own maximum (agent CLIs send 7-20K-token first prompts); a larger
+    one is capped to it."""
+    from transformers import AutoConfig
+
+    maximum = AutoConfig.from_pretrained(tiny_model).max_position_embeddings
+    for asked in (None, maximum * 4):
+        eng = CPUEngine(tiny_model, dtype="float32", max_batch_size=1, context_length=asked)
+        assert eng.context_length == maximum

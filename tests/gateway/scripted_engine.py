@@ -15,7 +15,13 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from rayrl.engines.requests import engine_error
+
 Script = Callable[[str], str]  # decoded prompt -> completion text
+ENGINE_FAILURE = "\x00engine-failure"  # a script returning this makes the engine answer HTTP 500 (its failure)
+# a script returning ENGINE_ABORT + text generates that text, then fails the request as the CPU engine
+# fails one request alone: finish_reason abort with status_code 500 (rayrl.engines.requests.engine_error)
+ENGINE_ABORT = "\x00engine-abort"
 
 
 def last_role(prompt: str) -> str:
@@ -71,9 +77,15 @@ class ScriptedEngine:
         prompt = self.tokenizer.decode(body["input_ids"])
         self.prompts.append(prompt)
         params = body.get("sampling_params") or {}
-        ids = self.tokenizer(self.script(prompt), add_special_tokens=False)["input_ids"] + [self.eos]
+        completion = self.script(prompt)
+        if completion == ENGINE_FAILURE:
+            return web.json_response({"object": "error", "message": "scripted engine failure", "type": "Internal",
+                                      "param": None, "code": 500}, status=500)
+        aborted = completion.startswith(ENGINE_ABORT)
+        completion = completion.removeprefix(ENGINE_ABORT)
+        ids = self.tokenizer(completion, add_special_tokens=False)["input_ids"] + ([] if aborted else [self.eos])
         limit = int(params.get("max_new_tokens", 128))
-        finish = {"type": "stop", "matched": self.eos}
+        finish = engine_error("engine error: scripted failure") if aborted else {"type": "stop", "matched": self.eos}
         for k in range(1, len(ids) + 1):  # stop strings end generation at the token that completes them
             hit = next((x for x in params.get("stop") or [] if x in self.tokenizer.decode(ids[:k])), None)
             if hit is not None:

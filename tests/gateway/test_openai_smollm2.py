@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from rayrl.agents.python_agent import DEFAULT_SYSTEM_PROMPT, PythonToolAgent
-from rayrl.agents.tools import make_tools
+from rayrl.agents.toolbox import make_tools
 from rayrl.config import GatewayConfig, TrajectoryConfig
 from rayrl.engines.cpu_engine import CPUEngine
 from rayrl.engines.router import Router

@@ -1,8 +1,15 @@
-"""`python -m rayrl.gateway serve` as a subprocess: admin sessions, an openai SDK call, samples as JSON."""
+"""`python -m rayrl.gateway serve` as a subprocess: admin sessions, an openai SDK call, samples as JSON.
+
+The standalone defaults fit real agents: with no ``--context-length`` the context is the model's own
+maximum (here a copy of the tiny model that says 8192, as SmolLM2 does), so a prompt past the old
+4096-token default is served, and one past the model's maximum gets the context-length error with the
+numbers.
+"""
 
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,11 +31,15 @@ def _post(url: str, body: dict, token: str) -> tuple[int, dict]:
 
 
 def test_standalone_proxy(tiny_model_dir, tmp_path):
+    model = tmp_path / "model-8k"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rayrl.gateway", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+        [sys.executable, "-m", "rayrl.gateway", "serve", "--model", str(model), "--port", str(port),
          "--dtype", "float32"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -44,6 +55,7 @@ def test_standalone_proxy(tiny_model_dir, tmp_path):
             if line.startswith("admin token: "):
                 admin = line.split(": ", 1)[1].strip()
         assert admin, "".join(lines)
+        assert "context length 8192" in "".join(lines), "".join(lines)  # the model's own maximum
         root = f"http://127.0.0.1:{port}"
         code, body = _post(f"{root}/rayrl/sessions", {"metadata": {"task": "t1"}}, "wrong")
         assert code == 401 and "error" in body
@@ -58,6 +70,14 @@ def test_standalone_proxy(tiny_model_dir, tmp_path):
         sample = done["samples"][0]
         assert sample["reward"] == 0.5 and sample["metadata"]["task"] == "t1"
         assert len(sample["loss_mask"]) == len(sample["tokens"]) - sample["prompt_length"] == out.usage.completion_tokens
+        code, other = _post(f"{root}/rayrl/sessions", {}, admin)
+        code, long = _post(f"{other['base_url']}/chat/completions", {"max_tokens": 4, "messages": [
+            {"role": "user", "content": "word " * 5000}]}, other["token"])
+        assert code == 200 and 5000 < long["usage"]["prompt_tokens"] < 8192, long  # past the old 4096 default
+        code, over = _post(f"{other['base_url']}/chat/completions", {"messages": [
+            {"role": "user", "content": "word " * 9000}]}, other["token"])
+        assert code == 400 and over["error"]["code"] == "context_length_exceeded"
+        assert "maximum context length is 8192 tokens" in over["error"]["message"]
         code, again = _post(f"{root}/rayrl/sessions/{session['session_id']}/finish", {"reward": 1}, admin)
         assert code == 404 and "error" in again
         code, bad = _post(f"{root}/rayrl/sessions/x/finish", {"reward": "high"}, admin)
