@@ -5,7 +5,8 @@
 Required fields name the experiment; optional ones have defaults; ``overrides`` are dotted config
 overrides and ``extra_args`` pass through to driver.py verbatim. Submission goes through Ray's Job
 Submission SDK: no shell scripts, no process killing, no ``ray stop``. The same dataclass round-trips
-through YAML, so an experiment can be kept as a file.
+through YAML, so an experiment can be kept as a file (:class:`YamlDataclass`, shared with
+jobs/agentcore_runner.py's ``AgentCoreRunner``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,31 @@ import yaml
 _TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
+class YamlDataclass:
+    """``to_yaml`` / ``from_yaml`` for a dataclass of plain fields; unknown keys fail naming the key."""
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        text = yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)  # type: ignore[call-overload]
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_yaml(cls, source: str | Path) -> Any:
+        """From a YAML file path or YAML text."""
+        text = Path(source).read_text() if Path(str(source)).is_file() else str(source)
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{cls.__name__} YAML must be a mapping")
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown field(s) {', '.join(unknown)}")
+        return cls(**data)
+
+
 @dataclass
-class Runner:
+class Runner(YamlDataclass):
     """One experiment as a Ray job."""
 
     exp_id: str  # run name (runs/<exp_id>/ on the cluster); also the job's submission id prefix
@@ -131,24 +155,3 @@ class Runner:
     def stop(self, job_id: str) -> bool:
         """Ask Ray to stop the job (the driver gets SIGTERM, then SIGKILL after Ray's grace period)."""
         return bool(self._client().stop_job(job_id))
-
-    # -- YAML --------------------------------------------------------------------------------------
-
-    def to_yaml(self, path: str | Path | None = None) -> str:
-        text = yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
-    @classmethod
-    def from_yaml(cls, source: str | Path) -> "Runner":
-        """From a YAML file path or YAML text; unknown keys fail naming the key."""
-        text = Path(source).read_text() if Path(str(source)).is_file() else str(source)
-        data = yaml.safe_load(text) or {}
-        if not isinstance(data, dict):
-            raise ValueError("Runner YAML must be a mapping")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"Runner: unknown field(s) {', '.join(unknown)}")
-        return cls(**data)

@@ -1,4 +1,4 @@
-"""Tool-call and reasoning parsers, by model family.
+"""Tool-call and reasoning parsers, by model family (which family a model is: rayrl/gateway/families.py).
 
 A parser turns the model's raw completion text into an OpenAI-shape assistant message (content,
 tool_calls, reasoning) and back: ``format_tool_calls`` writes tool calls in the exact text form the
@@ -18,6 +18,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from rayrl.gateway.families import family_of
 
 
 @dataclass
@@ -220,6 +222,76 @@ class Llama3JsonToolParser(ToolParser):
         return '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "parameters": '
 
 
+class DeepSeekToolParser(ToolParser):
+    """DeepSeek-V3 / R1: calls in a ``<｜tool▁calls▁begin｜>`` block, one ``<｜tool▁call▁begin｜>`` each.
+
+    A call is ``function<｜tool▁sep｜>NAME`` + a fenced JSON block of arguments (V3, R1), or
+    ``NAME<｜tool▁sep｜>ARGS`` (V3.1); both parse. Content is the text before the block. Written from the
+    format DeepSeek's chat template renders (tests/gateway/family_templates.py reproduces that template).
+    """
+
+    name = "deepseek"
+    calls_begin = "<｜tool▁calls▁begin｜>"
+    call_begin = "<｜tool▁call▁begin｜>"
+    sep = "<｜tool▁sep｜>"
+    call_end = "<｜tool▁call▁end｜>"
+    calls_end = "<｜tool▁calls▁end｜>"
+    _call = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|$)", re.DOTALL)
+    _fenced = re.compile(r"^(.*?)\n```(?:json)?\s*\n?(.*?)\s*(?:```\s*)?$", re.DOTALL)
+
+    def _start(self, text: str) -> int:
+        found = [i for i in (text.find(self.calls_begin), text.find(self.call_begin)) if i >= 0]
+        return min(found) if found else -1
+
+    def parse(self, text: str) -> ParsedOutput:
+        start = self._start(text)
+        if start < 0:
+            return ParsedOutput(content=text)
+        calls: list[dict[str, Any]] = []
+        errors: list[str] = []
+        for match in self._call.finditer(text, start):
+            head, body = match.group(1).strip(), match.group(2)
+            fenced = self._fenced.match(body.strip())
+            name, args = (fenced.group(1).strip(), fenced.group(2)) if fenced else (head, body.strip())
+            if not name:
+                errors.append("a DeepSeek tool call without a function name")
+                continue
+            call = _tool_call(name, args)
+            if call is None:
+                errors.append(f"tool call {name!r}: arguments must be a JSON object")
+                continue
+            calls.append(call)
+        if not calls:
+            return ParsedOutput(content=text, errors=errors)
+        return ParsedOutput(content=text[:start].rstrip(), tool_calls=calls, errors=errors)
+
+    def safe_content(self, text: str) -> str:
+        start = self._start(text)
+        if start >= 0:
+            return text[:start].rstrip()
+        held = max(partial_marker_len(text, self.calls_begin), partial_marker_len(text, self.call_begin))
+        return text[: len(text) - held].rstrip()
+
+    def _one(self, name: str, args: Any) -> str:
+        text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        return f"{self.call_begin}function{self.sep}{name}\n```json\n{text}\n```{self.call_end}"
+
+    def format_tool_calls(self, tool_calls: list[dict[str, Any]]) -> str:
+        body = "\n".join(self._one(str(c.get("function", {}).get("name", "")),
+                                   c.get("function", {}).get("arguments", "{}")) for c in tool_calls)
+        return f"{self.calls_begin}{body}{self.calls_end}" if tool_calls else ""
+
+    def forced_prefix(self, name: str | None) -> str | None:
+        prefix = f"{self.calls_begin}{self.call_begin}function{self.sep}"
+        return prefix if name is None else prefix + name + "\n```json\n"
+
+    def tools_system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        specs = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+        return ("\n\n## Tools\nYou can call these functions:\n" + specs + "\nTo call functions, write "
+                + self.calls_begin + ", then for each call " + self._one("<name>", "<arguments as a JSON object>")
+                + ", then " + self.calls_end)
+
+
 class ThinkReasoningParser:
     """``<think>...</think>`` reasoning (Qwen3, DeepSeek-R1 style), split from the answer.
 
@@ -271,19 +343,15 @@ class ThinkReasoningParser:
 TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3": Llama3JsonToolParser,
+    "deepseek": DeepSeekToolParser,
     "none": ToolParser,
 }
 
 
 def infer_family(model_name: str, model_type: str = "") -> tuple[str, str]:
-    """(tool parser, reasoning parser) for a model; Hermes style is the default for chat models."""
-    name = f"{model_name} {model_type}".lower()
-    if "llama-3" in name or "llama3" in name:
-        return "llama3", "none"
-    if "qwen3" in name or "deepseek-r1" in name or "qwq" in name:
-        return "hermes", "think"
-    # Qwen2/2.5, Hermes, SmolLM2 and most other chat models write <tool_call>{...}</tool_call>
-    return "hermes", "none"
+    """(tool parser, reasoning parser) for a model, from its family (rayrl/gateway/families.py)."""
+    family = family_of(model_name, model_type)
+    return family.tool_parser, family.reasoning_parser
 
 
 def get_tool_parser(name: str) -> ToolParser:

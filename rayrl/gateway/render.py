@@ -4,7 +4,13 @@ Two jobs: normalise whatever a client sends into one canonical OpenAI message sh
 compares like with like), and render a prompt. When a request's history equals a recorded turn's
 history plus its response, :meth:`ChatRenderer.extend` builds the prompt from that turn's exact tokens
 plus the new messages' tokens (cumulative token mode), so re-tokenising the model's own output can
-never drift.
+never drift, not even under templates that render history without the reasoning the model sampled
+(Qwen3, DeepSeek: rayrl/gateway/families.py).
+
+A token limit bounds the work a huge request can cause: with ``limit``, a long text is tokenized a
+chunk at a time and refused (:class:`PromptTooLong`, with a lower bound of its length) as soon as the
+chunks prove it longer than the limit. A 20 MB message against an 8K context costs one 64K-character
+chunk, not the 14 s of tokenizing it all.
 """
 
 from __future__ import annotations
@@ -20,6 +26,17 @@ from rayrl.types import TurnRecord
 
 _ROLES = {"system", "user", "assistant", "tool"}
 _PROBE = "\u2063rayrl-probe\u2063"
+CHUNK_CHARS = 65536  # texts longer than two chunks are counted chunk by chunk against a limit first
+CHUNK_SLACK_TOKENS = 64  # tokens a cut between chunks may add: a count proves "too long" only past them
+
+
+class PromptTooLong(Exception):
+    """A text has at least ``at_least`` tokens, more than the limit it was tokenized against; exactly
+    that many when ``exact`` (it was tokenized in full)."""
+
+    def __init__(self, at_least: int, exact: bool = False) -> None:
+        super().__init__(f"{'' if exact else 'at least '}{at_least} tokens")
+        self.at_least, self.exact = at_least, exact
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -203,44 +220,94 @@ class ChatRenderer:
                     pass
             raise RequestError(f"the chat template rejected these messages: {err}") from None
 
-    def tokenize(self, text: str) -> np.ndarray:
+    def _encode(self, text: str) -> list[int]:
         try:
-            ids = self.tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+            return self.tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         except Exception as err:  # e.g. a lone surrogate (valid JSON, not valid text)
             raise RequestError(f"the request text cannot be tokenized: {type(err).__name__}") from None
+
+    def tokenize(self, text: str, limit: int | None = None) -> np.ndarray:
+        """Token ids of ``text``; PromptTooLong when ``limit`` is given and the text has more tokens."""
+        if limit is not None and len(text) > 2 * CHUNK_CHARS:
+            self._refuse_if_longer(text, limit)
+        ids = self._encode(text)
+        if limit is not None and len(ids) > limit:
+            raise PromptTooLong(len(ids), exact=True)
         return np.asarray(ids, dtype=np.int32)
 
-    def render(self, messages: list[dict[str, Any]], tools: list | None) -> np.ndarray:
-        """Full re-render of a prompt (with the generation prompt)."""
-        return self.tokenize(self.render_text(messages, tools, add_generation_prompt=True))
+    def _refuse_if_longer(self, text: str, limit: int) -> None:
+        """Count ``text``'s tokens a chunk at a time (cut at whitespace where there is some) and raise
+        PromptTooLong as soon as the count, less CHUNK_SLACK_TOKENS per cut, exceeds ``limit``."""
+        count, start, cuts = 0, 0, 0
+        while start < len(text):
+            end = start + CHUNK_CHARS
+            if end < len(text):
+                half = start + CHUNK_CHARS // 2
+                space = max(text.rfind(" ", half, end), text.rfind("\n", half, end))
+                end = space if space > start else end
+            else:
+                end = len(text)
+            count += len(self._encode(text[start:end]))
+            proven = count - CHUNK_SLACK_TOKENS * cuts
+            if proven > limit:
+                raise PromptTooLong(proven)
+            start, cuts = end, cuts + 1
 
-    def extend(self, prev: TurnRecord, messages: list[dict[str, Any]], tools: list | None) -> np.ndarray | None:
+    def render(self, messages: list[dict[str, Any]], tools: list | None, limit: int | None = None) -> np.ndarray:
+        """Full re-render of a prompt (with the generation prompt), at most ``limit`` tokens."""
+        return self.tokenize(self.render_text(messages, tools, add_generation_prompt=True), limit)
+
+    def extend(self, prev: TurnRecord, messages: list[dict[str, Any]], tools: list | None,
+               limit: int | None = None) -> np.ndarray | None:
         """Cumulative token mode: ``prev`` tokens + the tokens of the messages that follow them.
 
         The caller has checked that ``messages`` starts with ``prev.messages + [prev.response_message]``.
-        Returns None when the template does not render that history as a text prefix (then the caller
-        re-renders in full).
+        Returns None when the text that follows that response cannot be told apart from the template's
+        output (then the caller re-renders in full). The whole prompt is at most ``limit`` tokens (else
+        PromptTooLong).
         """
         k = len(prev.messages) + 1
         history = self.render_text(messages[:k], tools, add_generation_prompt=False)
         full = self.render_text(messages, tools, add_generation_prompt=True)
-        if not full.startswith(history) or self._assistant_tail is None:
-            return None
-        tail = self._assistant_tail
-        ended = len(prev.response_ids) > 0 and int(prev.response_ids[-1]) in self._end_ids
-        if ended:
-            end_text = self._end_ids[int(prev.response_ids[-1])]
-            if not tail.startswith(end_text):
+        if full.startswith(history) and self._assistant_tail is not None:
+            after = self._assistant_tail + full[len(history) :]
+        else:  # e.g. Qwen3: the last message gets a <think> block that history drops
+            after = self._text_after_response(messages, k, tools, full)
+            if after is None:
                 return None
-            glue = tail[len(end_text) :]
-        else:
-            glue = tail
-        delta = self.tokenize(glue + full[len(history) :])
+        ended = len(prev.response_ids) > 0 and int(prev.response_ids[-1]) in self._end_ids
+        if ended:  # the sampled end token already wrote the template's end marker
+            end_text = self._end_ids[int(prev.response_ids[-1])]
+            if not after.startswith(end_text):
+                return None
+            after = after[len(end_text) :]
+        known = len(prev.prompt_ids) + len(prev.response_ids)
+        try:
+            delta = self.tokenize(after, None if limit is None else max(0, limit - known))
+        except PromptTooLong as err:
+            raise PromptTooLong(known + err.at_least, err.exact) from None
         return np.concatenate([prev.prompt_ids, prev.response_ids, delta]).astype(np.int32, copy=False)
 
-    def count_tokens(self, messages: list[dict[str, Any]], tools: list | None) -> int:
-        """Prompt length of a request, exactly as it would be sent to the engine (full render)."""
-        return len(self.render(messages, tools))
+    def _text_after_response(self, messages: list[dict[str, Any]], k: int, tools: list | None,
+                             full: str) -> str | None:
+        """The text the template writes after message ``k - 1`` (the previous response) when that
+        message's own rendering depends on what follows it (Qwen3 and other reasoning templates render
+        the reasoning of the last message and drop it from history), so history is no prefix of the full
+        render. The response is replaced by a probe; what follows the probe is accepted only when the full
+        render ends with it, i.e. the new messages render the same with or without the real response."""
+        probed = [*messages[: k - 1], {"role": "assistant", "content": _PROBE}, *messages[k:]]
+        try:
+            text = self.render_text(probed, tools, add_generation_prompt=True)
+        except RequestError:
+            return None
+        at = text.find(_PROBE)
+        after = text[at + len(_PROBE) :] if at >= 0 else None
+        return after if after is not None and full.endswith(after) else None
+
+    def count_tokens(self, messages: list[dict[str, Any]], tools: list | None, limit: int | None = None) -> int:
+        """Prompt length of a request, exactly as it would be sent to the engine (full render); counted
+        up to ``limit`` (PromptTooLong beyond)."""
+        return len(self.render(messages, tools, limit))
 
     # -- template probes ---------------------------------------------------------------------------
 
@@ -248,12 +315,12 @@ class ChatRenderer:
         """Whether the template's generation prompt already opens a ``<think>`` block (R1-style)."""
         try:
             text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True,
+                [{"role": "user", "content": _PROBE}], tokenize=False, add_generation_prompt=True,
                 chat_template=self.chat_template,
             )
         except Exception:
             return False
-        tail = text[text.rfind("hi") :]
+        tail = text[text.rfind(_PROBE) :]  # a probe, not a word: "hi" is also inside "<think>"
         return "<think>" in tail and "</think>" not in tail
 
     def _probe_assistant_tail(self) -> str | None:

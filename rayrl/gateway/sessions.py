@@ -1,4 +1,14 @@
-"""Sessions: one per episode, each with its own bearer token and trajectory tree."""
+"""Sessions: one per episode, each with its own bearer token and trajectory tree.
+
+A session also knows whether it met an infrastructure failure: ``infra_errors`` counts its LLM calls
+that failed because of the engine or the gateway (a 5xx answer, in-stream or not: an unreachable
+engine, a generation the engine failed or aborted, a gateway bug), and ``infra_error`` keeps the first
+one's message. Such a call recorded no turn, so an episode whose agent carried on after it still looks
+complete in its tree; these two fields are how the episode runner tells (``Gateway.session_stats``).
+``failed_requests`` counts the calls that reached an engine and failed there (a subset, with engine
+rejections of a request answered 400 included). ``admitted`` counts the LLM calls admitted against
+``gateway.max_turns_per_session`` and ``turn_cap_refusals`` those refused by it (turns.py).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +23,7 @@ import numpy as np
 from rayrl.config import TrajectoryConfig
 from rayrl.gateway.errors import RequestError
 from rayrl.trajectory import TrajectoryTree
+from rayrl.trajectory.events import TreeCallback, load_callback
 from rayrl.trajectory.messages import messages_equal
 from rayrl.types import Sample, TurnRecord
 
@@ -39,9 +50,19 @@ class Session:
     recent: list[TurnRecord] = field(default_factory=list)
     api_calls: int = 0  # authenticated API requests (what a client POSTed), whatever their outcome
     requests: int = 0  # requests that reached an engine
-    failed_requests: int = 0
+    failed_requests: int = 0  # ... and failed there (an engine error, an aborted generation, a rejection)
+    infra_errors: int = 0  # LLM calls answered with a 5xx (module docstring)
+    infra_error: str | None = None  # the first one's message
     cumulative_hits: int = 0
+    admitted: int = 0  # LLM calls admitted (rendered, counted against gateway.max_turns_per_session)
+    turn_cap_refusals: int = 0  # ... and refused because the session had used its turns
     in_flight: set = field(default_factory=set)
+
+    def note_infra_error(self, message: str) -> None:
+        """Count a call that failed because of the engine or the gateway (once per answer)."""
+        self.infra_errors += 1
+        if self.infra_error is None:
+            self.infra_error = message
 
     def remember(self, turn: TurnRecord) -> None:
         self.recent.append(turn)
@@ -65,11 +86,16 @@ class Session:
 
 
 class SessionRegistry:
-    """Sessions by id and by token; finished sessions are remembered (by id) to answer 409."""
+    """Sessions by id and by token; finished sessions are remembered (by id) to answer 409.
 
-    def __init__(self, trajectory_cfg: TrajectoryConfig, shard: int = 0) -> None:
+    ``debug_callback`` (default: ``trajectory.debug_callback``) is handed to every new session's tree.
+    """
+
+    def __init__(self, trajectory_cfg: TrajectoryConfig, shard: int = 0,
+                 debug_callback: TreeCallback | None = None) -> None:
         self.cfg = trajectory_cfg
         self.shard = shard
+        self.debug_callback = debug_callback or load_callback(trajectory_cfg.debug_callback)
         self._by_id: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}
         self._finished_tokens: set[str] = set()
@@ -82,7 +108,8 @@ class SessionRegistry:
             raise RequestError(f"session {sid} already exists", status=409)
         token = "rrl-" + secrets.token_urlsafe(24)
         tree = TrajectoryTree(
-            fork_merge_max_response_tokens=self.cfg.fork_merge_max_response_tokens, on_drift=self.cfg.on_drift
+            fork_merge_max_response_tokens=self.cfg.fork_merge_max_response_tokens, on_drift=self.cfg.on_drift,
+            session_id=sid, debug_callback=self.debug_callback,
         )
         session = Session(session_id=sid, token=token, metadata=dict(metadata or {}), tree=tree)
         self._by_id[sid] = session
@@ -126,7 +153,12 @@ class SessionRegistry:
         return samples
 
     def stats_of(self, session_id: str) -> dict[str, Any]:
-        return self.get(session_id).tree.stats()
+        """The session's tree stats plus its request counters and infrastructure failures."""
+        session = self.get(session_id)
+        return {**session.tree.stats(), "api_calls": session.api_calls, "requests": session.requests,
+                "failed_requests": session.failed_requests, "cumulative_hits": session.cumulative_hits,
+                "infra_errors": session.infra_errors, "infra_error": session.infra_error,
+                "turn_cap_refusals": session.turn_cap_refusals}
 
     @property
     def open_sessions(self) -> int:

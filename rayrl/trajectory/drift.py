@@ -10,6 +10,10 @@ usual cause and a different fix:
 * ``context``: in earlier context (the system prompt, earlier turns) — the history was edited.
 * ``truncated``: no token differs but the new prompt is shorter than the previous sequence (the
   client cut the history, or dropped the end of the previous response).
+
+What happens next is ``trajectory.on_drift`` (:func:`drift_action`): ``split`` starts a new Sample,
+``raise`` makes linearization an error, ``mask`` keeps a small drift inside the previous response in
+the same Sample (docs/trajectory.md maps these to seed 004's drift cases).
 """
 
 from __future__ import annotations
@@ -71,6 +75,25 @@ def classify_drift(
     if common >= prev_new_start:
         return DriftKind.BRIDGE
     return DriftKind.CONTEXT
+
+
+DRIFT_ACTIONS = ("split", "raise", "mask")  # trajectory.on_drift
+
+
+def drift_action(on_drift: str, info: DriftInfo, prev_prompt_length: int, mask_max_tokens: int) -> str:
+    """What linearization does with one drift: ``split``, ``raise`` or ``mask``.
+
+    ``on_drift="mask"`` (seed 004's realign) keeps the turn in its predecessor's Sample only when the
+    first mismatch lies inside the predecessor's response (``response`` drift, or ``truncated`` cut
+    there) and fewer than ``mask_max_tokens`` of that response follow it: those tokens are given up
+    (replaced by the new prompt's own, as context). Anything else splits: a drift in the bridge or in
+    earlier context would give up trained turns, and a long tail is worth keeping as its own Sample.
+    """
+    if on_drift != "mask":
+        return on_drift
+    inside_response = info.position >= prev_prompt_length
+    given_up = info.prev_length - info.position
+    return "mask" if inside_response and given_up < mask_max_tokens else "split"
 
 
 class TITODriftError(RuntimeError):

@@ -4,7 +4,13 @@ Along each path the generated turns are walked in order. A turn joins the curren
 prompt extends the previous turn's full sequence (prompt + response) exactly — token-in-token-out —
 and the tokens in between (tool results, user messages, template glue) are context: mask 0, log-prob
 0, version = that turn's version. When it does not (TITO drift, classified when the turn was recorded),
-a new Sample starts, or ``TITODriftError`` is raised.
+a new Sample starts, or ``TITODriftError`` is raised, or (``on_drift="mask"``, a small drift inside the
+previous response: :func:`rayrl.trajectory.drift.drift_action`) the Sample goes on: it is cut back to
+the first mismatching token, the new prompt's tokens from there on are context (mask 0), and the
+previous response's tokens after the mismatch, which the new prompt no longer contains, train nothing
+(``realigned_tokens``). The tokens before the mismatch keep mask 1: they were sampled in exactly that
+context. The Sample is then exactly the new turn's prompt + response, as for a split, without losing
+the earlier turns' shared context.
 
 Why the tree decides joins at record time: the drift check needs the previous sequence, which the
 tree already compared against when it stored the turn's tokens; repeating it here would cost a pass
@@ -24,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from rayrl.trajectory.drift import DriftInfo, TITODriftError
+from rayrl.trajectory.drift import DriftInfo, TITODriftError, drift_action
 from rayrl.trajectory.nodes import GenTurn, Node, seq_slices
 from rayrl.types import Sample, SampleStatus
 
@@ -40,6 +46,7 @@ class _Group:
     merged: int = 0
     merged_tokens: int = 0
     leaf: int = 0
+    realign: dict[int, int] = field(default_factory=dict)  # turn index -> first mismatching token (mask)
 
 
 def _leaf_paths(root: Node) -> Iterator[list[Node]]:
@@ -57,7 +64,7 @@ def _leaf_paths(root: Node) -> Iterator[list[Node]]:
         stack.extend((c, len(path)) for c in reversed(node.children))
 
 
-def _groups(path: list[Node], leaf: int, raise_on_drift: bool) -> list[_Group]:
+def _groups(path: list[Node], leaf: int, on_drift: str, mask_max_tokens: int) -> list[_Group]:
     groups: list[_Group] = []
     current: _Group | None = None
     pending_merged = pending_tokens = 0
@@ -68,13 +75,19 @@ def _groups(path: list[Node], leaf: int, raise_on_drift: bool) -> list[_Group]:
             pending_merged += 1
             pending_tokens += g.response_len
             continue
-        if current is None or g.drift is not None:
-            if g.drift is not None and raise_on_drift:
+        action = "split"
+        if g.drift is not None:
+            pred = g.pred.gen if g.pred is not None else None
+            action = drift_action(on_drift, g.drift, pred.prompt_len if pred is not None else 0, mask_max_tokens)
+            if action == "raise":
                 raise TITODriftError(g.drift)
+        if current is None or (g.drift is not None and action != "mask"):
             current = _Group(drift=g.drift, leaf=leaf)
             groups.append(current)
         else:
             assert g.pred is current.turns[-1], "pred must be the previous live turn on the path"
+            if g.drift is not None:
+                current.realign[g.index] = g.drift.position
         current.turns.append(node)
         current.merged += pending_merged
         current.merged_tokens += pending_tokens
@@ -90,17 +103,29 @@ def _build(group: _Group, claimed: set[int]) -> dict[str, Any] | None:
     masks: list[np.ndarray] = []
     logprobs: list[np.ndarray] = []
     versions: list[np.ndarray] = []
-    trained_turns = 0
+    trained_turns = realigned_tokens = 0
     prev_end = first.prompt_len
+    pred_trained = False
     for i, node in enumerate(group.turns):
         g: GenTurn = node.gen  # type: ignore[assignment]
         if i > 0:
+            start = group.realign.get(g.index, prev_end)
+            if start < prev_end:  # on_drift="mask": cut back to the first mismatching token
+                _cut(tokens, start)
+                for part in (masks, logprobs, versions):
+                    _cut(part, start - first.prompt_len)
+                realigned_tokens += prev_end - start
+                pred = group.turns[i - 1].gen
+                assert pred is not None
+                if pred_trained and start <= pred.prompt_len:  # nothing of it is left to train
+                    trained_turns -= 1
+                prev_end = start
             n = g.prompt_len - prev_end
             tokens.extend(seq_slices(node, prev_end, g.prompt_len))
             masks.append(np.zeros(n, dtype=np.int8))
             logprobs.append(np.zeros(n, dtype=np.float32))
             versions.append(np.full(n, g.bridge_version, dtype=np.int32))
-        trained = g.index not in claimed
+        trained = pred_trained = g.index not in claimed
         if trained:
             claimed.add(g.index)
             trained_turns += 1
@@ -128,9 +153,22 @@ def _build(group: _Group, claimed: set[int]) -> dict[str, Any] | None:
             "merged_turns": group.merged,
             "merged_tokens": group.merged_tokens,
             "drift": group.drift.as_dict() if group.drift is not None else None,
+            "realigned_turns": len(group.realign),
+            "realigned_tokens": realigned_tokens,
             "leaf": group.leaf,
         },
     }
+
+
+def _cut(parts: list[np.ndarray], n: int) -> None:
+    """Keep only the first ``n`` elements of the concatenation of ``parts`` (in place)."""
+    total = 0
+    for i, part in enumerate(parts):
+        if total + len(part) >= n:
+            parts[i] = part[: n - total]
+            del parts[i + 1 :]
+            return
+        total += len(part)
 
 
 def _cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
@@ -144,13 +182,17 @@ def linearize(
     metadata: dict[str, Any] | None = None,
     session_id: str = "",
     group_id: str = "",
-    raise_on_drift: bool = False,
+    on_drift: str = "split",
+    mask_max_tokens: int = 0,
 ) -> list[Sample]:
-    """All Samples of the tree under ``root`` (see module docstring); each carries the episode's ``reward``."""
+    """All Samples of the tree under ``root`` (see module docstring); each carries the episode's ``reward``.
+
+    ``on_drift`` and ``mask_max_tokens`` decide what a drift does (:func:`rayrl.trajectory.drift.drift_action`).
+    """
     claimed: set[int] = set()
     built: list[dict[str, Any]] = []
     for leaf, path in enumerate(_leaf_paths(root)):
-        for group in _groups(path, leaf, raise_on_drift):
+        for group in _groups(path, leaf, on_drift, mask_max_tokens):
             parts = _build(group, claimed)
             if parts is not None:
                 built.append(parts)
@@ -167,7 +209,7 @@ def dump_samples(samples: list[Sample], decode: Callable[[np.ndarray], str] | No
     dec = decode or (lambda ids: " ".join(str(int(t)) for t in ids))
     lines = [f"{len(samples)} samples"]
     for i, s in enumerate(samples):
-        keys = ("turn_indices", "trained_turns", "merged_turns", "drift", "leaf")
+        keys = ("turn_indices", "trained_turns", "merged_turns", "drift", "realigned_tokens", "leaf")
         meta = {k: s.metadata.get(k) for k in keys}
         lines.append(f"[{i}] status={s.status} reward={s.reward:g} len={len(s.tokens)} {meta}")
         lines.append(f"    prompt: {dec(s.tokens[: s.prompt_length])}")

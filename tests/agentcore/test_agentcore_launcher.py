@@ -72,9 +72,9 @@ def test_launcher_never_exceeds_acr_tps_limit(loop_thread, agent_app, moto_s3):
         grants: list[float] = []
         acquire = launcher.limiter.acquire
         launcher.limiter.acquire = lambda: grants.append(acquire()) or grants[-1]  # record each grant
-        outcomes = launcher.run_batch([session(answer=i) for i in range(30)])
+        outcomes = list(launcher.run_batch([session(answer=i) for i in range(30)]))
         arrivals = [r["t"] for r in fake.requests if r["op"] == "invoke"]
-    assert all(o.ok for o in outcomes)
+    assert all(o.success for o in outcomes)
     assert len(arrivals) == len(grants) == 30
     assert max_per_window(grants) == limit  # exact where the launcher sends: the limit is reached, never passed
     # at the emulator too: the limiter's 50 ms guard absorbs loopback delivery jitter
@@ -86,10 +86,10 @@ def test_launcher_never_exceeds_acr_tps_limit(loop_thread, agent_app, moto_s3):
 def test_throttling_and_5xx_are_retried_with_backoff(loop_thread, agent_app, moto_s3):
     with fake_runtime(loop_thread, agent_app, throttle_first=2, error_first=1) as fake:
         launcher = launcher_for(fake, moto_s3, max_retries=4)
-        outcomes = launcher.run_batch([session(answer=i) for i in range(4)])
+        outcomes = list(launcher.run_batch([session(answer=i) for i in range(4)]))
         statuses = [r["status"] for r in fake.requests]
-    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
-    assert [o.attempts for o in outcomes] == [4, 4, 4, 4]  # 429, 429, 500, then through
+    assert all(o.success for o in outcomes), [o.error for o in outcomes]
+    assert [o.outcome.attempts for o in outcomes] == [4, 4, 4, 4]  # 429, 429, 500, then through
     assert sorted(statuses).count(429) == 8 and statuses.count(500) == 4 and statuses.count(200) == 4
     stats = launcher.stats()
     assert stats["throttled"] == 8 and stats["retries"] == 12 and stats["sessions_completed"] == 4
@@ -100,8 +100,8 @@ def test_service_quota_throttling_recovers(loop_thread, agent_app, moto_s3):
     with fake_runtime(loop_thread, agent_app, tps_limit=3) as fake:
         launcher = launcher_for(fake, moto_s3, acr_tps_limit=20.0, max_retries=10, backoff_base_s=0.2,
                                 backoff_max_s=1.0)
-        outcomes = launcher.run_batch([session(answer=i) for i in range(12)])
-    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+        outcomes = list(launcher.run_batch([session(answer=i) for i in range(12)]))
+    assert all(o.success for o in outcomes), [o.error for o in outcomes]
     assert launcher.stats()["throttled"] > 0
     assert sum(r["status"] == 200 for r in fake.requests) == 12
 
@@ -172,8 +172,8 @@ def test_max_concurrent_bounds_sessions_in_flight(loop_thread, agent_app, moto_s
     with fake_runtime(loop_thread, agent_app) as fake:
         launcher = launcher_for(fake, moto_s3, max_concurrent=3)
         group = uuid.uuid4().hex
-        outcomes = launcher.run_batch([session("sleep", seconds=0.4, group=group) for _ in range(9)])
-    assert all(o.ok for o in outcomes)
+        outcomes = list(launcher.run_batch([session("sleep", seconds=0.4, group=group) for _ in range(9)]))
+    assert all(o.success for o in outcomes)
     assert launcher.stats()["peak_in_flight"] == 3
     # the agent app itself never ran more than 3 of these sessions at once
     assert max(o.result["info"]["peak_active"] for o in outcomes) <= 3

@@ -14,9 +14,10 @@ from rayrl.agents.agentcore.protocol import ROLLOUT_CONFIG_KEY, AgentRolloutConf
 from rayrl.config import AgentCoreConfig
 
 
-def test_local_stack_runs_a_session_and_stops_its_processes(tmp_path):
+@pytest.mark.parametrize("region", ["us-west-2", "us-east-1"])  # us-east-1: S3's default, named differently
+def test_local_stack_runs_a_session_and_stops_its_processes(tmp_path, region):
     cfg = AgentCoreConfig(local_agent_command=["python", str(ROOT / "tests" / "agentcore" / "scripted_agent.py")],
-                          poll_interval_s=0.1)
+                          poll_interval_s=0.1, region=region)
     local = LocalAgentCore(cfg, tmp_path / "logs")
     with local:
         settings, credentials = local.start()

@@ -167,3 +167,11 @@ def assert_sample(
     if versions is not None:
         got_versions = s.policy_versions.tolist()
         assert got_versions == versions, f"versions {got_versions} != {versions}{info}"
+
+
+COLLECTED: list = []  # events received by collect_event
+
+
+def collect_event(event: Any) -> None:
+    """A debug callback importable by name (``trajectory.debug_callback: _traj_kit:collect_event``)."""
+    COLLECTED.append(event)

@@ -24,6 +24,8 @@ _LAZY = {
     "rollout_executor": "rayrl.agents.agentcore.executor",
     "RolloutLauncher": "rayrl.agents.agentcore.launcher",
     "SessionOutcome": "rayrl.agents.agentcore.launcher",
+    "BatchResult": "rayrl.agents.agentcore.launcher",
+    "BatchItem": "rayrl.agents.agentcore.launcher",
     "AgentCoreHarness": "rayrl.agents.agentcore.harness",
     "RateLimiter": "rayrl.agents.agentcore.rate_limit",
     "LocalAgentCore": "rayrl.agents.agentcore.local",

@@ -15,6 +15,10 @@ retried up to ``max_retries`` times with exponential backoff and full jitter; an
 session at once. A session that has no result ``session_timeout_s`` after its invoke is failed and
 stopped (``stop_runtime_session``, best effort). Each failure is counted in ``stats()``; the launcher
 never raises for a session's failure, it returns a failed ``SessionOutcome`` naming the session id.
+
+``run_batch`` (notebooks, smoke tests; the pipeline runs sessions one per episode) returns
+agentcore-rl-toolkit's shape: a :class:`BatchResult` that yields a :class:`BatchItem` per session as
+sessions complete.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ import random
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from rayrl.agents.agentcore.protocol import ROLLOUT_CONFIG_KEY, check_session_id
 from rayrl.agents.agentcore.rate_limit import RateLimiter
@@ -60,6 +64,26 @@ class SessionOutcome:
     @property
     def ok(self) -> bool:
         return self.status == "completed"
+
+
+@dataclass
+class BatchItem:
+    """One session of a batch: agentcore-rl-toolkit's ``BatchItem`` fields (``success``, ``result``,
+    ``error``, ``index`` into the batch, ``elapsed`` seconds), plus the ``session_id`` (the
+    runtimeSessionId, for CloudWatch) and the full ``outcome``."""
+
+    success: bool
+    result: dict[str, Any] | None
+    error: str | None
+    index: int
+    elapsed: float
+    session_id: str
+    outcome: SessionOutcome
+
+    @classmethod
+    def of(cls, index: int, outcome: SessionOutcome) -> BatchItem:
+        return cls(outcome.ok, outcome.result if outcome.ok else None, outcome.error, index,
+                   outcome.timings.get("total_s", 0.0), outcome.session_id, outcome)
 
 
 class InvokeError(RuntimeError):
@@ -314,14 +338,44 @@ class RolloutLauncher:
             self._slots.release()
 
     def run_batch(self, items: list[tuple[dict[str, Any], str, str, str]],
-                  budget_s: float | None = None) -> list[SessionOutcome]:
-        """Many sessions at once (``(payload, session_id, bucket, key)`` each), within the launcher's limits.
+                  budget_s: float | None = None) -> BatchResult:
+        """Many sessions (``(payload, session_id, bucket, key)`` each) within the launcher's limits; they
+        start when the result is iterated (see :class:`BatchResult`)."""
+        return BatchResult(self, items, budget_s)
 
-        For use without the pipeline (notebooks, smoke tests); each failed session is logged once.
-        """
-        with ThreadPoolExecutor(max_workers=max(1, min(len(items), self.cfg.max_concurrent))) as pool:
-            outcomes = list(pool.map(lambda it: self.run_session(*it, budget_s=budget_s), items))
-        for outcome in outcomes:
-            if not outcome.ok:
-                logger.warning("%s", outcome.error)
-        return outcomes
+
+class BatchResult:
+    """Iterating runs the batch and yields a :class:`BatchItem` per session in completion order
+    (``item.index`` gives the input order), as agentcore-rl-toolkit's ``BatchResult`` does; iterating
+    again yields the same items without running anything. Each failed session is logged once, with its
+    full session id, and the batch ends with one summary line. Leaving the loop early lets the running
+    sessions finish and starts no more."""
+
+    def __init__(self, launcher: RolloutLauncher, items: list[tuple[dict[str, Any], str, str, str]],
+                 budget_s: float | None) -> None:
+        self.launcher = launcher
+        self.items = list(items)
+        self.budget_s = budget_s
+        self._done: list[BatchItem] | None = None
+
+    def __iter__(self) -> Iterator[BatchItem]:
+        if self._done is not None:
+            yield from self._done
+            return
+        done: list[BatchItem] = []
+        launcher, budget = self.launcher, self.budget_s
+        pool = ThreadPoolExecutor(max_workers=max(1, min(len(self.items), launcher.cfg.max_concurrent)))
+        try:
+            futures = {pool.submit(launcher.run_session, *item, budget_s=budget): i
+                       for i, item in enumerate(self.items)}
+            for future in as_completed(futures):
+                item = BatchItem.of(futures[future], future.result())
+                if not item.success:
+                    logger.warning("batch session %d failed (%s): %s", item.index, item.outcome.status, item.error)
+                done.append(item)
+                yield item
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        self._done = done
+        failed = sum(not i.success for i in done)
+        logger.info("batch: %d sessions, %d succeeded, %d failed", len(done), len(done) - failed, failed)

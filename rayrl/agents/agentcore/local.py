@@ -126,8 +126,10 @@ class LocalAgentCore:
         bucket = self.cfg.s3_bucket or DEFAULT_LOCAL_BUCKET
         s3 = boto3.client("s3", endpoint_url=s3_url, region_name=self.cfg.region, **LOCAL_CREDENTIALS)
         existing = {b["Name"] for b in s3.list_buckets().get("Buckets", [])}
-        if bucket not in existing:
-            s3.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": self.cfg.region})
+        if bucket not in existing:  # us-east-1 is S3's default location: naming it is an error there
+            where = {} if self.cfg.region == "us-east-1" else {
+                "CreateBucketConfiguration": {"LocationConstraint": self.cfg.region}}
+            s3.create_bucket(Bucket=bucket, **where)
 
         agent_port = free_port()
         agent_env = {**base_env, **aws_env, "AWS_ENDPOINT_URL_S3": s3_url, "PORT": str(agent_port),
