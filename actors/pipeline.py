@@ -47,9 +47,10 @@ from rayrl.config import RunConfig, capacity_warnings, resolve, to_yaml
 from rayrl.data import JsonlDataset, TaskSampler
 from rayrl.metrics import CounterDeltas, MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
-from rayrl.records import write_episodes
-from rayrl.rl.batch import build_batch
-from rayrl.rl.step_metrics import EngineWork, failure_kind, gateway_metrics, step_metrics
+from rayrl.records import tokenizer_text, write_episodes, write_inspection
+from rayrl.rl.batch import Batch, build_batch
+from rayrl.rl.failures import failure_kind
+from rayrl.rl.step_metrics import EngineWork, gateway_metrics, step_metrics
 
 __all__ = ["Pipeline", "WeightSyncError"]
 
@@ -151,8 +152,8 @@ class Pipeline:
         self.checkpoints.untrained_taken = groups
         rollout_s = time.monotonic() - started
         episodes = [e for g in groups for e in g.ordered()]
-        self._record(episodes)
         batch = build_batch(episodes, cfg.trainer.normalize_advantage_std)
+        self._record(episodes, batch)
         version = state.version  # the weights this batch trains against
         in_flight = self.dispatcher.groups_in_flight  # before the train phase (async: groups go on)
         self.ray_sink.staleness(batch.staleness(version))
@@ -224,9 +225,15 @@ class Pipeline:
 
     # -- helpers -------------------------------------------------------------------------------------
 
-    def _record(self, episodes: list) -> None:
-        """Write the step's episodes; count and log each failed one once."""
-        write_episodes(self.run_dir, self.step, episodes)
+    def _record(self, episodes: list, batch: Batch) -> None:
+        """Write the step's episodes and its inspection data (rayrl/records.py, docs/inspector.md); count
+        and log each failed episode once."""
+        cfg = self.cfg
+        detail = cfg.logging.inspect_episodes_per_step
+        write_episodes(self.run_dir, self.step, episodes, batch, cfg.rollout.agent, detail)
+        if detail > 0:
+            tokenizer = self.model_path if cfg.model.tokenizer_path == cfg.model.path else cfg.model.tokenizer_path
+            write_inspection(self.run_dir, self.step, episodes, batch, detail, tokenizer_text(str(tokenizer)))
         for e in episodes:
             if not e.ok:
                 self.state.failures[failure_kind(e)] += 1

@@ -35,6 +35,19 @@ class _PoolSandboxes:
         ray.get(self.pool.release.remote(lease_id))
 
 
+class _TreeKeepingManagers(TrajectoryManagers):
+    """The runner's session service: finishing a session also fetches its turn tree for the run records
+    (rayrl/records.py), kept here until ``run_episode`` puts it on its Episode (``Episode.tree``)."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        super().__init__(handles)
+        self.trees: dict[str, dict[str, Any] | None] = {}
+
+    def finish_session(self, session_id: str, reward: float, metadata: dict[str, Any] | None = None) -> list:
+        samples, self.trees[session_id] = self.finish_session_with_tree(session_id, reward, metadata)
+        return samples
+
+
 @ray.remote(num_cpus=0)
 class RolloutWorker:
     """Runs episodes concurrently, one per Ray actor thread.
@@ -59,10 +72,11 @@ class RolloutWorker:
                 cfg.rollout.agent, tools=list(cfg.rollout.tools), few_shot_examples=cfg.rollout.few_shot_examples,
                 **options,
             )
+        self.sessions = _TreeKeepingManagers(tm_handles)
         self.runner = EpisodeRunner(
             harness=harness,
             reward_fn=get_reward_fn(cfg.rollout.reward),
-            sessions=TrajectoryManagers(tm_handles),
+            sessions=self.sessions,
             sandboxes=_PoolSandboxes(pool, owner, cfg.sandbox_pool.lease_s, cfg.sandbox_pool.acquire_timeout_s)
             if harness.needs_sandbox else None,
             cfg=cfg.rollout,
@@ -71,7 +85,9 @@ class RolloutWorker:
         self.index = worker_index
 
     def run_episode(self, task: Task, group_id: str, index: int = 0) -> Episode:
-        return self.runner.run(task, group_id, index)
+        episode = self.runner.run(task, group_id, index)
+        episode.tree = self.sessions.trees.pop(episode.session_id, None)
+        return episode
 
     def ping(self) -> int:
         return self.index

@@ -15,6 +15,7 @@ import ray
 
 from actors.runtime import on_driver_node
 from rayrl.config import RunConfig
+from rayrl.gateway.admin_trees import describe_session
 from rayrl.gateway.app import Gateway
 from rayrl.gateway.sessions import SessionInfo
 from rayrl.types import Sample
@@ -49,6 +50,7 @@ class TrajectoryManager:
             model_type=model_type,
         )
         self.totals: Counter = Counter()
+        self.describe_trees = cfg.logging.inspect_episodes_per_step > 0  # the run records keep every tree
 
     async def start(self) -> str:
         """Serve the gateway; bound to every interface, its URL names this node's address."""
@@ -62,6 +64,14 @@ class TrajectoryManager:
     ) -> list[Sample]:
         self._count(self.gateway.session_stats(session_id))
         return await self.gateway.finish_session(session_id, reward, metadata)
+
+    async def finish_session_with_tree(
+        self, session_id: str, reward: float, metadata: dict[str, Any] | None = None
+    ) -> tuple[list[Sample], dict[str, Any] | None]:
+        """``finish_session`` and the session's tree described for the run records (None when the run keeps
+        none). Nothing awaits between reading the tree and finishing, so the tree holds every sampled turn."""
+        tree = describe_session(self.gateway.sessions, session_id) if self.describe_trees else None
+        return await self.finish_session(session_id, reward, metadata), tree
 
     def _count(self, tree_stats: dict[str, Any]) -> None:
         """Session totals (drift by kind, merges, forks) for the step metrics."""
@@ -119,8 +129,18 @@ class TrajectoryManagers:
         handle = self.handles[next(self._next) % len(self.handles)]
         return ray.get(handle.open_session.remote(metadata))
 
+    def session_stats(self, session_id: str) -> dict[str, Any]:
+        """The session's counters (turns, drift, infrastructure errors the gateway answered it with)."""
+        return ray.get(self.shard_of(session_id).session_stats.remote(session_id))
+
     def finish_session(self, session_id: str, reward: float, metadata: dict[str, Any] | None = None) -> list[Sample]:
         return ray.get(self.shard_of(session_id).finish_session.remote(session_id, reward, metadata))
+
+    def finish_session_with_tree(
+        self, session_id: str, reward: float, metadata: dict[str, Any] | None = None
+    ) -> tuple[list[Sample], dict[str, Any] | None]:
+        """The samples and the session's tree for the run records (None when inspection is off)."""
+        return ray.get(self.shard_of(session_id).finish_session_with_tree.remote(session_id, reward, metadata))
 
     def stats(self) -> list[dict[str, Any]]:
         return ray.get([h.stats.remote() for h in self.handles])

@@ -13,14 +13,19 @@ prefix of the request makes all of these separate branches without any special c
 * A retried call (same response message at the same place) is kept as a new sibling: both responses
   are real samples of the policy, and no generated token is ever dropped. Later turns route through the
   newest of equal siblings; the older one stays a leaf and becomes its own sample.
-* Fork-merge rescue: see :meth:`TrajectoryTree._merge_candidate`.
+* Fork-merge rescue: see :meth:`TrajectoryTree._merge_candidate`. Each merge is logged at WARNING with
+  the session, the node and the token counts: it is rare, and a run that merges often has a client
+  re-rendering history in a way worth knowing about.
+* ``debug_callback`` (:mod:`rayrl.trajectory.events`) sees every recorded turn, merge and drift with the
+  node and the decision taken, for users' own logging.
 
 What is kept: the first-seen dict of every distinct message (by reference: do not mutate recorded
 messages), and per generated turn its token delta, log-probs, versions and finish reason. A turn's
 ``messages`` list, its ``tools`` and its full ``prompt_ids`` are not kept (they would make memory
 quadratic in the session length). Not thread-safe: one tree per session, driven by one event loop.
 
-Linearization into Samples lives in :mod:`rayrl.trajectory.linearize`.
+Linearization into Samples lives in :mod:`rayrl.trajectory.linearize`; the description the inspector
+reads (:meth:`TrajectoryTree.describe`) in :mod:`rayrl.trajectory.describe`.
 """
 
 from __future__ import annotations
@@ -30,13 +35,21 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rayrl.trajectory.drift import DriftInfo, DriftKind, SessionClosedError, classify_drift
+from rayrl.trajectory.describe import DEFAULT_TEXT_CHARS, describe_tree
+from rayrl.trajectory.drift import (
+    DRIFT_ACTIONS,
+    DriftInfo,
+    DriftKind,
+    SessionClosedError,
+    classify_drift,
+    drift_action,
+)
+from rayrl.trajectory.events import TreeCallback, TreeEvent
 from rayrl.trajectory.linearize import linearize
 from rayrl.trajectory.messages import messages_equal
 from rayrl.trajectory.nodes import GenTurn, Node, common_prefix
 from rayrl.types import Sample, TurnRecord
 
-_ON_DRIFT = ("split", "raise")
 logger = logging.getLogger(__name__)
 
 
@@ -51,14 +64,21 @@ class TrajectoryTree:
     ``fork_merge_max_response_tokens``: a re-rendered earlier assistant message whose original response
     was shorter than this is merged onto the existing node instead of forking (0 disables the rescue).
     ``on_drift``: ``"split"`` starts a new Sample at a TITO drift; ``"raise"`` makes ``samples()`` raise
-    :class:`TITODriftError`.
+    :class:`TITODriftError`; ``"mask"`` keeps a drift inside the previous response in the same Sample
+    when fewer than ``fork_merge_max_response_tokens`` tokens are given up
+    (:func:`rayrl.trajectory.drift.drift_action`). ``session_id`` names the tree in logs and events;
+    ``debug_callback`` receives a :class:`TreeEvent` per recorded turn, merge and drift.
     """
 
-    def __init__(self, fork_merge_max_response_tokens: int = 1024, on_drift: str = "split") -> None:
-        if on_drift not in _ON_DRIFT:
-            raise ValueError(f"on_drift must be one of {_ON_DRIFT}, got {on_drift!r}")
+    def __init__(self, fork_merge_max_response_tokens: int = 1024, on_drift: str = "split", *,
+                 session_id: str = "", debug_callback: TreeCallback | None = None) -> None:
+        if on_drift not in DRIFT_ACTIONS:
+            raise ValueError(f"on_drift must be one of {DRIFT_ACTIONS}, got {on_drift!r}")
         self.fork_merge_max_response_tokens = int(fork_merge_max_response_tokens)
         self.on_drift = on_drift
+        self.session_id = session_id
+        self.debug_callback = debug_callback
+        self.callback_errors = 0
         self._root: Node | None = Node(message={"role": "<root>"})
         self._closed = False
         self._turns = 0
@@ -99,14 +119,44 @@ class TrajectoryTree:
                 node.hot = candidate
                 node, base = candidate, candidate
                 depth += 1
+        roots, forks = self._root_branches, self._forks
         for message in messages[depth:]:
             node = self._add_child(node, Node(message=message))
         gen = self._make_gen(turn, base, live)
-        if any(c.gen is not None and messages_equal(c.message, turn.response_message) for c in node.children):
+        retry = any(c.gen is not None and messages_equal(c.message, turn.response_message) for c in node.children)
+        if retry:
             self._retries += 1
-        self._add_child(node, Node(message=turn.response_message, gen=gen))
+        added = self._add_child(node, Node(message=turn.response_message, gen=gen))
         self._turns += 1
         self._generated_tokens += gen.response_len
+        if self.debug_callback is not None:
+            self._emit_turn(added, retry, roots, forks)
+
+    def _emit_turn(self, node: Node, retry: bool, roots: int, forks: int) -> None:
+        """The drift event (if any) and the turn event of a node just recorded (``roots``, ``forks``: the
+        branch counters before it was mounted)."""
+        g = node.gen
+        assert g is not None
+        if g.drift is not None and g.pred is not None and g.pred.gen is not None:
+            action = drift_action(self.on_drift, g.drift, g.pred.gen.prompt_len, self.fork_merge_max_response_tokens)
+            self._emit(TreeEvent("drift", action, self.session_id, g.index, node,
+                                 g.drift.prev_length - g.drift.position, g.drift))
+        decision = ("retry" if retry else "root" if self._root_branches > roots
+                    else "fork" if self._forks > forks else "extend")
+        self._emit(TreeEvent("turn", decision, self.session_id, g.index, node, g.response_len, g.drift))
+
+    def _emit(self, event: TreeEvent) -> None:
+        """Hand ``event`` to the debug callback; a failing callback is counted, and logged the first time."""
+        callback = self.debug_callback
+        if callback is None:
+            return
+        try:
+            callback(event)
+        except Exception:
+            self.callback_errors += 1
+            level = logging.WARNING if self.callback_errors == 1 else logging.DEBUG
+            logger.log(level, "trajectory debug callback failed on a %s event (session %s, turn %d); "
+                       "recording goes on", event.kind, self.session_id or "-", event.turn, exc_info=True)
 
     def _find_child(self, node: Node, message: dict[str, Any]) -> Node | None:
         """The child equal to ``message``: the hot child first, then the newest equal sibling."""
@@ -155,8 +205,10 @@ class TrajectoryTree:
             self._drift[gen.drift.kind.value] -= 1
         self._merged_rewrites += 1
         self._masked_tokens += gen.response_len
-        logger.debug("merged a re-rendered assistant message onto turn %d (%d tokens masked)",
-                     gen.index, gen.response_len)
+        logger.warning("fork-merge: session %s merged a re-rendered assistant message onto turn %d "
+                       "(%d response tokens now masked, %d masked in this session)",
+                       self.session_id or "-", gen.index, gen.response_len, self._masked_tokens)
+        self._emit(TreeEvent("merge", "merge", self.session_id, gen.index, node, gen.response_len))
 
     def _add_child(self, parent: Node, child: Node) -> Node:
         root = self._root
@@ -221,6 +273,7 @@ class TrajectoryTree:
         linearizer's own keys (``num_turns``, ``turn_indices``, ``trained_turns``, ``merged_turns``,
         ``merged_tokens``, ``drift``, ``leaf``), which win on a clash. Raises :class:`TITODriftError`
         on drift when ``on_drift="raise"`` (recording never raises, so nothing is lost before that).
+        Under ``on_drift="mask"`` the keys ``realigned_turns`` / ``realigned_tokens`` count what was cut.
         """
         root = self._require_open()
         return linearize(
@@ -229,7 +282,8 @@ class TrajectoryTree:
             metadata=metadata,
             session_id=session_id,
             group_id=group_id,
-            raise_on_drift=self.on_drift == "raise",
+            on_drift=self.on_drift,
+            mask_max_tokens=self.fork_merge_max_response_tokens,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -249,6 +303,10 @@ class TrajectoryTree:
             "stored_tokens": self._stored_tokens,
             "closed": self._closed,
         }
+
+    def describe(self, text_chars: int = DEFAULT_TEXT_CHARS) -> dict[str, Any]:
+        """The tree as a compact JSON-safe dict for inspection (:mod:`rayrl.trajectory.describe`)."""
+        return describe_tree(self._require_open(), self.stats(), text_chars)
 
     def close(self) -> None:
         """Free the tree. Counters stay readable; recording or linearizing afterwards raises."""

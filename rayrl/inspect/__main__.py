@@ -1,0 +1,78 @@
+"""``python -m rayrl.inspect RUN_DIR [--export FILE.html] [--atif FILE.json [--session ID]] [--host H --port P]``
+
+Without ``--export`` or ``--atif`` it serves the inspector until interrupted and prints the URL to open
+(loopback by default; bound elsewhere, the URL carries a session token). A path that is not a run
+directory, a file it cannot write or a port it cannot bind ends with one line saying so and exit code
+2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from rayrl.inspect.atif import export_atif
+from rayrl.inspect.page import export_html
+from rayrl.inspect.reader import RunDirError, RunReader
+from rayrl.inspect.server import start
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rayrl.inspect", description=__doc__.split("\n\n")[1])
+    p.add_argument("run_dir", help="a run directory: runs/<exp_id>/")
+    p.add_argument("--export", metavar="FILE.html", help="write the inspector as one self-contained HTML file")
+    p.add_argument("--atif", metavar="FILE.json", help="write the episodes as ATIF trajectories (a JSON array)")
+    p.add_argument("--session", metavar="ID", help="with --atif: only this episode, as one trajectory object")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    p.add_argument("--port", type=int, default=8765, help="port (0: any free one)")
+    p.add_argument("--token", help="session token required when bound beyond loopback (default: a random one)")
+    args = p.parse_args(argv)
+    if args.session and not args.atif:
+        p.error("--session selects the episode for --atif; give --atif FILE.json too")
+    return args
+
+
+async def _serve(reader: RunReader, host: str, port: int, token: str | None) -> None:
+    runner, url = await start(reader, host, port, token)
+    print(f"rayrl inspector for {reader.path}: {url}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        reader = RunReader(args.run_dir)
+        if args.export or args.atif:
+            if args.export:
+                counts = export_html(reader, args.export)
+                print(f"wrote {args.export}: {counts['episodes']} episodes, {counts['with_tokens']} with token detail")
+            if args.atif:
+                counts = export_atif(reader, args.atif, args.session)
+                print(f"wrote {args.atif}: {counts['trajectories']} ATIF trajectories "
+                      f"({counts['skipped']} episodes without a recorded tree skipped)")
+            return 0
+        try:
+            asyncio.run(_serve(reader, args.host, args.port, args.token))
+        except OSError as err:
+            print(f"rayrl.inspect: cannot serve on {args.host}:{args.port}: {err.strerror or err}", file=sys.stderr)
+            return 2
+    except RunDirError as err:
+        print(f"rayrl.inspect: {err}", file=sys.stderr)
+        return 2
+    except KeyError as err:
+        print(f"rayrl.inspect: {err.args[0]}", file=sys.stderr)
+        return 2
+    except OSError as err:  # an output file that cannot be written
+        print(f"rayrl.inspect: cannot write {err.filename or 'the output'}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
