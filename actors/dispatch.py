@@ -22,6 +22,7 @@ from typing import Any, Callable
 import ray
 from ray.exceptions import RayActorError
 
+from rayrl.rl.failures import STEP_DEADLINE, WORKER_DIED, fail
 from rayrl.rl.groups import Group
 from rayrl.types import Episode, Task
 
@@ -56,8 +57,9 @@ class GroupDispatcher:
 
     # -- what to run -------------------------------------------------------------------------------
 
-    def submit(self, task: Task, group_id: str, front: bool = False) -> None:
-        group = Group(task, group_id, self.group_size)
+    def submit(self, task: Task, group_id: str, front: bool = False, reruns: int = 0) -> None:
+        """Queue a group of ``task`` (``front``: before the others; ``reruns``: how often it ran before)."""
+        group = Group(task, group_id, self.group_size, reruns=reruns)
         (self.queue.appendleft if front else self.queue.append)(group)
 
     @property
@@ -119,11 +121,11 @@ class GroupDispatcher:
                 self.counts["episodes_requeued"] += 1
                 self.retry.append((group_id, index))
                 return
-            episode = Episode(session_id="", task_id=group.task.task_id, group_id=group_id, status="failed",
-                              error=f"rollout worker died {group.attempts[index]} times: {type(err).__name__}")
+            episode = fail(Episode(session_id="", task_id=group.task.task_id, group_id=group_id), WORKER_DIED,
+                           f"the rollout worker died {group.attempts[index]} times: {type(err).__name__}")
         except Exception as err:  # the episode call itself raised (it should not): fail it, go on
-            episode = Episode(session_id="", task_id=group.task.task_id if group else "", group_id=group_id,
-                              status="failed", error=f"rollout worker failed: {type(err).__name__}: {err}")
+            episode = fail(Episode(session_id="", task_id=group.task.task_id if group else "", group_id=group_id),
+                           WORKER_DIED, f"the rollout worker failed: {type(err).__name__}: {err}")
         if group is None:
             return
         episode.info.setdefault("index", index)
@@ -155,8 +157,8 @@ class GroupDispatcher:
             ray.cancel(ref)
             group = self.active.get(group_id)
             if group is not None:
-                group.episodes[index] = Episode(session_id="", task_id=group.task.task_id, group_id=group_id,
-                                                status="failed", error=reason)
+                group.episodes[index] = fail(Episode(session_id="", task_id=group.task.task_id, group_id=group_id),
+                                             STEP_DEADLINE, reason)
         self.running.clear()
         self._ran_on.clear()
         self.retry.clear()

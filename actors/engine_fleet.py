@@ -14,7 +14,6 @@ Control calls (pause, memory, stats) fan out to the live engines concurrently.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 from urllib.parse import urlsplit

@@ -6,7 +6,9 @@ completed groups. The pipeline (actors/pipeline.py) picks the class once from ``
 and then only calls :meth:`Schedule.collect` and :meth:`Schedule.train`. One step of each:
 
 ``sync``
-    1. queue ``prompts_per_step`` new tasks; wait until their groups complete (or the step deadline);
+    1. queue ``prompts_per_step`` new tasks; wait until their groups complete (or the step deadline); a
+       group where fewer than ``rollout.min_group_episodes`` episodes succeeded runs its task again (every
+       schedule does this: failed episodes, mostly infrastructure, say nothing about the policy);
     2. (pipeline) GRPO advantages per group over the episodes that succeeded;
     3. one trainer step (nothing else runs);
     4. new weights to every engine with the next policy version.
@@ -54,7 +56,7 @@ from actors.weight_sync import WeightSync
 from rayrl.config import RunConfig
 from rayrl.data import TaskSampler
 from rayrl.rl.batch import Batch
-from rayrl.rl.groups import Group, split_stale
+from rayrl.rl.groups import Group, split_short, split_stale
 
 logger = logging.getLogger("rayrl.pipeline")
 
@@ -170,7 +172,7 @@ class Schedule:
                   leave=False, dynamic_ncols=True) as bar:
             while len(taken) < need:
                 self.tick()
-                fresh = self.keep_fresh(dispatcher.take(need - len(taken)), counts)
+                fresh = self.keep_fresh(self.keep_full(dispatcher.take(need - len(taken)), counts), counts)
                 if fresh:
                     taken += fresh
                     bar.update(sum(g.size for g in fresh))
@@ -179,6 +181,24 @@ class Schedule:
         if len(taken) < need and not self.runs_ahead:
             taken += dispatcher.fail_unfinished("step deadline reached")
         return taken
+
+    def rerun(self, group: Group) -> None:
+        """Run ``group``'s task again, first in the queue, as a new group: not lost, not trained twice."""
+        self.state.group_seq += 1
+        self.parts.dispatcher.submit(group.task, f"g{self.state.group_seq:06d}-{group.task.task_id}", front=True,
+                                     reruns=group.reruns + 1)
+
+    def keep_full(self, groups: list[Group], counts: Counter) -> list[Group]:
+        """Groups where enough episodes succeeded (``rollout.min_group_episodes``); the others run again
+        (``pipeline.max_group_reruns`` times at most, then they are kept as they are)."""
+        keep, short = split_short(groups, self.cfg.rollout.min_group_episodes, self.cfg.pipeline.max_group_reruns)
+        for group in short:
+            counts["rerun_short_groups"] += 1
+            logger.warning("group %s: only %d of %d episodes succeeded; running its task again", group.group_id,
+                           group.succeeded, group.size)
+            self.rerun(group)
+        counts["short_groups_kept"] += sum(1 for g in keep if g.succeeded < min(self.cfg.rollout.min_group_episodes, g.size))
+        return keep
 
     def keep_fresh(self, groups: list[Group], counts: Counter) -> list[Group]:
         """The groups a step may train (sync: all; every group was started on the current weights)."""
@@ -226,8 +246,7 @@ class AsyncSchedule(Schedule):
             counts["dropped_stale_groups"] += 1
             counts["dropped_stale_samples"] += sum(len(e.samples) for e in group.episodes.values())
             logger.info("group %s dropped: %d policy versions old", group.group_id, group.staleness(version))
-            self.state.group_seq += 1
-            self.parts.dispatcher.submit(group.task, f"g{self.state.group_seq:06d}-{group.task.task_id}", front=True)
+            self.rerun(group)
         return fresh
 
     def deadline_ends_step(self, taken: int, enough: int) -> bool:

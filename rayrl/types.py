@@ -183,7 +183,11 @@ class Episode:
     """One agent run on one Task: its samples, reward, timings and error if any.
 
     A failed episode keeps whatever samples were recorded before the failure (for inspection) but is
-    excluded from training; it is never dropped silently.
+    excluded from training; it is never dropped silently. ``failure`` says why, as a stable kind
+    (rayrl/rl/failures.py), and ``error`` in words. ``tree`` is the session's turn tree as
+    :func:`rayrl.trajectory.describe.describe_tree` describes it (JSON-safe, message texts cut short),
+    when the run records inspection data (``logging.inspect_episodes_per_step`` > 0); the run records
+    keep it (rayrl/records.py), training never reads it.
     """
 
     session_id: str
@@ -193,8 +197,10 @@ class Episode:
     reward: float = 0.0
     status: str = "ok"  # "ok" | "failed"
     error: str | None = None
+    failure: str | None = None  # why it failed: a kind of rayrl/rl/failures.py (infrastructure or the agent's)
     timings: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    tree: dict[str, Any] | None = None  # the session's turn tree for inspection (see above), or None
 
     @property
     def ok(self) -> bool:

@@ -42,6 +42,7 @@ def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
             "rollout.max_tokens=12",
             "rollout.max_turns=2",
             "rollout.episode_timeout_s=15",
+            "rollout.min_group_episodes=1",  # t-first's group trains on its one success instead of running again
             "trainer.steps=2",
             "trainer.micro_batch_tokens=2048",
             "sandbox_pool.min_warm=2",
@@ -56,9 +57,10 @@ def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
         assert step1["rollout/episodes_failed"] == 3 and step1["rollout/episodes_ok"] == 5
         episodes = [json.loads(l) for l in (cfg.run_dir / "episodes" / "step000001.jsonl").read_text().splitlines()]
         errors = sorted(e["error"] or "" for e in episodes if e["status"] == "failed")
-        assert any("agent crashed: RuntimeError: agent bug on purpose" in e for e in errors)
-        assert any("timed out" in e for e in errors)
-        assert any(e.startswith("sandbox failed: SandboxError") for e in errors)  # only its own episode
+        assert any(e.startswith("agent_crashed: RuntimeError: agent bug on purpose") for e in errors)
+        assert any(e.startswith("timed_out: episode timed out") for e in errors)
+        assert any(e.startswith("sandbox_failed: SandboxError") for e in errors)  # only its own episode
+        assert step1["failures/agent_crashed"] == step1["failures/timed_out"] == step1["failures/sandbox_failed"] == 1
         assert history[1]["rollout/episodes_failed"] == 0
         trained = [h for h in history if h.get("train/trained_samples", 0) > 0]
         assert pipeline.version == len(trained)

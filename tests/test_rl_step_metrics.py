@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from rayrl.rl.batch import build_batch
-from rayrl.rl.step_metrics import EngineWork, failure_kind, step_metrics
+from rayrl.rl.failures import failure_kind
+from rayrl.rl.step_metrics import EngineWork, step_metrics
 from rayrl.types import Episode, Sample
 
 

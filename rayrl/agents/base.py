@@ -47,6 +47,7 @@ class AgentResult:
     tool_calls: int = 0
     tool_errors: int = 0
     error: str | None = None
+    failure: str | None = None  # with status "error": its kind (rayrl/rl/failures.py) when the harness knows it
     transcript: list[dict[str, Any]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)  # harness-specific extras (e.g. an AgentCore result)
 

@@ -2,8 +2,12 @@
 
 ``EpisodeRunner`` depends only on two small protocols, so a notebook can drive it with in-process
 objects and the RolloutWorker actor with Ray handles. Every failure (agent crash, timeout, sandbox or
-gateway error, no turns recorded) ends as an Episode with ``status="failed"`` and its error; whatever
-was generated before the failure is kept on the Episode, never dropped silently.
+gateway error, no turns recorded) ends as an Episode with ``status="failed"``, its kind
+(rayrl/rl/failures.py: infrastructure or the agent's) and its error; whatever was generated before the
+failure is kept on the Episode, never dropped silently. An episode whose session saw the engine or the
+gateway fail a call is an infrastructure failure even if the agent went on: its trajectory was shaped by
+the failure, so its reward would mislead GRPO. The task's ``metadata.files`` are written into the
+sandbox before the agent starts.
 """
 
 from __future__ import annotations
@@ -17,6 +21,16 @@ from typing import Any, Callable, Protocol
 from rayrl.agents.base import AgentResult, BaseHarness, EpisodeContext
 from rayrl.config import RolloutConfig
 from rayrl.gateway.sessions import SessionInfo
+from rayrl.rl.failures import (
+    AGENT_CRASHED,
+    ENGINE_ERROR,
+    NO_TURNS,
+    REWARD_FAILED,
+    SANDBOX_FAILED,
+    SESSION_FAILED,
+    TIMED_OUT,
+    fail,
+)
 from rayrl.sandboxes.base import Sandbox, SandboxError
 from rayrl.types import Episode, Sample, Task
 
@@ -25,6 +39,8 @@ logger = logging.getLogger("rayrl.rollout")
 
 class SessionService(Protocol):
     def open_session(self, metadata: dict[str, Any]) -> SessionInfo: ...
+
+    def session_stats(self, session_id: str) -> dict[str, Any]: ...
 
     def finish_session(self, session_id: str, reward: float, metadata: dict[str, Any] | None = None) -> list[Sample]: ...
 
@@ -54,8 +70,9 @@ class EpisodeRunner:
         self.cfg = cfg
         self.model_name = model_name
 
-    def _run_agent(self, task: Task, ctx: EpisodeContext) -> AgentResult:
-        """Run the harness in a thread and stop waiting at the deadline.
+    def _run_agent(self, task: Task, ctx: EpisodeContext) -> tuple[AgentResult, str | None]:
+        """Run the harness in a thread and stop waiting at the deadline; returns the result and, when the
+        harness did not finish normally, the failure kind (rayrl/rl/failures.py).
 
         A harness that overruns is abandoned; finishing its session right after makes the gateway
         refuse its further calls (409), so a looping agent stops at its next LLM call.
@@ -74,12 +91,15 @@ class EpisodeRunner:
         thread.start()
         thread.join(max(0.0, ctx.time_left()))
         if thread.is_alive():
-            return AgentResult(status="error", error=f"episode timed out after {self.cfg.episode_timeout_s:.0f} s")
+            return AgentResult(status="error", error=f"episode timed out after {self.cfg.episode_timeout_s:.0f} s"), TIMED_OUT
         if "error" in box:
             # a sandbox that died is infrastructure, not the agent's doing: its own failure kind
-            kind = "sandbox failed" if box["sandbox"] else "agent crashed"
-            return AgentResult(status="error", error=f"{kind}: {box['error']}")
-        return box["result"]
+            return AgentResult(status="error", error=box["error"]), SANDBOX_FAILED if box["sandbox"] else AGENT_CRASHED
+        result = box["result"]
+        if result.status == "error":  # the harness reported the failure (a CLI that exited badly, ...)
+            kind = result.failure or (TIMED_OUT if ctx.time_left() <= 0 else AGENT_CRASHED)
+            return result, kind
+        return result, None
 
     def run(self, task: Task, group_id: str, index: int = 0) -> Episode:
         started = time.monotonic()
@@ -90,11 +110,16 @@ class EpisodeRunner:
         lease_id: str | None = None
         reward = 0.0
         result = AgentResult(status="error", error="not started")
+        failure: tuple[str, str] | None = None  # (kind, message)
         try:
             sandbox = None
             if self.sandboxes is not None:
                 t0 = time.monotonic()
-                lease_id, sandbox = self.sandboxes.acquire()
+                try:
+                    lease_id, sandbox = self.sandboxes.acquire()
+                    write_task_files(sandbox, task)
+                except Exception as err:
+                    raise _Failed(SANDBOX_FAILED, f"{type(err).__name__}: {err}") from None
                 timings["sandbox_acquire_s"] = time.monotonic() - t0
             ctx = EpisodeContext(
                 base_url=session.base_url,
@@ -111,14 +136,26 @@ class EpisodeRunner:
                 episode_index=index,
             )
             t0 = time.monotonic()
-            result = self._run_agent(task, ctx)
+            result, kind = self._run_agent(task, ctx)
             timings["agent_s"] = time.monotonic() - t0
-            if result.status != "error":
-                t0 = time.monotonic()
+            if sandbox is not None and _wants_files(task):
+                try:
+                    result.info["files"] = collect_files(sandbox)
+                except Exception as err:
+                    raise _Failed(SANDBOX_FAILED, f"collecting the files failed: {type(err).__name__}: {err}") from None
+            infra = self._infra_errors(session.session_id)
+            if infra is not None:  # the engine or gateway failed a call: the trajectory is not the policy's
+                raise _Failed(ENGINE_ERROR, infra)
+            if kind is not None:
+                raise _Failed(kind, result.error or kind)
+            t0 = time.monotonic()
+            try:
                 reward = float(self.reward_fn(task, result))
-                timings["reward_s"] = time.monotonic() - t0
-        except Exception as err:  # sandbox or reward failure: the episode fails, the step goes on
-            result = AgentResult(status="error", error=f"{type(err).__name__}: {err}")
+            except Exception as err:
+                raise _Failed(REWARD_FAILED, f"{type(err).__name__}: {err}") from None
+            timings["reward_s"] = time.monotonic() - t0
+        except _Failed as err:
+            failure = (err.kind, err.message)
         finally:
             if lease_id is not None and self.sandboxes is not None:
                 try:
@@ -128,7 +165,7 @@ class EpisodeRunner:
         try:
             episode.samples = self.sessions.finish_session(session.session_id, reward, {"reward": reward})
         except Exception as err:
-            result = AgentResult(status="error", error=f"finishing the session failed: {err}")
+            failure = failure or (SESSION_FAILED, f"finishing the session failed: {err}")
         episode.reward = reward
         episode.info = {
             "agent_status": result.status,
@@ -137,10 +174,71 @@ class EpisodeRunner:
             "tool_errors": result.tool_errors,
             "final_answer": (result.final_answer or "")[:500],
         }
-        if result.status == "error":
-            episode.status, episode.error = "failed", result.error
-        elif not episode.samples:
-            episode.status, episode.error = "failed", "no LLM turn was recorded for this episode"
+        if failure is None and not episode.samples:
+            failure = (NO_TURNS, "no LLM turn was recorded for this episode")
+        if failure is not None:
+            fail(episode, *failure)
         timings["total_s"] = time.monotonic() - started
         episode.timings = timings
         return episode
+
+    def _infra_errors(self, session_id: str) -> str | None:
+        """The first infrastructure error the gateway answered this session with, if any."""
+        try:
+            stats = self.sessions.session_stats(session_id)
+        except Exception as err:  # the trajectory manager is unreachable: that is infrastructure too
+            return f"the trajectory manager did not answer: {type(err).__name__}: {err}"
+        count = int(stats.get("infra_errors", 0) or 0)
+        if count <= 0:
+            return None
+        return f"{count} LLM call(s) failed in the engine or gateway; first: {stats.get('infra_error')}"
+
+
+class _Failed(Exception):
+    """An episode's failure, with its kind (rayrl/rl/failures.py), raised inside :meth:`EpisodeRunner.run`."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+
+def write_task_files(sandbox: Sandbox | None, task: Task) -> None:
+    """Write the task's ``metadata.files`` (relative path -> text) into the sandbox before the agent starts:
+    the state the task is about (examples/files, examples/swe). Any harness sees them."""
+    files = task.metadata.get("files") if isinstance(task.metadata, dict) else None
+    if not files:
+        return
+    if sandbox is None:
+        raise ValueError("the task ships files but the harness runs without a sandbox")
+    if not isinstance(files, dict):
+        raise ValueError("metadata.files must map relative paths to text")
+    for path, content in files.items():
+        sandbox.write_file(str(path), str(content).encode())
+
+
+COLLECT_MAX_FILES = 200
+COLLECT_MAX_BYTES = 1 << 20
+_LIST_FILES = ["python3", "-c", "import os\nfor b, ds, fs in os.walk('.'):\n    ds[:] = sorted(d for d in ds if not "
+               "d.startswith('.'))\n    for f in sorted(fs):\n        if not f.startswith('.'): print(os.path.join(b, f)[2:])"]
+
+
+def _wants_files(task: Task) -> bool:
+    return isinstance(task.metadata, dict) and bool(task.metadata.get("collect_files"))
+
+
+def collect_files(sandbox: Sandbox) -> dict[str, str]:
+    """The text files the agent left in its working directory (dot files skipped; at most
+    ``COLLECT_MAX_FILES`` files and ``COLLECT_MAX_BYTES`` in all): what a task with ``metadata.collect_files``
+    hands to its reward in ``result.info["files"]`` (examples/swe)."""
+    listing = sandbox.exec(_LIST_FILES, timeout=30)
+    if listing.exit_code != 0:
+        raise RuntimeError(f"listing the files failed: {listing.stderr.strip()[:200]}")
+    files: dict[str, str] = {}
+    total = 0
+    for path in listing.stdout.splitlines()[:COLLECT_MAX_FILES]:
+        data = sandbox.read_file(path)
+        total += len(data)
+        if total > COLLECT_MAX_BYTES:
+            break
+        files[path] = data.decode("utf-8", "replace")
+    return files

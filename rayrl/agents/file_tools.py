@@ -85,6 +85,17 @@ class ListDirTool(_FileTool):
     description = "List the files and folders in a directory (folders end with /)"
     parameters = {"type": "object", "properties": {"path": {"type": "string", "description": "directory"}},
                   "required": ["path"]}
+    demos = [
+        ("What number is in the file for bean in the shelf folder?",
+         [("list_dir", {"path": "shelf"}, "bean_q4.txt\ncorn_b2.txt\nrice_m7.txt"),
+          ("read_file", {"path": "shelf/bean_q4.txt"}, "bean: 31")],
+         "The answer is 31."),
+        ("What is the sum of the numbers for oat and rye in the bin folder?",
+         [("list_dir", {"path": "bin"}, "oat_c1.txt\nrye_k5.txt\nwheat_s3.txt"),
+          ("read_file", {"path": "bin/oat_c1.txt"}, "oat: 12"),
+          ("read_file", {"path": "bin/rye_k5.txt"}, "rye: 45")],
+         "12 + 45 = 57. The answer is 57."),
+    ]
 
     def call(self, sandbox: Sandbox | None, arguments: dict[str, Any]) -> tuple[str, bool]:
         path = self._path(arguments, default=".")
@@ -109,6 +120,12 @@ class ReadFileTool(_FileTool):
 class SearchTool(_FileTool):
     name = "search"
     description = "List the files under a directory whose text contains a string"
+    demos = [
+        ("One file in the crate folder says it is red. What number is in that file?",
+         [("search", {"text": "red", "path": "crate"}, "crate/nut_t8.txt"),
+          ("read_file", {"path": "crate/nut_t8.txt"}, "nut: 64\nthis one is red")],
+         "The answer is 64."),
+    ]
     parameters = {
         "type": "object",
         "properties": {"text": {"type": "string", "description": "text to look for"},
@@ -133,6 +150,15 @@ class WriteFileTool(_FileTool):
                        "content": {"type": "string", "description": "the file's new content"}},
         "required": ["path", "content"],
     }
+
+    demos = [
+        ("greet() in hello/greet.py should return 'Hello, NAME!' but returns 'Hi NAME'. Fix it.",
+         [("read_file", {"path": "hello/greet.py"}, "def greet(name):\n    return 'Hi ' + name\n"),
+          ("write_file", {"path": "hello/greet.py",
+                          "content": "def greet(name):\n    return 'Hello, ' + name + '!'\n"},
+           "wrote 47 characters to hello/greet.py")],
+         "Fixed: greet() now returns 'Hello, NAME!'."),
+    ]
 
     def setup(self, sandbox: Sandbox | None) -> None:
         if sandbox is None:

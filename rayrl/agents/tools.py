@@ -1,4 +1,7 @@
-"""Tools the python agent can call; each runs inside the episode's sandbox."""
+"""What a tool is (a schema, demos, a call that runs in the episode's sandbox), and the calculator tool.
+
+The registry of tools by name is rayrl/agents/toolbox.py; file tools are rayrl/agents/file_tools.py.
+"""
 
 from __future__ import annotations
 
@@ -60,8 +63,9 @@ class Tool(ABC):
             "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
         }
 
-    # Worked examples (question, arguments, tool output, final answer) for in-context demonstrations.
-    examples: list[tuple[str, dict[str, Any], str, str]] = []
+    # Worked examples for in-context demonstrations: (question, [(tool name, arguments, tool output), ...],
+    # final answer). Several calls show a multi-step task (look, then read, then answer).
+    demos: list[tuple[str, list[tuple[str, dict[str, Any], str]], str]] = []
 
     def __init__(self, delay_s: Sequence[float] = ()) -> None:
         self.delay_s = tuple(float(d) for d in delay_s)  # (min, max) extra seconds per call; () none
@@ -85,10 +89,10 @@ class CalculatorTool(Tool):
         "required": ["expression"],
     }
     script_path = "calc.py"
-    examples = [
-        ("What is 12 * 7?", {"expression": "12 * 7"}, "84", "The answer is 84."),
-        ("What is (3 + 5) * 9?", {"expression": "(3 + 5) * 9"}, "72", "The answer is 72."),
-        ("What is 40 - 13?", {"expression": "40 - 13"}, "27", "The answer is 27."),
+    demos = [
+        ("What is 12 * 7?", [("calculator", {"expression": "12 * 7"}, "84")], "The answer is 84."),
+        ("What is (3 + 5) * 9?", [("calculator", {"expression": "(3 + 5) * 9"}, "72")], "The answer is 72."),
+        ("What is 40 - 13?", [("calculator", {"expression": "40 - 13"}, "27")], "The answer is 27."),
     ]
     timeout_s = 10.0
 
@@ -111,18 +115,6 @@ class CalculatorTool(Tool):
             return "error: the calculation timed out", False
         out = (result.stdout or result.stderr).strip()[:500]
         return out, result.exit_code == 0
-
-
-TOOLS: dict[str, type[Tool]] = {"calculator": CalculatorTool}
-
-
-def make_tools(names: list[str], delay_s: Sequence[float] = ()) -> list[Tool]:
-    """Tools by name. ``delay_s`` = (min, max): every call also takes a uniform random time in that range
-    inside the sandbox (``rollout.tool_delay_s``), standing in for slow real tools (builds, tests, web)."""
-    unknown = [n for n in names if n not in TOOLS]
-    if unknown:
-        raise ValueError(f"unknown tools {unknown}; available: {sorted(TOOLS)}")
-    return [TOOLS[n](delay_s=delay_s) for n in names]
 
 
 def parse_arguments(raw: str) -> dict[str, Any]:

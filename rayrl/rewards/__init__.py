@@ -7,6 +7,7 @@ from typing import Callable
 
 from rayrl.agents.base import AgentResult
 from rayrl.rewards.gsm8k import agent_reported_reward, gsm8k_reward
+from rayrl.rewards.hidden_tests import hidden_tests_reward
 from rayrl.rewards.math import numeric_answer_reward
 from rayrl.types import Task
 
@@ -17,6 +18,7 @@ REWARDS: dict[str, RewardFn] = {
     "math": numeric_answer_reward,
     "gsm8k": gsm8k_reward,
     "agent_reported": agent_reported_reward,
+    "hidden_tests": hidden_tests_reward,
 }
 
 
@@ -30,4 +32,5 @@ def get_reward_fn(name: str) -> RewardFn:
     raise ValueError(f"rollout.reward: unknown reward {name!r}; registered: {sorted(REWARDS)} or module:function")
 
 
-__all__ = ["RewardFn", "agent_reported_reward", "get_reward_fn", "gsm8k_reward", "numeric_answer_reward"]
+__all__ = ["RewardFn", "agent_reported_reward", "get_reward_fn", "gsm8k_reward", "hidden_tests_reward",
+           "numeric_answer_reward"]

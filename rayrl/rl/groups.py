@@ -1,11 +1,13 @@
-"""GRPO groups: one task's episodes, and which completed groups are too stale to train.
+"""GRPO groups: one task's episodes, and which completed groups must run again instead of training.
 
 A group is ``rollout.group_size`` episodes of one task. GRPO's advantage of an episode is measured
 against the other episodes of its group, so a group is the unit every schedule handles: it is trained
 whole or dropped whole, never split. ``Group`` holds the episodes as they come back (by index, so a
 re-run episode replaces rather than duplicates) and knows how stale its trained tokens are;
-:func:`split_stale` is the async schedules' filter. The dispatcher (actors/dispatch.py) fills groups;
-this module has no Ray so the rules are testable on hand-built episodes.
+:func:`split_stale` is the async schedules' filter, :func:`split_short` every schedule's filter for groups
+where too few episodes succeeded. A group that must run again keeps its task and gets a new id, so the
+task is neither lost nor trained twice. The dispatcher (actors/dispatch.py) fills groups; this module
+has no Ray so the rules are testable on hand-built episodes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Group:
     episodes: dict[int, Episode] = field(default_factory=dict)
     attempts: Counter = field(default_factory=Counter)  # episode index -> re-queues
     started_at: float = 0.0
+    reruns: int = 0  # times this task's group was run again (too stale, or too few episodes succeeded)
 
     @property
     def complete(self) -> bool:
@@ -34,6 +37,11 @@ class Group:
 
     def ordered(self) -> list[Episode]:
         return [self.episodes[i] for i in sorted(self.episodes)]
+
+    @property
+    def succeeded(self) -> int:
+        """Episodes that completed (an agent's wrong answer counts: only failures do not)."""
+        return sum(1 for e in self.episodes.values() if e.ok)
 
     def staleness(self, version: int) -> int:
         """Policy versions between ``version`` (the weights about to train) and the oldest trained token
@@ -49,3 +57,16 @@ def split_stale(groups: list[Group], version: int, max_staleness: int) -> tuple[
     fresh = [g for g in groups if g.staleness(version) <= max_staleness]
     stale = [g for g in groups if g.staleness(version) > max_staleness]
     return fresh, stale
+
+
+def split_short(groups: list[Group], min_episodes: int, max_reruns: int) -> tuple[list[Group], list[Group]]:
+    """(keep, rerun): a group where fewer than ``min_episodes`` episodes (at most its size) succeeded (the rest failed, mostly
+    for infrastructure reasons) cannot give its episodes a fair baseline, so its task runs again as a new
+    group, at most ``max_reruns`` times; after that it is kept as it is (the failures stay counted, and
+    what succeeded trains if the advantages allow)."""
+    keep: list[Group] = []
+    rerun: list[Group] = []
+    for group in groups:
+        short = group.succeeded < min(min_episodes, group.size) and group.reruns < max_reruns
+        (rerun if short else keep).append(group)
+    return keep, rerun

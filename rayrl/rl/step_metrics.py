@@ -21,13 +21,6 @@ from rayrl.rl.batch import Batch
 from rayrl.types import Episode
 
 
-def failure_kind(episode: Episode) -> str:
-    """The kind of an episode's failure, the key of ``failures/<kind>``: its error's text before the first
-    ':' (errors read ``"<kind>: <detail>"``), at most 60 characters (a kind is a label, not a message);
-    "unknown" when it has no error text."""
-    return (episode.error or "unknown").split(":")[0][:60]
-
-
 @dataclass(frozen=True)
 class EngineWork:
     """What the engines report for one step.

@@ -7,7 +7,7 @@ import shutil
 import tempfile
 import time
 
-from rayrl.agents.tools import make_tools
+from rayrl.agents.toolbox import make_tools
 from rayrl.config import SandboxConfig
 from rayrl.sandboxes.local import LocalSandbox
 

@@ -15,6 +15,7 @@ from rayrl.agents.agentcore.launcher import SessionOutcome
 from rayrl.agents.agentcore.protocol import ROLLOUT_CONFIG_KEY, AgentRolloutConfig, result_key
 from rayrl.agents.base import AgentResult, BaseHarness, EpisodeContext
 from rayrl.config import AgentCoreConfig
+from rayrl.rl.failures import AGENT_CRASHED, SERVICE_FAILED
 from rayrl.types import Task
 
 
@@ -86,5 +87,8 @@ def to_agent_result(outcome: SessionOutcome) -> AgentResult:
         status="completed" if outcome.ok else "error",
         turns=int(turns) if isinstance(turns, (int, float)) else 0,
         error=outcome.error,
+        # the agent itself reported failure: its crash; anything else (invoke, timeout, unreadable result)
+        # is the service's
+        failure=None if outcome.ok else (AGENT_CRASHED if outcome.status == "failed" else SERVICE_FAILED),
         info=info,
     )

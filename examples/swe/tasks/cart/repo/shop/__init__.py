@@ -1,0 +1,3 @@
+from shop.cart import Cart
+
+__all__ = ["Cart"]

@@ -1,0 +1,69 @@
+"""Groups with too few successful episodes run again; failures are classified (rayrl/rl, no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayrl.config import ConfigError, load_config
+from rayrl.rl.batch import build_batch
+from rayrl.rl.failures import AGENT_CRASHED, ENGINE_ERROR, NO_TURNS, SANDBOX_FAILED, fail, failure_kind, is_infra
+from rayrl.rl.groups import Group, split_short
+from rayrl.types import Episode, Sample, Task
+
+
+def _episode(gid: str, reward: float, failure: str | None = None) -> Episode:
+    sample = Sample(tokens=[1, 2, 3, 4], prompt_length=2, loss_mask=[1, 1], rollout_logprobs=[-1.0, -1.0],
+                    policy_versions=[0, 0])
+    episode = Episode(session_id="s", task_id=gid, group_id=gid, samples=[sample], reward=reward)
+    return fail(episode, failure, "on purpose") if failure else episode
+
+
+def _group(gid: str, *episodes: Episode, reruns: int = 0) -> Group:
+    group = Group(Task("q", task_id=gid), gid, size=len(episodes), reruns=reruns)
+    group.episodes = dict(enumerate(episodes))
+    return group
+
+
+def test_a_group_with_too_few_successes_runs_again_then_is_kept():
+    full = _group("a", _episode("a", 1.0), _episode("a", 0.0), _episode("a", 0.0, ENGINE_ERROR))
+    short = _group("b", _episode("b", 1.0), _episode("b", 0.0, ENGINE_ERROR), _episode("b", 0.0, SANDBOX_FAILED))
+    worn = _group("c", _episode("c", 1.0), _episode("c", 0.0, ENGINE_ERROR), _episode("c", 0.0, ENGINE_ERROR), reruns=2)
+    keep, rerun = split_short([full, short, worn], min_episodes=2, max_reruns=2)
+    assert [g.group_id for g in keep] == ["a", "c"] and [g.group_id for g in rerun] == ["b"]
+    assert (full.succeeded, short.succeeded, worn.succeeded) == (2, 1, 1)
+
+
+def test_wrong_answers_count_as_successes():
+    wrong = _group("w", _episode("w", 0.0), _episode("w", 0.0))  # both scored 0: a valid (if flat) group
+    assert split_short([wrong], min_episodes=2, max_reruns=2) == ([wrong], [])
+
+
+def test_failed_episodes_stay_out_of_the_baseline_and_the_batch():
+    episodes = [_episode("g", 1.0), _episode("g", 0.0), _episode("g", 0.0, ENGINE_ERROR), _episode("g", 1.0, NO_TURNS)]
+    batch = build_batch(episodes, normalize_std=True)
+    assert batch.episodes_ok == 2 and batch.episodes_failed == 2 and len(batch.samples) == 2
+    assert batch.advantages[0] == pytest.approx(1.0, abs=1e-4) and batch.advantages[1] == pytest.approx(-1.0, abs=1e-4)
+
+
+def test_failure_kinds_and_classes():
+    assert failure_kind(_episode("g", 0.0, ENGINE_ERROR)) == "engine_error" and is_infra(_episode("g", 0, ENGINE_ERROR))
+    crashed = _episode("g", 0.0, AGENT_CRASHED)
+    assert failure_kind(crashed) == "agent_crashed" and not is_infra(crashed)
+    assert crashed.error == "agent_crashed: on purpose"
+    assert not is_infra(_episode("g", 0.0))  # an ok episode is no failure at all
+    legacy = Episode(session_id="", task_id="t", group_id="g", status="failed", error="custom thing: detail")
+    assert failure_kind(legacy) == "custom thing" and not is_infra(legacy)
+
+
+def test_min_group_episodes_is_capped_at_the_group_size():
+    pair = _group("p", _episode("p", 1.0), _episode("p", 0.0, ENGINE_ERROR))  # size 2: both must succeed
+    single = _group("s", _episode("s", 1.0))  # size 1 (a non-GRPO loss): its one success is enough
+    keep, rerun = split_short([pair, single], min_episodes=4, max_reruns=2)
+    assert [g.group_id for g in keep] == ["s"] and [g.group_id for g in rerun] == ["p"]
+
+
+def test_min_group_episodes_is_checked_at_load():
+    cfg = load_config(None, ["rollout.group_size=1", "trainer.loss=ppo"])  # the default 2 is capped, valid
+    assert cfg.rollout.min_group_episodes == 2
+    with pytest.raises(ConfigError, match="rollout.min_group_episodes"):
+        load_config(None, ["rollout.min_group_episodes=0"])
