@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # ~35 s: executes the whole notebook (make test-slow)
 def test_quickstart_notebook_executes(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("RAYRL_MODEL", str(tiny_model_dir))
     nb = nbformat.read(ROOT / "examples" / "notebooks" / "quickstart.ipynb", as_version=4)

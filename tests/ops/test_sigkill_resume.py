@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import boto3
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,6 +44,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
+@pytest.mark.slow  # ~80 s: a real driver killed mid-step, then resumed (make test-slow)
 def test_sigkill_mid_step_then_resume(tiny_model_dir, tmp_path, s3_endpoint):
     boto3.client("s3").create_bucket(Bucket="rayrl-ckpt")
     data = tmp_path / "tasks.jsonl"

@@ -65,6 +65,7 @@ def test_rank_death_raises_and_rank0_checkpoint_resumes(ray_local, tiny_model_di
         fresh.shutdown()
 
 
+@pytest.mark.slow  # ~60 s: two pipelines; the rank-death test below keeps the fast check in make test
 def test_pipeline_stops_with_a_checkpoint_and_resumes_the_failed_step(ray_local, tiny_model_dir, tmp_path, capsys):
     """A rank dies between steps: step 2 fails, the run stops with a checkpoint of step 1 that marks step 2's
     groups untrained and prints how to resume; the resumed run trains exactly those tasks as step 2."""

@@ -50,7 +50,10 @@ def _assert_engine_has_trainer_weights(pipe, tiny_model_dir, directory) -> None:
     torch.testing.assert_close(logprobs, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize(("transfer", "schedule"), [("distributed", "async"), ("tensor", "colocated_async")])
+@pytest.mark.parametrize(("transfer", "schedule"), [
+    pytest.param("distributed", "async", marks=pytest.mark.slow),  # ~35 s; tests/engines/test_weight_transfer.py covers gloo
+    ("tensor", "colocated_async"),
+])
 def test_weights_reach_the_engines_without_disk(ray_local, tiny_model_dir, tmp_path, transfer, schedule):
     from actors.pipeline import Pipeline
 
