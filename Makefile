@@ -12,7 +12,7 @@ help:
 	@echo "make run        install (first time), provision the model, train the calculator agent on CPU"
 	@echo "make test       install test needs, run the default suite (< 15 min on 2 cores)"
 	@echo "make test-slow  the long tests"
-	@echo "make bench      the benchmarks (ratios measured side by side)"
+	@echo "make bench      the benchmarks, alternating sides; writes docs/benchmarks.md (~25 min on 2 cores)"
 
 $(DEPS): pyproject.toml scripts/install_system_deps.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,8 @@ $(DEPS): pyproject.toml scripts/install_system_deps.sh
 
 $(TDEPS): $(DEPS)
 	$(BIN)/pip install --quiet -e '.[test]'
+	# Debian's chromium for the inspector's browser tests (tests/inspect/test_browser.py)
+	bash scripts/install_system_deps.sh test
 	touch $@
 
 model: $(DEPS)
@@ -36,7 +38,7 @@ run: model
 	$(BIN)/python driver.py $(ARGS)
 
 test: $(TDEPS) model
-	$(BIN)/python -X faulthandler -m pytest -q -ra
+	$(BIN)/python -X faulthandler -m pytest -q -ra --durations=25
 
 test-slow: $(TDEPS) model
 	$(BIN)/python -X faulthandler -m pytest -q -ra -m slow
@@ -44,12 +46,20 @@ test-slow: $(TDEPS) model
 test-all: $(TDEPS) model
 	$(BIN)/python -X faulthandler -m pytest -q -ra -m "slow or not slow"
 
+# every bench, then docs/benchmarks.md from their records (runs/bench/); BENCH_QUICK=1 for a smoke run
+# (its page goes to runs/bench/benchmarks.md).
+# The first time, the bench extra builds llama-cpp-python from source (~30 min on 2 cores).
 bench: $(TDEPS) model
 	$(BIN)/pip install --quiet -e '.[bench]'
+	rm -rf runs/bench
+	$(BIN)/python bench/engine_vs_llamacpp.py
 	$(BIN)/python bench/engine_throughput.py
+	$(BIN)/python bench/trainer_shared_prefix.py
 	$(BIN)/python bench/gateway_overhead.py
 	$(BIN)/python bench/trajectory_scaling.py
+	$(BIN)/python bench/weight_transfer.py
 	$(BIN)/python bench/sandbox_pool.py
+	$(BIN)/python bench/report.py
 
 clean-runs:
 	rm -rf runs

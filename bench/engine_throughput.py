@@ -1,13 +1,18 @@
 """CPU engine throughput, measured side by side with transformers' ``model.generate`` in one run.
 
 (a) Batch throughput: the same prompts and the same number of new tokens (``ignore_eos`` for the engine,
-    ``min_new_tokens`` for generate, so both produce exactly N tokens per row) at batch 1, 8 and 32.
+    ``min_new_tokens`` for generate, so both produce exactly N tokens per row) at batch 1 and 8.
     Reported as generated tokens per second, including prefill, and the engine/generate ratio.
-(b) Agent turns: 32 requests (prompts of 100-300 tokens, 64 new tokens each) arriving as a Poisson
+(b) Agent turns: 16 requests (prompts of 100-300 tokens, 32 new tokens each) arriving as a Poisson
     process; served by the engine (continuous batching) vs served one at a time with ``model.generate``
     (each waits for the previous one). Reported as the time until the last turn is answered.
 
-    python bench/engine_throughput.py [--model smollm2-135m-instruct] [--dtype bfloat16]
+The two sides alternate run by run (bench/measure.py); every figure is a median with its spread. The
+engine's prefix cache is flushed before each of its runs, since ``generate`` recomputes every prompt.
+The dtype is what ``engine.dtype: auto`` resolves to on this machine unless ``--dtype`` says otherwise.
+bench/engine_vs_llamacpp.py compares the engine with llama.cpp instead.
+
+    python bench/engine_throughput.py [--model smollm2-135m-instruct] [--dtype auto] [--quick]
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from measure import Record, add_common_args, alternate, paired_ratio
 
+from rayrl.config.resolve import compute_dtype, cpu_has_native_bf16
 from rayrl.engines.cpu_engine import DTYPES, CPUEngine
 from rayrl.models import resolve_model_path
 
@@ -90,7 +97,9 @@ def hf_generate(model, tokenizer, prompts: Sequence[list[int]], new_tokens: int)
 
 
 def engine_generate(engine: CPUEngine, prompts: Sequence[list[int]], new_tokens: int) -> tuple[float, float]:
-    """(total seconds, decode-only seconds after every row has its first token) for the engine."""
+    """(total seconds, decode-only seconds after every row has its first token) for the engine. The prefix
+    cache is flushed first: ``generate`` recomputes every prompt, so the engine must too."""
+    engine.flush_cache()
     params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
     start = time.perf_counter()
     handles = [engine.submit(p, params) for p in prompts]
@@ -100,101 +109,119 @@ def engine_generate(engine: CPUEngine, prompts: Sequence[list[int]], new_tokens:
     return end - start, end - max(h.first_token_at for h in handles)
 
 
-def bench_batches(
-    engine: CPUEngine, model, tokenizer, batches: Sequence[int], new_tokens: int, repeats: int
-) -> None:
-    print(
-        f"\n(a) batch throughput: generated tokens/s including prefill, {new_tokens} new tokens per row, "
-        f"prompts 100-300 tokens; best of {repeats} interleaved runs per side"
-    )
-    print(f"{'batch':>6} {'generate':>10} {'engine':>10} {'ratio':>7}   {'decode-only tok/s (batch 1)':>28}")
+def bench_batches(record: Record, engine: CPUEngine, model, tokenizer, batches: Sequence[int], new_tokens: int,
+                  rounds: dict) -> None:
+    rows = []
     for batch in batches:
         prompts = make_prompts(tokenizer, batch, 100, 300, seed=batch)
-        engine_generate(engine, prompts[:1], 2)  # warm-up
-        hf_generate(model, tokenizer, prompts[:1], 2)
-        hf_runs, eng_runs = [], []
-        for _ in range(repeats):  # interleaved, so a burst of load elsewhere hits both sides alike
-            hf_runs.append(hf_generate(model, tokenizer, prompts, new_tokens))
-            eng_runs.append(engine_generate(engine, prompts, new_tokens))
-        (t_hf, d_hf), (t_eng, d_eng) = min(hf_runs), min(eng_runs)
+
+        def side(fn):
+            def go() -> dict[str, float]:
+                total, decode = fn(prompts)
+                return {"total": total, "decode": decode}
+            return go
+
+        res = alternate({"generate": side(lambda p: hf_generate(model, tokenizer, p, new_tokens)),
+                         "engine": side(lambda p: engine_generate(engine, p, new_tokens))},
+                        label=f"batch {batch}", **rounds)
         tok = batch * new_tokens
-        extra = ""
-        if batch == 1:
-            extra = f"   generate {(new_tokens - 1) / d_hf:6.1f}  engine {(new_tokens - 1) / d_eng:6.1f}"
-        print(f"{batch:>6} {tok / t_hf:>10.1f} {tok / t_eng:>10.1f} {t_hf / t_eng:>6.2f}x{extra}", flush=True)
+        hf, eng = (res[s]["total"].scaled(lambda x: tok / x) for s in ("generate", "engine"))
+        ratio = paired_ratio(eng, hf)
+        row = [batch, hf.fmt(1), eng.fmt(1), ratio.fmt(2, "x"), "", ""]
+        if batch == 1:  # decode alone, after the first token
+            row[4:] = [res[s]["decode"].scaled(lambda x: (new_tokens - 1) / x).fmt(1) for s in ("generate", "engine")]
+        rows.append(row)
+        record.figure(f"batch{batch}_engine_over_generate", ratio)
+    record.table(f"(a) generated tokens/s including prefill, {new_tokens} new tokens per row, prompts 100-300 "
+                 "tokens; median [IQR] (min-max, n), sides alternating; ratio = median of per-round ratios",
+                 ["batch", "generate", "engine", "engine/generate", "decode-only generate (batch 1)",
+                  "decode-only engine (batch 1)"], rows)
 
 
-def bench_agent_turns(engine: CPUEngine, model, tokenizer, turns: int, new_tokens: int, rate: float) -> None:
+def bench_agent_turns(record: Record, engine: CPUEngine, model, tokenizer, turns: int, new_tokens: int,
+                      rate: float, rounds: dict) -> None:
     prompts = make_prompts(tokenizer, turns, 100, 300, seed=1234)
     rng = random.Random(7)
     arrivals, t = [], 0.0
     for _ in prompts:
         arrivals.append(t)
         t += rng.expovariate(rate)
-    print(
-        f"\n(b) {turns} agent turns, Poisson arrivals at {rate}/s over {arrivals[-1]:.1f} s, "
-        f"prompts 100-300 tokens, {new_tokens} new tokens"
-    )
-
-    # engine: submit each turn at its arrival time
     params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    start = time.perf_counter()
-    handles = []
-    for arrival, prompt in zip(arrivals, prompts):
-        delay = start + arrival - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        handles.append((arrival, engine.submit(prompt, params)))
-    latencies = [h.result(600).e2e_latency for _, h in handles]
-    eng_makespan = time.perf_counter() - start
 
-    # one at a time: each turn starts at max(its arrival, the previous turn's end)
-    clock, seq_latencies = 0.0, []
-    for arrival, prompt in zip(arrivals, prompts):
-        begin = max(clock, arrival)
-        clock = begin + hf_generate(model, tokenizer, [prompt], new_tokens)[0]
-        seq_latencies.append(clock - arrival)
-    print(f"{'':>14} {'makespan s':>11} {'mean latency s':>15} {'tokens/s':>9}")
-    total = turns * new_tokens
-    print(f"{'one at a time':>14} {clock:>11.1f} {sum(seq_latencies) / turns:>15.1f} {total / clock:>9.1f}")
-    print(
-        f"{'engine':>14} {eng_makespan:>11.1f} {sum(latencies) / turns:>15.1f} {total / eng_makespan:>9.1f}"
-    )
-    print(f"speed-up (makespan): {clock / eng_makespan:.2f}x", flush=True)
+    def served_by_engine() -> dict[str, float]:  # each turn submitted at its arrival time
+        engine.flush_cache()
+        start = time.perf_counter()
+        handles = []
+        for arrival, prompt in zip(arrivals, prompts):
+            delay = start + arrival - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            handles.append(engine.submit(prompt, params))
+        latencies = [h.result(600).e2e_latency for h in handles]
+        return {"makespan": time.perf_counter() - start, "latency": sum(latencies) / turns}
+
+    def one_at_a_time() -> dict[str, float]:  # each turn starts at max(its arrival, the previous turn's end)
+        clock, latencies = 0.0, []
+        for arrival, prompt in zip(arrivals, prompts):
+            clock = max(clock, arrival) + hf_generate(model, tokenizer, [prompt], new_tokens)[0]
+            latencies.append(clock - arrival)
+        return {"makespan": clock, "latency": sum(latencies) / turns}
+
+    res = alternate({"one at a time": one_at_a_time, "engine": served_by_engine}, label="agent turns", **rounds)
+    rows = [[name, res[name]["makespan"].fmt(1), res[name]["latency"].fmt(1),
+             res[name]["makespan"].scaled(lambda x: turns * new_tokens / x).fmt(1)] for name in res]
+    speedup = paired_ratio(res["one at a time"]["makespan"], res["engine"]["makespan"])
+    rows.append(["speed-up (makespan)", speedup.fmt(2, "x"), "", ""])
+    record.table(f"(b) {turns} agent turns, Poisson arrivals at {rate}/s over {arrivals[-1]:.1f} s, prompts "
+                 f"100-300 tokens, {new_tokens} new tokens; engine = continuous batching, one at a time = "
+                 "model.generate per turn", ["served", "makespan s", "mean latency s", "tokens/s"], rows)
+    record.figure("agent_turns_speedup", speedup)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                    help="auto: as engine.dtype auto resolves on this machine (rayrl/config/resolve.py)")
     ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per row in (a)")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--turns", type=int, default=32)
-    ap.add_argument("--turn-tokens", type=int, default=64)
+    ap.add_argument("--batches", default="1,8", help="batch sizes in (a) (bench/engine_vs_llamacpp.py covers 32)")
+    ap.add_argument("--turns", type=int, default=16)
+    ap.add_argument("--turn-tokens", type=int, default=32)
     ap.add_argument("--rate", type=float, default=2.0, help="agent-turn arrivals per second in (b)")
-    ap.add_argument("--repeats", type=int, default=2, help="interleaved runs per side in (a); best is shown")
     ap.add_argument("--num-threads", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: a,b")
+    add_common_args(ap)
     args = ap.parse_args()
+    if args.quick:
+        args.batches, args.new_tokens, args.turns, args.turn_tokens = "1,8", 8, 4, 8
+    rounds_a = dict(min_rounds=2, max_rounds=2, warmup=1) if args.quick else dict(min_rounds=5, max_rounds=9,
+                                                                                    budget_s=90)
+    rounds_b = dict(min_rounds=1, max_rounds=1, warmup=0) if args.quick else dict(min_rounds=2, max_rounds=2,
+                                                                                    warmup=0)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    dtype = compute_dtype(args.dtype, cuda=False, native_bf16=cpu_has_native_bf16())
+    record = Record("engine_throughput", "CPU engine against transformers generate", quick=args.quick,
+                    record_dir=args.record_dir)
     path: Path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).eval()
-    engine = CPUEngine(path, dtype=args.dtype, max_batch_size=max(32, args.turns)).start()
-    print(f"model {args.model} ({path}), dtype {args.dtype}, torch threads {torch.get_num_threads()}")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+    engine = CPUEngine(path, dtype=dtype, max_batch_size=max(32, args.turns)).start()
+    record.note(f"model {args.model}, dtype {dtype} (--dtype {args.dtype}), torch threads {torch.get_num_threads()}; "
+                "the engine's prefix cache is flushed before every run (generate recomputes every prompt too)")
     skip = set(args.skip.split(","))
     try:
         if "a" not in skip:
             batches = [int(b) for b in args.batches.split(",")]
-            bench_batches(engine, model, tokenizer, batches, args.new_tokens, args.repeats)
+            bench_batches(record, engine, model, tokenizer, batches, args.new_tokens, rounds_a)
         if "b" not in skip:
-            bench_agent_turns(engine, model, tokenizer, args.turns, args.turn_tokens, args.rate)
+            bench_agent_turns(record, engine, model, tokenizer, args.turns, args.turn_tokens, args.rate, rounds_b)
     finally:
         engine.shutdown()
+    record.save()
 
 
 if __name__ == "__main__":

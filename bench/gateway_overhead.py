@@ -1,17 +1,23 @@
 """Gateway overhead, side by side in one run: a stub engine reached directly, through rayrl's gateway,
 and through rllm-model-gateway (PyPI), all on loopback.
 
-    python bench/gateway_overhead.py [--requests 400] [--seconds 6] [--concurrency 64]
+    python bench/gateway_overhead.py [--requests 100] [--seconds 2] [--concurrency 64] [--quick]
 
 The stub engine answers instantly with a fixed completion (8 token ids + log-probs): SGLang's
 ``/generate`` for rayrl (which renders the chat with the model's template, tokenizes, sends token ids
 and records a TurnRecord per call) and vLLM's ``/v1/chat/completions`` with ``prompt_token_ids`` /
-``token_ids`` / logprobs for rllm-model-gateway (a reverse proxy that stores one trace per call in
-SQLite). Each server runs in its own process; the load generator is an aiohttp client in this process.
+``token_ids`` / logprobs for rllm-model-gateway (a reverse proxy that stores one trace per call).
+rllm-model-gateway runs in its fastest documented configuration: its in-memory trace store
+(``store_worker="memory"``, ``--store memory`` on its command line; SQLite is its default), traces
+written in the background (``sync_traces`` off, its default). Each server runs in its own process;
+the load generator is an aiohttp client in this process.
 
-Reported: added latency p50/p99 at one client (gateway minus the stub endpoint it uses) and the most
-requests/s at ``--concurrency`` clients, with ratios. Targets: rayrl's added p50 < 1 ms; rayrl's
-throughput >= 5x rllm-model-gateway's.
+Each round measures every endpoint once, the order rotating from round to round (bench/measure.py):
+``--requests`` sequential calls at one client (p50 and p99 latency of that block) and ``--seconds`` of
+load from ``--concurrency`` clients (requests/s). Reported: the median and spread of those per-round
+figures, rayrl's and rllm-model-gateway's added latency (gateway minus the stub endpoint it uses, per
+round) and the per-round throughput ratio. Targets: rayrl's added p50 < 1 ms; rayrl's throughput >= 5x
+rllm-model-gateway's.
 """
 
 from __future__ import annotations
@@ -24,12 +30,12 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import aiohttp
+from measure import Record, Spread, add_common_args, alternate, paired_ratio
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT_IDS = [28, 1530, 314, 253, 3526, 30, 2, 2]
@@ -86,7 +92,7 @@ RLLM = textwrap.dedent('''
     from rllm_model_gateway.models import GatewayConfig
     from rllm_model_gateway.server import create_app
     cfg = GatewayConfig(host="127.0.0.1", port=int(sys.argv[1]), workers=[{"url": sys.argv[2] + "/v1"}],
-                        db_path=sys.argv[3], log_level="WARNING", health_check_interval=60.0)
+                        store_worker="memory", log_level="WARNING", health_check_interval=60.0)
     uvicorn.run(create_app(cfg), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)
 ''')
 
@@ -98,8 +104,8 @@ def free_port() -> int:
 
 
 def spawn(code: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 async def wait_up(url: str, timeout: float = 120.0) -> None:
@@ -137,14 +143,14 @@ async def one(session: aiohttp.ClientSession, target: Target, i: int) -> float:
 
 async def latency(target: Target, n: int) -> list[float]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
-        for _ in range(20):
+        for _ in range(5):
             await one(s, target, 0)
         return [await one(s, target, 0) for _ in range(n)]
 
 
 async def throughput(target: Target, clients: int, seconds: float) -> float:
     done = 0
-    stop = time.perf_counter() + seconds
+    stop = 0.0
 
     async def client(i: int, s: aiohttp.ClientSession) -> None:
         nonlocal done
@@ -155,6 +161,7 @@ async def throughput(target: Target, clients: int, seconds: float) -> float:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         await asyncio.gather(*(one(s, target, i) for i in range(clients)))  # warm connections
         t0 = time.perf_counter()
+        stop = t0 + seconds
         await asyncio.gather(*(client(i, s) for i in range(clients)))
         return done / (time.perf_counter() - t0)
 
@@ -164,55 +171,84 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def run(args: argparse.Namespace) -> None:
+async def start_servers(procs: list[subprocess.Popen], ports: dict[str, int], tokenizer_dir: str) -> bool:
+    """Start the stub, rayrl's gateway and (when installed) rllm-model-gateway; True if rllm is up."""
+    stub_url = f"http://127.0.0.1:{ports['stub']}"
+    procs.append(spawn(STUB, str(ports["stub"])))
+    await wait_up(stub_url + "/health")
+    procs.append(spawn(RAYRL, str(ports["rayrl"]), stub_url, tokenizer_dir))
+    try:
+        import rllm_model_gateway  # noqa: F401
+    except ImportError as err:
+        print(f"rllm-model-gateway is not installed ({err}): pip install -e '.[bench]'")
+        rllm_ok = False
+    else:
+        procs.append(spawn(RLLM, str(ports["rllm"]), stub_url))
+        rllm_ok = True
+    await wait_up(f"http://127.0.0.1:{ports['rayrl']}/health")
+    if rllm_ok:
+        await wait_up(f"http://127.0.0.1:{ports['rllm']}/health")
+    return rllm_ok
+
+
+async def make_targets(ports: dict[str, int], tokenizer_dir: str, clients: int, rllm_ok: bool) -> dict[str, Target]:
+    from transformers import AutoTokenizer
+
+    stub_url = f"http://127.0.0.1:{ports['stub']}"
+    rayrl_root = f"http://127.0.0.1:{ports['rayrl']}"
+    async with aiohttp.ClientSession() as s:  # one gateway session per client: what a training run looks like
+        tokens = []
+        for _ in range(max(clients, 1)):
+            async with s.post(rayrl_root + "/rayrl/sessions", json={}, headers={"Authorization": "Bearer admin"}) as r:
+                tokens.append((await r.json())["token"])
+    chat = {"model": "stub", "messages": MESSAGES, "max_tokens": 16, "temperature": 1.0}
+    ids = AutoTokenizer.from_pretrained(tokenizer_dir).apply_chat_template(MESSAGES, add_generation_prompt=True)
+    targets = {
+        "stub /generate": Target("stub /generate", stub_url + "/generate",
+                                 {"input_ids": ids, "sampling_params": {"max_new_tokens": 16}, "return_logprob": True}),
+        "rayrl gateway": Target("rayrl gateway", rayrl_root + "/v1/chat/completions", chat,
+                                headers_for=lambda i: {"Authorization": f"Bearer {tokens[i % len(tokens)]}"}),
+        "stub /v1/chat": Target("stub /v1/chat", stub_url + "/v1/chat/completions", chat),
+    }
+    if rllm_ok:
+        rllm_root = f"http://127.0.0.1:{ports['rllm']}"
+        targets["rllm-model-gateway"] = Target(
+            "rllm-model-gateway", "", chat, url_for=lambda i: f"{rllm_root}/sessions/s{i}/v1/chat/completions")
+    return targets
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=100, help="sequential requests per endpoint per round")
+    ap.add_argument("--seconds", type=float, default=2.0, help="duration of each throughput block")
+    ap.add_argument("--concurrency", type=int, default=64)
+    add_common_args(ap)
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.seconds = 20, 0.5
+    rounds = dict(min_rounds=2, max_rounds=2) if args.quick else dict(min_rounds=5, max_rounds=9, budget_s=100)
     from rayrl.models import provision_smollm2
 
+    record = Record("gateway_overhead", "Gateway overhead: rayrl against rllm-model-gateway (memory store)",
+                    quick=args.quick, record_dir=args.record_dir)
     tokenizer_dir = str(provision_smollm2())
     ports = {k: free_port() for k in ("stub", "rayrl", "rllm")}
-    stub_url = f"http://127.0.0.1:{ports['stub']}"
-    tmp = tempfile.mkdtemp(prefix="gw-bench-")
-    procs = [spawn(STUB, str(ports["stub"]))]
+    procs: list[subprocess.Popen] = []
+    loop = asyncio.new_event_loop()
     try:
-        await wait_up(stub_url + "/health")
-        procs.append(spawn(RAYRL, str(ports["rayrl"]), stub_url, tokenizer_dir))
-        rllm_ok = True
-        try:
-            import rllm_model_gateway  # noqa: F401
+        rllm_ok = loop.run_until_complete(start_servers(procs, ports, tokenizer_dir))
+        targets = loop.run_until_complete(make_targets(ports, tokenizer_dir, args.concurrency, rllm_ok))
 
-            procs.append(spawn(RLLM, str(ports["rllm"]), stub_url, os.path.join(tmp, "traces.db")))
-        except ImportError as err:
-            rllm_ok = False
-            print(f"rllm-model-gateway is not installed ({err}); pip install rllm-model-gateway")
-        rayrl_root = f"http://127.0.0.1:{ports['rayrl']}"
-        await wait_up(rayrl_root + "/health")
-        if rllm_ok:
-            await wait_up(f"http://127.0.0.1:{ports['rllm']}/health")
+        def side(target: Target):
+            def go() -> dict[str, float]:
+                ms = [x * 1e3 for x in loop.run_until_complete(latency(target, args.requests))]
+                rps = loop.run_until_complete(throughput(target, args.concurrency, args.seconds))
+                return {"p50": statistics.median(ms), "p99": pct(ms, 0.99), "rps": rps}
+            return go
 
-        # one gateway session per client: what a training run looks like
-        async with aiohttp.ClientSession() as s:
-            tokens = []
-            for _ in range(max(args.concurrency, 1)):
-                async with s.post(rayrl_root + "/rayrl/sessions", json={}, headers={"Authorization": "Bearer admin"}) as r:
-                    tokens.append((await r.json())["token"])
-        chat = {"model": "stub", "messages": MESSAGES, "max_tokens": 16, "temperature": 1.0}
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-        ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True)
-        targets = {
-            "stub /generate": Target("stub /generate", stub_url + "/generate",
-                                     {"input_ids": ids, "sampling_params": {"max_new_tokens": 16}, "return_logprob": True}),
-            "rayrl gateway": Target("rayrl gateway", rayrl_root + "/v1/chat/completions", chat,
-                                    headers_for=lambda i: {"Authorization": f"Bearer {tokens[i % len(tokens)]}"}),
-            "stub /v1/chat": Target("stub /v1/chat", stub_url + "/v1/chat/completions", chat),
-        }
-        if rllm_ok:
-            rllm_root = f"http://127.0.0.1:{ports['rllm']}"
-            targets["rllm-model-gateway"] = Target(
-                "rllm-model-gateway", "", chat, url_for=lambda i: f"{rllm_root}/sessions/s{i}/v1/chat/completions")
-        lat = {name: await latency(t, args.requests) for name, t in targets.items()}
-        rps = {name: await throughput(t, args.concurrency, args.seconds) for name, t in targets.items()}
+        res = alternate({name: side(t) for name, t in targets.items()}, label="endpoints", **rounds)
     finally:
+        loop.close()
         for p in procs:
             p.terminate()
         for p in procs:
@@ -220,32 +256,37 @@ async def run(args: argparse.Namespace) -> None:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-
-    ms = {k: [x * 1000 for x in v] for k, v in lat.items()}
-    print(f"\n{'endpoint':<22}{'p50 ms':>9}{'p99 ms':>9}{'req/s @' + str(args.concurrency):>12}")
-    for name in targets:
-        print(f"{name:<22}{statistics.median(ms[name]):>9.3f}{pct(ms[name], 0.99):>9.3f}{rps[name]:>12.0f}")
-    ours = (statistics.median(ms["rayrl gateway"]) - statistics.median(ms["stub /generate"]),
-            pct(ms["rayrl gateway"], 0.99) - pct(ms["stub /generate"], 0.99))
-    print(f"\nrayrl added latency @1 client: p50 {ours[0]:.3f} ms, p99 {ours[1]:.3f} ms "
-          f"(target p50 < 1 ms: {'met' if ours[0] < 1.0 else 'NOT met'})")
-    if "rllm-model-gateway" in targets:
-        theirs = (statistics.median(ms["rllm-model-gateway"]) - statistics.median(ms["stub /v1/chat"]),
-                  pct(ms["rllm-model-gateway"], 0.99) - pct(ms["stub /v1/chat"], 0.99))
-        ratio = rps["rayrl gateway"] / rps["rllm-model-gateway"]
-        print(f"rllm-model-gateway added latency @1 client: p50 {theirs[0]:.3f} ms, p99 {theirs[1]:.3f} ms")
-        print(f"added p50 ratio rllm/rayrl: {theirs[0] / max(ours[0], 1e-6):.1f}x")
-        print(f"throughput @{args.concurrency}: rayrl {rps['rayrl gateway']:.0f} req/s vs rllm-model-gateway "
-              f"{rps['rllm-model-gateway']:.0f} req/s = {ratio:.1f}x (target >= 5x: {'met' if ratio >= 5 else 'NOT met'})")
-    print(f"gateway throughput / stub alone: {rps['rayrl gateway'] / rps['stub /generate']:.2f}")
+    report(record, res, args.concurrency, args.requests, args.seconds)
+    record.save()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=400, help="sequential requests per endpoint for latency")
-    ap.add_argument("--seconds", type=float, default=6.0, help="duration of each throughput run")
-    ap.add_argument("--concurrency", type=int, default=64)
-    asyncio.run(run(ap.parse_args()))
+def report(record: Record, res: dict, clients: int, requests: int, seconds: float) -> None:
+    record.table(f"per endpoint, median [IQR] (min-max, n) of per-round figures; a round = {requests} sequential "
+                 f"requests (p50/p99 of that block) + {seconds:g} s at {clients} clients",
+                 ["endpoint", "p50 ms", "p99 ms", f"req/s @{clients}"],
+                 [[name, r["p50"].fmt(3), r["p99"].fmt(3), r["rps"].fmt(0)] for name, r in res.items()])
+    rows = []
+
+    def added(gateway: str, stub: str) -> tuple:
+        return tuple(Spread(tuple(g - s for g, s in zip(res[gateway][k].samples, res[stub][k].samples)))
+                     for k in ("p50", "p99"))
+
+    ours = added("rayrl gateway", "stub /generate")
+    rows.append(["rayrl gateway", ours[0].fmt(3), ours[1].fmt(3),
+                 paired_ratio(res["rayrl gateway"]["rps"], res["stub /generate"]["rps"]).fmt(3)])
+    record.figure("rayrl_added_p50_ms", ours[0])
+    verdicts = [f"rayrl added p50 < 1 ms: {'met' if ours[0].median < 1.0 else 'NOT met'}"]
+    if "rllm-model-gateway" in res:
+        theirs = added("rllm-model-gateway", "stub /v1/chat")
+        rows.append(["rllm-model-gateway (memory store)", theirs[0].fmt(3), theirs[1].fmt(3),
+                     paired_ratio(res["rllm-model-gateway"]["rps"], res["stub /v1/chat"]["rps"]).fmt(3)])
+        ratio = paired_ratio(res["rayrl gateway"]["rps"], res["rllm-model-gateway"]["rps"])
+        record.figure("throughput_ratio_rayrl_over_rllm", ratio)
+        verdicts.append(f"rayrl/rllm throughput at {clients} clients {ratio.fmt(2, 'x')} >= 5x: "
+                        f"{'met' if ratio.median >= 5 else 'NOT met'}")
+    record.table("added by the gateway (gateway minus the stub endpoint it calls, per round) and throughput as a "
+                 "share of the stub's alone", ["gateway", "added p50 ms", "added p99 ms", "req/s / stub alone"], rows)
+    record.note("targets: " + "; ".join(verdicts))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,11 @@ spent in forward passes; the reward per step (plot). For sync it also prints how
 engine or the trainer computes: the part no schedule can overlap away on the same cores.
 Target: colocated_async >= 1.8x sync episodes/s with reward curves that match within noise.
 
-    python bench/pipeline_overlap.py [--model smollm2-135m-instruct] [--steps 6] [--tool-delay 1 3]
+With ``--rounds`` N the schedules take turns N times, the order rotating each round (bench/measure.py);
+every figure is then a median with its spread, and a ratio the median of per-round ratios. Each run is
+a whole training run (minutes on 2 cores), which is why ``make bench`` leaves this bench out.
+
+    python bench/pipeline_overlap.py [--model smollm2-135m-instruct] [--steps 6] [--tool-delay 1 3] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -26,18 +30,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from measure import Record, add_common_args, alternate, paired_ratio
+
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ("sync", "async", "colocated_async")
 
 
-def run_schedule(schedule: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+NUMERIC = ("episodes_per_s", "step_s", "staleness_mean", "dropped_groups", "train_s", "engine_busy",
+           "trainer_busy")
+
+
+def run_schedule(schedule: str, args: argparse.Namespace, out_dir: Path, tag: str) -> dict[str, Any]:
     from actors.pipeline import Pipeline
     from rayrl.config import load_config
 
     cfg = load_config(
         ROOT / "examples" / "calculator" / "config.yaml",
         [
-            f"exp_id=overlap-{schedule}",
+            f"exp_id=overlap-{schedule}-{tag}",
             f"model.path={args.model}",
             f"logging.output_dir={out_dir}",
             "logging.tensorboard=false",
@@ -117,9 +127,13 @@ def main() -> int:
                     help="colocated_async: abort generations at the switch and continue them (else drain)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+    ap.add_argument("--rounds", type=int, default=3, help="runs per schedule, alternating")
     ap.add_argument("--out", default="runs/bench-overlap")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "results" / "pipeline_overlap.png"))
+    add_common_args(ap)
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.prompts, args.group, args.tool_delay, args.rounds = 2, 1, 2, [0.1, 0.2], 1
     if args.steps < 2:
         ap.error("--steps must be at least 2 (step 1 is warm-up)")
 
@@ -127,34 +141,48 @@ def main() -> int:
 
     from rayrl.models import resolve_model_path
 
+    record = Record("pipeline_overlap", "Pipeline schedules side by side (calculator, CPU)", quick=args.quick,
+                    record_dir=args.record_dir)
     args.model = str(resolve_model_path(args.model))
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.schedules}
+
+    def side(schedule: str):
+        def go() -> dict[str, float]:
+            r = run_schedule(schedule, args, Path(args.out), tag=str(len(runs[schedule])))
+            runs[schedule].append(r)
+            return {k: float(r[k]) for k in NUMERIC}
+        return go
+
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     try:
-        results = [run_schedule(s, args, Path(args.out)) for s in args.schedules]
+        res = alternate({s: side(s) for s in args.schedules}, min_rounds=args.rounds, max_rounds=args.rounds,
+                        warmup=0, label="schedules")
     finally:
         ray.shutdown()
-    base = next((r for r in results if r["schedule"] == "sync"), results[0])
-    print(f"\n{args.steps} steps x {args.prompts} prompts x {args.group} episodes, tool delay "
-          f"{args.tool_delay[0]:g}-{args.tool_delay[1]:g} s; steady steps 2..{args.steps}")
-    print(f"{'schedule':<16} {'episodes/s':>10} {'x sync':>7} {'step s':>7} {'x sync':>7} {'train s':>7} "
-          f"{'staleness':>9} {'dropped':>7} {'engine busy':>11}  rewards")
-    for r in results:
-        r["throughput_x"] = r["episodes_per_s"] / base["episodes_per_s"]
-        r["step_x"] = r["step_s"] / base["step_s"]
-        print(f"{r['schedule']:<16} {r['episodes_per_s']:>10.3f} {r['throughput_x']:>7.2f} {r['step_s']:>7.1f} "
-              f"{r['step_x']:>7.2f} {r['train_s']:>7.1f} {r['staleness_mean']:>9.2f} {r['dropped_groups']:>7d} "
-              f"{r['engine_busy']:>11.0%}  "
-              + " ".join(f"{x:.2f}" for x in r["rewards"]))
-    if base["schedule"] == "sync":
-        busy = base["engine_busy"] + base["trainer_busy"]
-        print(f"sync keeps the engine or the trainer computing {busy:.0%} of its wall time (they take turns "
-              f"on the same cores): a schedule that only overlaps waiting can gain about "
-              f"{1 / max(busy, 1e-9):.2f}x at most here, plus what larger decode batches save")
-    plot(results, Path(args.plot))
+    base = "sync" if "sync" in res else args.schedules[0]
+    rows = []
+    for name, r in res.items():
+        rows.append([name, r["episodes_per_s"].fmt(3), paired_ratio(r["episodes_per_s"], res[base]["episodes_per_s"])
+                     .fmt(2, "x"), r["step_s"].fmt(1), r["train_s"].fmt(1), r["staleness_mean"].fmt(2),
+                     r["dropped_groups"].fmt(0), r["engine_busy"].scaled(lambda x: 100 * x).fmt(0, "%"),
+                     " | ".join(" ".join(f"{x:.2f}" for x in run["rewards"]) for run in runs[name])])
+    record.table(f"{args.steps} steps x {args.prompts} prompts x {args.group} episodes, tool delay "
+                 f"{args.tool_delay[0]:g}-{args.tool_delay[1]:g} s, max_staleness {args.max_staleness}; steady "
+                 f"steps 2..{args.steps}; median [IQR] (min-max, n) over {args.rounds} alternating runs",
+                 ["schedule", "episodes/s", f"x {base}", "step s", "train s", "staleness", "dropped groups",
+                  "engine busy", "reward per step (each run)"], rows)
+    if base == "sync":
+        busy = [e + t for e, t in zip(res["sync"]["engine_busy"].samples, res["sync"]["trainer_busy"].samples)]
+        record.note(f"sync keeps the engine or the trainer computing {statistics.median(busy):.0%} of its wall time "
+                    f"(median over runs; they take turns on the same cores): a schedule that only overlaps waiting "
+                    f"can gain about {1 / max(statistics.median(busy), 1e-9):.2f}x at most here, plus what larger "
+                    "decode batches save")
+    plot([runs[s][-1] for s in args.schedules], Path(args.plot))
     summary = Path(args.out) / "pipeline_overlap.json"
     summary.parent.mkdir(parents=True, exist_ok=True)
-    summary.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    print(f"plot: {args.plot}\nfigures: {summary}")
+    summary.write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2, default=str))
+    record.note(f"plot (each schedule's last run): {args.plot}; every run's figures: {summary}")
+    record.save()
     return 0
 
 

@@ -11,8 +11,11 @@
 
 Targets: warm acquire p99 < 5 ms, cold local sandbox < 100 ms. Sandboxes live under a fresh temporary
 root (never the node-wide default), and Ray is a fresh local instance (never a running job's cluster).
+The targets are absolute; the baseline is context, taken in blocks between the measurements (before
+(a), (b) and (c)) so that load elsewhere shows in it too. The record (bench/measure.py) carries the
+load average at start and end.
 
-    python bench/sandbox_pool.py [--isolation auto] [--iters 200]
+    python bench/sandbox_pool.py [--isolation auto] [--iters 200] [--quick]
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+
+from measure import Record, add_common_args
 
 from rayrl.config import SandboxConfig, SandboxPoolConfig
 from rayrl.sandboxes.local import LocalSandbox
@@ -48,21 +53,24 @@ def timed(fn: Callable[[], object], n: int) -> list[float]:
 
 
 class Report:
-    def __init__(self, baseline: list[float]) -> None:
-        self.base = statistics.median(baseline)
+    """Rows of latency samples, each shown against the baseline (``subprocess.run(["true"])``)."""
+
+    def __init__(self) -> None:
+        self.baseline: list[float] = []
         self.rows: list[tuple[str, list[float], str]] = []
-        self.add("subprocess.run(['true'])  [baseline]", baseline)
 
     def add(self, name: str, samples: list[float], target: str = "") -> None:
         self.rows.append((name, samples, target))
 
-    def print(self) -> None:
-        print(f"\n{'measurement':<46}{'n':>5}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}"
-              f"{'p50/base':>10}{'p99/base':>10}  target")
-        for name, s, target in self.rows:
+    def table(self, record: Record) -> None:
+        base = statistics.median(self.baseline)
+        rows = []
+        for name, s, target in [("subprocess.run(['true'])  [baseline]", self.baseline, "")] + self.rows:
             p50, p99 = statistics.median(s), pct(s, 99)
-            print(f"{name:<46}{len(s):>5}{p50 * 1e3:>10.2f}{p99 * 1e3:>10.2f}{max(s) * 1e3:>10.2f}"
-                  f"{p50 / self.base:>10.1f}{p99 / self.base:>10.1f}  {target}")
+            rows.append([name, len(s), f"{p50 * 1e3:.2f}", f"{p99 * 1e3:.2f}", f"{max(s) * 1e3:.2f}",
+                         f"{p50 / base:.1f}", f"{p99 / base:.1f}", target])
+        record.table("latencies; baseline taken in blocks before (a), (b) and (c)",
+                     ["measurement", "n", "p50 ms", "p99 ms", "max ms", "p50/base", "p99/base", "target"], rows)
 
 
 def verdict(ok: bool) -> str:
@@ -75,16 +83,23 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200, help="samples per warm measurement")
     ap.add_argument("--cold", type=int, default=30, help="cold sandboxes to create")
     ap.add_argument("--no-ray", action="store_true", help="skip the measurements through the Ray actor")
+    add_common_args(ap)
     args = ap.parse_args()
+    if args.quick:
+        args.iters, args.cold = 20, 3
 
-    load0 = os.getloadavg()
+    record = Record("sandbox_pool", "Sandbox latencies", quick=args.quick, record_dir=args.record_dir)
     root = tempfile.mkdtemp(prefix="rayrl-bench-sb-", dir="/tmp")
     os.chmod(root, 0o711)  # sandbox uids must traverse it (as in the default root)
     config = SandboxConfig(isolation=args.isolation)
     try:
         subprocess.run(["true"], check=True)  # warm the page cache for the baseline
-        baseline = timed(lambda: subprocess.run(["true"], check=True), args.iters)
-        report = Report(baseline)
+        report = Report()
+
+        def baseline_block() -> None:
+            report.baseline += timed(lambda: subprocess.run(["true"], check=True), max(1, args.iters // 3))
+
+        baseline_block()
 
         # (a) cold start
         def cold() -> LocalSandbox:
@@ -125,12 +140,14 @@ def main() -> None:
         report.add("  exec('true') with allowed_hosts (proxy)", proxy_execs)
 
         # (b) exec round trip in a warm sandbox
+        baseline_block()
         with LocalSandbox(config, root=root) as sb:
             sb.exec("true")
             execs = timed(lambda: sb.exec("true"), args.iters)
         report.add(f"exec('true') warm, isolation={isolation}", execs)
 
         # (c) warm acquire, in process
+        baseline_block()
         pool = SandboxPool(config, SandboxPoolConfig(min_warm=2, max_size=4, recycle_after=1_000_000),
                            factory=lambda: LocalSandbox(config, root=root))
         pool.fill_warm()
@@ -151,22 +168,22 @@ def main() -> None:
             for name, samples, target in ray_rows:
                 report.add(name, samples, target)
 
-        load1 = os.getloadavg()
-        print(f"sandbox pool bench: isolation {args.isolation} -> {isolation}, {os.cpu_count()} CPUs, "
-              f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end "
-              "(other work on this machine inflates every number, the baseline too)")
-        report.print()
+        record.note(f"isolation {args.isolation} -> {isolation}; other work on this machine inflates every "
+                    "number, the baseline too")
+        report.table(record)
         cold_p50 = statistics.median(colds)
-        print(f"\ntargets: cold local sandbox p50 {cold_p50 * 1e3:.1f} ms < 100 ms: {verdict(cold_p50 < 0.1)}"
-              f" (p99 {pct(colds, 99) * 1e3:.1f} ms: {verdict(pct(colds, 99) < 0.1)})")
-        print(f"         warm acquire p99 in process {pct(acquires, 99) * 1e3:.2f} ms < 5 ms: "
-              f"{verdict(pct(acquires, 99) < 0.005)}")
+        targets = [f"cold local sandbox p50 {cold_p50 * 1e3:.1f} ms < 100 ms: {verdict(cold_p50 < 0.1)} "
+                   f"(p99 {pct(colds, 99) * 1e3:.1f} ms: {verdict(pct(colds, 99) < 0.1)})",
+                   f"warm acquire p99 in process {pct(acquires, 99) * 1e3:.2f} ms < 5 ms: "
+                   f"{verdict(pct(acquires, 99) < 0.005)}"]
         if ray_rows:
             ray_acq = ray_rows[0][1]
-            print(f"         warm acquire p99 through the Ray actor {pct(ray_acq, 99) * 1e3:.2f} ms < 5 ms: "
-                  f"{verdict(pct(ray_acq, 99) < 0.005)}")
+            targets.append(f"warm acquire p99 through the Ray actor {pct(ray_acq, 99) * 1e3:.2f} ms < 5 ms: "
+                           f"{verdict(pct(ray_acq, 99) < 0.005)}")
+        record.note("targets: " + "; ".join(targets))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    record.save()
 
 
 def bench_ray(config: SandboxConfig, root: str, iters: int) -> list[tuple[str, list[float], str]]:

@@ -1,25 +1,33 @@
 """Trajectory tree scaling: one agent session of 50, 100 and 200 turns at 5,000 new tokens per turn.
 
-Measured side by side in one run, on identical data:
-
-* ours: ``TrajectoryTree.record_turn`` per turn (first, last, median of the last 5, total),
-  ``samples()`` (best of 3), peak and retained memory (tracemalloc, in a separate pass so tracing
-  does not distort the timings);
-* parsing: ``json.loads`` of each turn's request body (realistic OpenAI chat JSON with messages of
-  the right size) — the cost a gateway pays anyway for every request;
-* reference: the common approach, which keeps every turn whole (full prompt ids, response ids and
-  log-probs as Python lists, plus the request's messages) and checks the token prefix with list
-  slicing. It does no routing at all (generous to it). Its retained bytes are accounted from
-  CPython object sizes (tracing 100M int objects would take minutes and gigabytes).
-
 Each turn adds a tool result of 4,000 tokens (~16 KB text) and a response of 1,000 tokens (a tool
 call whose arguments are ~3.6 KB plus 400 chars of text); turn 0's prompt is a 3,000-token system
-prompt and a 1,000-token task. A 200-turn session ends at 1,000,000 tokens.
+prompt and a 1,000-token task. A 200-turn session ends at 1,000,000 tokens. Every request body is
+realistic OpenAI chat JSON with messages of the right size.
+
+The headline is the floor every implementation pays: ``json.loads`` of the same request body, timed
+on the same turn. Ours (``TrajectoryTree.record_turn`` per turn, ``samples()``) is reported against
+it. Peer figures recorded elsewhere are printed beside ours, labelled cross-run.
+
+Same run, alternating pass by pass with ours (bench/measure.py): a model of slime's turn-node
+TrajectoryManager, written here from its description (slime PR #2005, ../seeds 004) and its source
+(THUDM/slime ``slime/agent/trajectory.py`` at 121bfdd; no code copied). Per turn, ``record_turn`` walks the
+session's message tree from the root, matching each request message against the children by role
+and ``dict ==`` (the first match goes deeper), mounts the unmatched messages as routing-only nodes
+and attaches the response message as a generated leaf holding the turn's ``prompt_ids``,
+``output_ids`` and log-probs as the Python lists the adapter built from SGLang's JSON (handing it
+lists costs it nothing, so the lists are made before its timer starts). No token is compared while
+recording. ``get_trajectory`` walks each root-to-leaf path and extends one token list per sample:
+the held tokens must be a prefix of the next turn's prompt (compared in 4,096-token list slices,
+as slime's ``_common_prefix_len`` does), the prompt tail is appended with mask 0 and the response
+with mask 1. Its retained bytes are accounted from CPython object sizes (8 B per list slot plus a
+28 B int / 24 B float object per id / log-prob, as per-turn lists from JSON hold them; the model
+itself shares the int objects between turns to keep this bench's memory down).
 
 Targets: last turn's record_turn <= 0.5x parsing its request; retained <= 8 bytes per distinct token
 + 2x message text; samples() at 1M tokens < 50 ms.
 
-    python bench/trajectory_scaling.py [--turns 50 100 200] [--no-reference]
+    python bench/trajectory_scaling.py [--turns 50 100 200] [--no-peer-model] [--quick]
 """
 
 from __future__ import annotations
@@ -28,13 +36,13 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import time
 import tracemalloc
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
+from measure import Record, add_common_args, alternate, paired_ratio
 
 from rayrl.trajectory import TrajectoryTree
 from rayrl.types import TurnRecord
@@ -115,59 +123,96 @@ def _turn(data: TurnData, request: dict[str, Any]) -> TurnRecord:
     )
 
 
-class ReferenceTree:
-    """The common approach: every turn kept whole, token ids as Python lists, prefix checked by slicing."""
+# -------------------------------------------------------------------- a model of slime's TrajectoryManager
+
+
+class _Node:
+    __slots__ = ("role", "message", "children", "turn")
+
+    def __init__(self, message: dict[str, Any] | None) -> None:
+        self.role = message.get("role") if message else None
+        self.message = message
+        self.children: list[_Node] = []
+        self.turn: tuple[list[int], list[int], list[float]] | None = None  # prompt, output, log-probs
+
+
+class SlimeModel:
+    """slime's routing by message equality and its linearization, as described in the module docstring."""
 
     def __init__(self) -> None:
-        self.turns: list[dict[str, Any]] = []
+        self.root = _Node(None)
 
-    def record_turn(self, turn: TurnRecord) -> None:
-        prompt = turn.prompt_ids.tolist()
-        joins = False
-        if self.turns:
-            prev = self.turns[-1]
-            prev_seq = prev["prompt"] + prev["response"]
-            joins = prompt[: len(prev_seq)] == prev_seq
-        self.turns.append(
-            {
-                "messages": turn.messages,
-                "prompt": prompt,
-                "response": turn.response_ids.tolist(),
-                "logprobs": turn.response_logprobs.tolist(),
-                "joins": joins,
-            }
-        )
+    def record_turn(self, messages: list[dict[str, Any]], response: dict[str, Any],
+                    prompt: list[int], output: list[int], logprobs: list[float]) -> None:
+        node, depth = self.root, 0
+        while depth < len(messages):  # deepest node whose path equals the request's first messages
+            msg = messages[depth]
+            nxt = next((c for c in node.children if c.role == msg.get("role") and c.message == msg), None)
+            if nxt is None:
+                break
+            node, depth = nxt, depth + 1
+        for msg in messages[depth:]:  # the rest: routing-only nodes
+            child = _Node(msg)
+            node.children.append(child)
+            node = child
+        leaf = _Node(response)
+        leaf.turn = (prompt, output, logprobs)
+        node.children.append(leaf)
 
-    def samples(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        last = self.turns[-1]
-        start = len(self.turns[0]["prompt"])
+    def samples(self) -> list[tuple[list[int], list[int], list[float]]]:
+        out = []
+        stack = [(self.root, [])]
+        while stack:  # one sample per root-to-leaf path (a single path here)
+            node, path = stack.pop()
+            path = path + [node]
+            if not node.children:
+                out.append(self._linearize([n.turn for n in path if n.turn is not None]))
+            stack.extend((c, path) for c in node.children)
+        return out
+
+    @staticmethod
+    def _linearize(turns: list[tuple[list[int], list[int], list[float]]]) -> tuple[list[int], list[int], list[float]]:
+        tokens: list[int] = []
         mask: list[int] = []
         logprobs: list[float] = []
-        end = start
-        for t in self.turns:
-            bridge = len(t["prompt"]) - end
-            mask += [0] * bridge + [1] * len(t["response"])
-            logprobs += [0.0] * bridge + t["logprobs"]
-            end = len(t["prompt"]) + len(t["response"])
-        return np.array(last["prompt"] + last["response"], dtype=np.int32), np.array(mask), np.array(logprobs)
-
-    def accounted_bytes(self) -> int:
-        """CPython object sizes of what it keeps: lists, their int/float objects, messages' strings."""
-        total = sys.getsizeof(self.turns)
-        for t in self.turns:
-            total += sys.getsizeof(t)
-            for key in ("prompt", "response", "logprobs"):
-                values = t[key]
-                total += sys.getsizeof(values) + len(values) * (24 if key == "logprobs" else 28)
-            total += sys.getsizeof(t["messages"])
-            for m in t["messages"]:
-                total += sys.getsizeof(m) + sum(sys.getsizeof(v) for v in m.values() if isinstance(v, str))
-                for call in m.get("tool_calls") or []:
-                    total += sys.getsizeof(call["function"]["arguments"])
-        return total
+        for prompt, output, lps in turns:
+            held = _common_prefix_len(tokens, prompt)
+            if held != len(tokens):
+                raise AssertionError("the bench's session has no drift")
+            tail = prompt[held:]
+            tokens.extend(tail)
+            mask.extend([0] * len(tail))
+            logprobs.extend([0.0] * len(tail))
+            tokens.extend(output)
+            mask.extend([1] * len(output))
+            logprobs.extend(lps)
+        start = len(turns[0][0])  # the sample: a copy of the tokens; mask and log-probs from the first response
+        return list(tokens), mask[start:], logprobs[start:]
 
 
-def time_ours(turns: int) -> dict[str, Any]:
+def _common_prefix_len(a: list[int], b: list[int], chunk: int = 4096) -> int:
+    """Length of the common prefix, compared a slice of ``chunk`` ids at a time."""
+    limit, done = min(len(a), len(b)), 0
+    while done < limit:
+        end = min(done + chunk, limit)
+        if a[done:end] != b[done:end]:
+            while a[done] == b[done]:
+                done += 1
+            return done
+        done = end
+    return done
+
+
+def _accounted_bytes(lengths: list[tuple[int, int]], text: int) -> int:
+    """What per-turn lists from JSON hold: per id 8 B slot + 28 B int, per log-prob 8 B + 24 B float;
+    plus the message text (one copy per node)."""
+    return sum(36 * (p + o) + 32 * o for p, o in lengths) + text
+
+
+# -------------------------------------------------------------------- passes
+
+
+def pass_ours(turns: int) -> dict[str, Any]:
     tree = TrajectoryTree()
     record, parse = [], []
     for data in session(turns):
@@ -178,19 +223,44 @@ def time_ours(turns: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         tree.record_turn(turn)
         record.append(time.perf_counter() - t0)
-    timings = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        samples = tree.samples(1.0)
-        timings.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    samples = tree.samples(1.0)
+    samples_s = time.perf_counter() - t0
     assert len(samples) == 1 and samples[0].num_trained_tokens == turns * RESPONSE_TOKENS
-    return {
-        "record": record,
-        "parse": parse,
-        "samples_s": min(timings),
-        "tokens": len(samples[0].tokens),
-        "stats": tree.stats(),
-    }
+    return {"record": record, "parse": parse, "samples_s": samples_s, "tokens": len(samples[0].tokens)}
+
+
+def pass_peer_model(turns: int) -> dict[str, Any]:
+    model = SlimeModel()
+    record, parse, lengths = [], [], []
+    held: list[int] = []  # the token ids so far, as one list whose int objects the turns share
+    text = 0
+    for data in session(turns):
+        t0 = time.perf_counter()
+        request = json.loads(data.body)
+        parse.append(time.perf_counter() - t0)
+        held.extend(data.prompt_ids[len(held):].tolist())
+        prompt, output, logprobs = held[:], data.response_ids.tolist(), data.logprobs.tolist()
+        messages = request["messages"]
+        text += sum(len(json.dumps(m)) for m in messages[-1 if lengths else 0:]) + len(json.dumps(data.response_message))
+        t0 = time.perf_counter()
+        model.record_turn(messages, data.response_message, prompt, output, logprobs)
+        record.append(time.perf_counter() - t0)
+        lengths.append((len(prompt), len(output)))
+        held.extend(output)
+    t0 = time.perf_counter()
+    (tokens, mask, _), = model.samples()
+    samples_s = time.perf_counter() - t0
+    assert sum(mask) == turns * RESPONSE_TOKENS and len(tokens) == turns * (RESPONSE_TOKENS + BRIDGE_TOKENS)
+    return {"record": record, "parse": parse, "samples_s": samples_s, "tokens": len(tokens),
+            "retained": _accounted_bytes(lengths, text)}
+
+
+def _figures(p: dict[str, Any]) -> dict[str, float]:
+    rec, parse = p["record"], p["parse"]
+    return {"record_last5": statistics.median(rec[-5:]), "parse_last5": statistics.median(parse[-5:]),
+            "record_total": sum(rec), "parse_total": sum(parse), "samples": p["samples_s"],
+            "record_last": rec[-1]}
 
 
 def memory_ours(turns: int) -> dict[str, int]:
@@ -218,81 +288,72 @@ def memory_ours(turns: int) -> dict[str, int]:
     return {"retained": current - base, "peak": peak - base, "text": distinct_text}
 
 
-def reference(turns: int) -> dict[str, Any]:
-    ref = ReferenceTree()
-    record = []
-    for data in session(turns):
-        turn = _turn(data, json.loads(data.body))
-        t0 = time.perf_counter()
-        ref.record_turn(turn)
-        record.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    ref.samples()
-    samples_s = time.perf_counter() - t0
-    out = {"record": record, "samples_s": samples_s, "retained": ref.accounted_bytes()}
-    del ref
-    gc.collect()
-    return out
-
-
 def _ms(x: float) -> str:
-    return f"{x * 1e3:8.2f} ms"
-
-
-def _mb(x: float) -> str:
-    return f"{x / 2**20:9.1f} MB"
-
-
-def _report(
-    turns: int, t: dict[str, Any], m: dict[str, int], r: dict[str, Any] | None
-) -> list[tuple[str, bool]]:
-    tokens = t["tokens"]
-    rec, parse = t["record"], t["parse"]
-    rec5, parse5 = statistics.median(rec[-5:]), statistics.median(parse[-5:])
-    budget = 8 * tokens + 2 * m["text"]
-    print(f"\n=== {turns} turns x 5,000 tokens: {tokens:,} tokens, "
-          f"{m['text'] / 2**20:.1f} MB distinct message JSON ===")
-    print(f"record_turn   first {_ms(rec[0])}  last {_ms(rec[-1])}  median(last 5) {_ms(rec5)}  "
-          f"total {_ms(sum(rec))}")
-    print(f"json.loads    first {_ms(parse[0])}  last {_ms(parse[-1])}  median(last 5) {_ms(parse5)}  "
-          f"total {_ms(sum(parse))}")
-    print(f"record/parse  last turn {rec[-1] / parse[-1]:.3f}x   median(last 5) {rec5 / parse5:.3f}x   "
-          f"total {sum(rec) / sum(parse):.3f}x")
-    print(f"samples()     {_ms(t['samples_s'])}")
-    print(f"memory        retained {_mb(m['retained'])} ({m['retained'] / tokens:.2f} B/token)  "
-          f"peak {_mb(m['peak'])}  "
-          f"budget {_mb(budget)} (8 B/token + 2x text): {m['retained'] / budget:.2f}x of budget")
-    if r is not None:
-        print(f"reference     record last {_ms(r['record'][-1])}  total {_ms(sum(r['record']))}  "
-              f"samples() {_ms(r['samples_s'])}  retained {_mb(r['retained'])} (accounted)")
-        print(f"ours/ref      record last {rec[-1] / r['record'][-1]:.3f}x  "
-              f"total {sum(rec) / sum(r['record']):.3f}x  samples() {t['samples_s'] / r['samples_s']:.3f}x  "
-              f"retained {m['retained'] / r['retained']:.4f}x")
-    verdicts = [
-        (f"{turns} turns: last record_turn <= 0.5x parse (median of last 5)", rec5 <= 0.5 * parse5),
-        (f"{turns} turns: retained <= 8 B/token + 2x text", m["retained"] <= budget),
-    ]
-    if tokens >= 1_000_000:
-        verdicts.append((f"{turns} turns: samples() < 50 ms at 1M tokens", t["samples_s"] < 0.050))
-    return verdicts
+    return f"{x * 1e3:.2f}"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--turns", type=int, nargs="+", default=[50, 100, 200])
-    parser.add_argument("--no-reference", action="store_true")
-    args = parser.parse_args()
-    verdicts: list[tuple[str, bool]] = []
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--turns", type=int, nargs="+", default=[50, 100, 200])
+    ap.add_argument("--no-peer-model", action="store_true", help="ours and json.loads only")
+    add_common_args(ap)
+    args = ap.parse_args()
+    if args.quick:
+        args.turns = [10, 20]
+    rounds = dict(min_rounds=2, max_rounds=2, warmup=0) if args.quick else dict(min_rounds=5, max_rounds=7,
+                                                                                  warmup=0, budget_s=60)
+    record = Record("trajectory_scaling", "Trajectory tree scaling (one session up to 1M tokens)",
+                    quick=args.quick, record_dir=args.record_dir)
+    rows, peer_rows, mem_rows, verdicts = [], [], [], []
     for turns in args.turns:
-        t = time_ours(turns)
+        sides = {"ours": lambda t=turns: _figures(pass_ours(t))}
+        if not args.no_peer_model:
+            retained = {}
+
+            def peer(t: int = turns) -> dict[str, float]:
+                p = pass_peer_model(t)
+                retained[t] = p["retained"]
+                return _figures(p)
+            sides["slime model"] = peer
+        res = alternate(sides, label=f"{turns} turns", **rounds)
         m = memory_ours(turns)
-        r = None if args.no_reference else reference(turns)
-        verdicts += _report(turns, t, m, r)
-    print("\n=== targets ===")
-    for name, ok in verdicts:
-        print(f"{'PASS' if ok else 'FAIL'}  {name}")
+        tokens = turns * (RESPONSE_TOKENS + BRIDGE_TOKENS)  # the last sample: 4,000 prompt + 5,000 per turn - the last bridge
+        ours = res["ours"]
+        over_parse = paired_ratio(ours["record_last5"], ours["parse_last5"])
+        ms = lambda sp: sp.scaled(lambda x: x * 1e3).fmt(2)  # noqa: E731
+        rows.append([turns, f"{tokens:,}", ms(ours["parse_last5"]), ms(ours["record_last5"]), over_parse.fmt(3, "x"),
+                     ms(ours["record_total"]), ms(ours["samples"])])
+        budget = 8 * tokens + 2 * m["text"]
+        mem_rows.append([turns, f"{m['retained'] / 2**20:.1f} MiB", f"{m['retained'] / tokens:.2f}",
+                         f"{m['peak'] / 2**20:.1f} MiB", f"{budget / 2**20:.1f} MiB", f"{m['retained'] / budget:.2f}x"])
+        verdicts += [(f"{turns} turns: record_turn <= 0.5x parse (median of the last 5 turns)", over_parse.median <= 0.5),
+                     (f"{turns} turns: retained <= 8 B/token + 2x text", m["retained"] <= budget)]
+        if tokens >= 1_000_000:
+            verdicts.append((f"{turns} turns: samples() < 50 ms at 1M tokens", ours["samples"].median < 0.050))
+        record.figure(f"record_over_parse_{turns}", over_parse)
+        if "slime model" in res:
+            peer_f = res["slime model"]
+            peer_rows.append([turns, ms(peer_f["record_last5"]), paired_ratio(peer_f["record_last5"],
+                              peer_f["parse_last5"]).fmt(3, "x"), ms(peer_f["record_total"]), ms(peer_f["samples"]),
+                              f"{retained[turns] / 2**20:.0f} MiB",
+                              paired_ratio(ours["record_last5"], peer_f["record_last5"]).fmt(3, "x")])
+    record.table("ours against json.loads of the same request body (the floor every gateway pays); ms, median "
+                 "[IQR] (min-max, n) over passes; last 5 = median of the session's last 5 turns",
+                 ["turns", "tokens", "json.loads last 5", "record_turn last 5", "record/parse",
+                  "record_turn total", "samples()"], rows)
+    record.table("memory (tracemalloc, one pass): retained after the session, peak while recording",
+                 ["turns", "retained", "B/token", "peak", "budget (8 B/token + 2x text)", "of budget"], mem_rows)
+    if peer_rows:
+        record.table("same run, alternating with ours: the model of slime's TrajectoryManager described in the "
+                     "module docstring (not slime's code); ms",
+                     ["turns", "record_turn last 5", "record/parse", "record_turn total", "get_trajectory",
+                      "retained (accounted)", "ours/model record last 5"], peer_rows)
+    record.note("cross-run peer figures (other runs, other code; not measured here): slime PR #2005 reports 17.6 ms "
+                "for routing 200 nodes x 5K tokens (1M context) with dict == (1,198 ms with json.dumps keys) "
+                "(../seeds 004); issue 21 records ~2 ms for the 200th turn of slime's own trajectory manager on "
+                "this machine type.")
+    record.note("targets: " + "; ".join(f"{name}: {'PASS' if ok else 'FAIL'}" for name, ok in verdicts))
+    record.save()
 
 
 if __name__ == "__main__":
