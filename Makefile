@@ -27,6 +27,10 @@ $(DEPS): pyproject.toml scripts/install_system_deps.sh
 
 $(TDEPS): $(DEPS)
 	$(BIN)/pip install --quiet -e '.[test]'
+	# the pinned GPU libraries' own code, for tests/contracts/ on CPU: --no-deps, so no CUDA torch comes along
+	# (triton: sglang.srt.utils imports it at module level; 3.5.1 is torch 2.9.1's, the pinned stack's)
+	$(BIN)/pip install --quiet --no-deps sglang==0.5.9 megatron-core==0.15.3 mbridge==0.15.1 triton==3.5.1
+	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.__version__.endswith('+cpu') else 'torch is no longer the CPU build')"
 	# Debian's chromium for the inspector's browser tests (tests/inspect/test_browser.py)
 	bash scripts/install_system_deps.sh test
 	touch $@

@@ -220,13 +220,19 @@ class EngineClient:
             return False
 
     async def get_model_info(self) -> dict[str, Any]:
-        return await self._request("GET", "/get_model_info", timeout_s=30.0)
+        """``/model_info`` (SGLang 0.5.9's own path; ``/get_model_info`` is its deprecated alias)."""
+        return await self._request("GET", "/model_info", timeout_s=30.0)
 
     async def get_server_info(self) -> dict[str, Any]:
-        return await self._request("GET", "/get_server_info", timeout_s=30.0)
+        """``/server_info`` (SGLang 0.5.9's own path; ``/get_server_info`` is its deprecated alias)."""
+        return await self._request("GET", "/server_info", timeout_s=30.0)
 
     async def get_weight_version(self) -> str:
-        body = await self._request("GET", "/get_weight_version", timeout_s=30.0)
+        """The engine's weight version, from ``/model_info``: SGLang 0.5.9 answers 404 on
+        ``/get_weight_version`` (later versions have no such route)."""
+        body = await self.get_model_info()
+        if not isinstance(body, dict) or "weight_version" not in body:
+            raise EngineError(200, "/model_info answered without weight_version", self.base_url)
         return str(body["weight_version"])
 
     # ------------------------------------------------------------------ weights and memory

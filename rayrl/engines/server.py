@@ -114,7 +114,8 @@ class EngineServer(WeightEndpoints):
         for path in ("/get_server_info", "/server_info"):
             r.add_get(path, self.server_info)
         r.add_get("/get_load", self.get_load)
-        r.add_get("/get_weight_version", self.get_weight_version)
+        for path in ("/get_weight_version", "/weight_version"):  # gone from SGLang 0.5.8 on; served here
+            r.add_get(path, self.get_weight_version)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)

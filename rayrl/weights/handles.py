@@ -21,6 +21,7 @@ from rayrl.weights.transfer import (
     EngineTarget,
     NamedTensors,
     TransferStats,
+    WeightTransferError,
     check_results,
     close_clients,
     iter_buckets,
@@ -35,8 +36,13 @@ logger = logging.getLogger(__name__)
 class HandleSender:
     """Colocated transfer: buckets as IPC/shared-memory handles through ``/update_weights_from_tensor``.
 
-    Every tensor-parallel rank of an engine gets the same payload: SGLang's serializer names the device
-    by UUID, so each TP rank opens the sending rank's memory (peer access on one node).
+    Buckets are SGLang's own ``FlattenedTensorBucket`` (SGLang's unpickler admits no other class; see
+    rayrl/weights/wire.py), laid out as bytes, so one bucket holds tensors of any dtypes. An engine with
+    tensor parallelism reads ``serialized_named_tensors[tp_rank]``, a payload made on the GPU that rank
+    reads: one rank's handle repeated would make every TP rank map one GPU's memory. This sender holds
+    one rank's tensors, so on GPU it serves engines of one TP rank (routes.py sends TP engines by
+    broadcast); on CPU (one process reads shared memory) the payload is the same for every rank.
+    ``sglang_engines``: the engines are SGLang (the buckets must be SGLang's classes, never ours).
     """
 
     def __init__(
@@ -46,10 +52,12 @@ class HandleSender:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         flattened: bool = True,
         timeout_s: float = 300.0,
+        sglang_engines: bool = False,
     ) -> None:
         if not engines:
             raise ValueError("no engines to send weights to")
         self.engines = list(engines)
+        self.sglang_engines = sglang_engines
         self.bucket_bytes = bucket_bytes
         self.flattened = flattened
         self.timeout_s = timeout_s
@@ -64,14 +72,14 @@ class HandleSender:
 
     def _bucket_object(self, bucket: list[tuple[str, torch.Tensor]]) -> Any:
         if self.flattened:
-            dtype, numel = bucket[0][1].dtype, sum(t.numel() for _, t in bucket)
-            if bucket[0][1].device.type != "cpu":
-                return flatten_bucket(bucket)  # on GPU: one device copy, then an IPC handle
+            if bucket[0][1].device.type != "cpu":  # on GPU: one device copy, then an IPC handle
+                return flatten_bucket(bucket, require_sglang=self.sglang_engines)
             # on CPU: fill one shared-memory buffer, reused by every bucket (the engine has copied the
             # previous one before we get here), so pickling moves no bytes and no new pages are touched
-            if self._buffer is None or self._buffer.dtype != dtype or self._buffer.numel() < numel:
-                self._buffer = shared_cpu_buffer(max(numel, self.bucket_bytes // bucket[0][1].element_size()), dtype)
-            return flatten_bucket(bucket, out=self._buffer)
+            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+            if self._buffer is None or self._buffer.numel() < nbytes:
+                self._buffer = shared_cpu_buffer(max(nbytes, self.bucket_bytes))
+            return flatten_bucket(bucket, out=self._buffer, require_sglang=self.sglang_engines)
         # CPU storages are moved into shared memory when pickled: share copies, not the trainer's params.
         return [(n, t.detach().clone() if t.device.type == "cpu" else t.detach()) for n, t in bucket]
 
@@ -79,8 +87,14 @@ class HandleSender:
         version = str(version)
         stats = TransferStats(version)
         started = time.perf_counter()
-        buckets = iter_buckets(named_tensors, self.bucket_bytes, one_dtype=self.flattened)
+        buckets = iter_buckets(named_tensors, self.bucket_bytes)
         for bucket, last in with_last(buckets):
+            on_gpu = bucket[0][1].is_cuda
+            if on_gpu and any(e.tp_size > 1 for e in self.engines):
+                raise WeightTransferError(
+                    "a CUDA IPC payload is made on one GPU; an engine with tp_size > 1 needs one per TP rank, "
+                    "made on the GPU that rank reads: use pipeline.weight_transfer=distributed for TP engines"
+                )
             obj = self._bucket_object(bucket)  # stays referenced until every engine has answered
             payload = serialize_for_engine(obj)
             results = await asyncio.gather(
@@ -96,9 +110,13 @@ class HandleSender:
                 ),
                 return_exceptions=True,
             )
-            del obj
+            del obj, payload
+            if on_gpu:  # the engines have copied: give the bucket's memory back to the driver now, so a
+                torch.cuda.ipc_collect()  # colocated engine's next bucket (or its KV cache) has room
             check_results(results, self.engines, "update_weights_from_tensor")
             stats.add_bucket([t for _, t in bucket])
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
         stats.seconds = time.perf_counter() - started
         await verify_version(self.engines, version)
         logger.info(

@@ -12,8 +12,9 @@ layer found them) and ``pipeline.weight_transfer``. The three transports differ 
 ``auto`` takes the fastest transport that reaches every engine: on CPU engines ``tensor`` (shared-memory
 handles: 6.5x faster than ``disk`` and 5x faster than a gloo broadcast for SmolLM2-135M, bench/weight_transfer.py)
 when every engine has a trainer rank on its node, else ``distributed`` (gloo); on GPU ``tensor`` (CUDA
-IPC) when every engine shares its first bundle with a trainer rank (colocated), else ``distributed``
-(NCCL). ``disk`` is there to be asked for (it needs nothing but a shared-memory directory). One
+IPC) when every engine shares its first bundle with a trainer rank (colocated) and has one TP rank (a
+TP engine needs one payload made on each of its GPUs, which one sending rank cannot make), else
+``distributed`` (NCCL). ``disk`` is there to be asked for (it needs nothing but a shared-memory directory). One
 transport per run, so a rank holds at most one sender and the trainer never asks which.
 """
 
@@ -64,6 +65,7 @@ class WeightRoutes:
     transport: Transport
     engines: tuple[EngineEndpoint, ...]
     by_rank: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    engine_backend: str = "cpu"  # "sglang": payloads must be SGLang's own bucket classes
 
     def engines_of(self, rank: int) -> list[EngineEndpoint]:
         return [self.engines[i] for i in self.by_rank.get(rank, ())]
@@ -91,6 +93,12 @@ def resolve_transport(
     mode: str, engines: Sequence[EngineEndpoint], ranks: Sequence[RankPlace], engine_backend: str
 ) -> Transport:
     """``pipeline.weight_transfer`` made concrete for where the engines and ranks actually run."""
+    tensor_parallel = engine_backend != "cpu" and any(e.tp_size > 1 for e in engines)
+    if mode == "tensor" and tensor_parallel:  # one CUDA IPC payload per TP rank, made on that rank's GPU
+        raise WeightRouteError(
+            "pipeline.weight_transfer: tensor sends one GPU's IPC handles, and an engine with engine.tp_size > 1 "
+            "needs a payload made on each of its GPUs; use distributed (or auto) for tensor-parallel engines"
+        )
     if mode in TRANSPORTS:
         return mode  # type: ignore[return-value]
     if mode != "auto":
@@ -98,7 +106,8 @@ def resolve_transport(
     if engine_backend == "cpu":
         local = all(_local_sender_rank(e, ranks) is not None for e in engines)
         return "tensor" if local else "distributed"
-    return "tensor" if all(_shares_bundle(e, ranks) for e in engines) else "distributed"
+    colocated = all(_shares_bundle(e, ranks) for e in engines)
+    return "tensor" if colocated and not tensor_parallel else "distributed"
 
 
 def plan_routes(
@@ -125,7 +134,7 @@ def plan_routes(
                     "or auto"
                 )
             by_rank.setdefault(rank, []).append(i)
-    return WeightRoutes(transport, tuple(engines), {r: tuple(v) for r, v in by_rank.items()})
+    return WeightRoutes(transport, tuple(engines), {r: tuple(v) for r, v in by_rank.items()}, engine_backend)
 
 
 def make_sender(
@@ -148,6 +157,7 @@ def make_sender(
     if routes.transport == "disk":
         return DiskSender(targets, Path(disk_root) / f"rank{rank}", timeout_s=timeout_s)
     if routes.transport == "tensor":
-        return HandleSender(targets, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        return HandleSender(targets, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
+                            sglang_engines=routes.engine_backend == "sglang")
     return BroadcastSender(targets, backend="nccl" if cuda else "gloo", master_address=master_address,
                            bucket_bytes=bucket_bytes, timeout_s=timeout_s)

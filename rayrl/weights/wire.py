@@ -15,7 +15,6 @@ import binascii
 import io
 import pickle
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -80,62 +79,100 @@ def copy_into(named_tensors: Mapping[str, torch.Tensor], targets: Mapping[str, t
 # SGLang's serialized_named_tensors form (/update_weights_from_tensor with load_format null, "direct"
 # or "flattened_bucket"): base64 of a multiprocessing pickle whose tensors travel as handles (a CUDA IPC
 # handle on GPU, a shared-memory file name on CPU), never as bytes. Only same-machine senders can use it.
-# The receiving side unpickles with an allow-list (as SGLang does since CVE-2025-10164): only torch's
-# tensor-rebuild functions, torch value types and the bucket metadata class can be named.
+# SGLang unpickles it with its SafeUnpickler (CVE-2025-10164), which admits only torch, Python's own
+# types and a few ``sglang.srt.*`` modules; a bucket's metadata must be SGLang's own
+# ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`` (any other class is refused, and on
+# 0.5.9 the refusal kills the scheduler). So buckets are built with SGLang's own classes whenever SGLang
+# is importable (always on the GPU path: the gpu extra installs it), and with :mod:`rayrl.weights.bucket`
+# (the same byte layout, for a CPU-only install that talks to our CPU engine) otherwise.
+
 
 SGLANG_METADATA_CLASS = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
 
 
-@dataclass
-class FlattenedTensorMetadata:
-    """Where one tensor lies in a flattened bucket; the same fields as SGLang's class of this name."""
+def bucket_classes(require_sglang: bool = False) -> tuple[Any, Any]:
+    """``(FlattenedTensorBucket, FlattenedTensorMetadata)``: SGLang's own when importable, else ours.
 
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
+    ``require_sglang``: raise WeightUpdateError instead of falling back (a payload for SGLang must
+    carry SGLang's classes: its unpickler refuses any other)."""
+    try:
+        from sglang.srt.weight_sync import tensor_bucket  # type: ignore[import-not-found]
+
+        return tensor_bucket.FlattenedTensorBucket, tensor_bucket.FlattenedTensorMetadata
+    except ImportError as err:
+        if require_sglang:
+            raise WeightUpdateError(
+                "weights for an SGLang engine are buckets of SGLang's own classes "
+                f"(sglang.srt.weight_sync.tensor_bucket), and sglang cannot be imported here: {err}. "
+                "Install the gpu extra (pip install 'rayrl[gpu]') in the trainer's environment"
+            ) from None
+    from rayrl.weights import bucket
+
+    return bucket.FlattenedTensorBucket, bucket.FlattenedTensorMetadata
 
 
 def flatten_bucket(
-    named_tensors: Sequence[tuple[str, torch.Tensor]], out: Optional[torch.Tensor] = None
+    named_tensors: Sequence[tuple[str, torch.Tensor]],
+    out: Optional[torch.Tensor] = None,
+    *,
+    require_sglang: bool = False,
 ) -> dict[str, Any]:
-    """SGLang's flattened bucket: one 1-D tensor (one dtype) plus the metadata to cut it apart again.
+    """A flattened bucket as ``/update_weights_from_tensor`` takes it: ``{"flattened_tensor": 1-D uint8
+    tensor, "metadata": [FlattenedTensorMetadata]}``, every tensor's bytes back to back (any dtypes),
+    exactly as SGLang's ``FlattenedTensorBucket(named_tensors=...)`` lays them out.
 
-    ``out``: a 1-D buffer (at least as long) to write into instead of a new tensor, e.g. one already in
-    shared memory that is reused bucket after bucket."""
-    dtypes = {t.dtype for _, t in named_tensors}
-    if len(dtypes) != 1:
-        raise WeightUpdateError(f"a flattened bucket holds one dtype; got {sorted(map(str, dtypes))}")
+    ``out``: a 1-D uint8 buffer (at least as long) to write into instead of a new tensor, e.g. one already
+    in shared memory that is reused bucket after bucket."""
+    bucket_cls, metadata_cls = bucket_classes(require_sglang)
+    if out is None:
+        made = bucket_cls(named_tensors=list(named_tensors))
+        return {"flattened_tensor": made.get_flattened_tensor(), "metadata": made.get_metadata()}
+    if out.dtype != torch.uint8 or out.dim() != 1:
+        raise WeightUpdateError("a bucket buffer is a 1-D uint8 tensor")
     metadata, offset = [], 0
     for name, t in named_tensors:
-        metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + t.numel(), t.numel()))
-        offset += t.numel()
-    parts = [t.detach().reshape(-1) for _, t in named_tensors]
-    if out is None:
-        return {"flattened_tensor": torch.cat(parts), "metadata": metadata}
-    flat = out[:offset]
-    torch.cat(parts, out=flat)
-    return {"flattened_tensor": flat, "metadata": metadata}
+        nbytes = t.numel() * t.element_size()
+        out[offset : offset + nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
+        metadata.append(metadata_cls(name=name, shape=t.shape, dtype=t.dtype, start_idx=offset,
+                                     end_idx=offset + nbytes, numel=nbytes))
+        offset += nbytes
+    return {"flattened_tensor": out[:offset], "metadata": metadata}
 
 
 def unflatten_bucket(bucket: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of :func:`flatten_bucket` (also reads buckets built by SGLang's own class)."""
+    """Inverse of :func:`flatten_bucket`, checked: the slices must lie in the tensor and fit their shapes."""
     flat, metadata = bucket.get("flattened_tensor"), bucket.get("metadata")
     if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not isinstance(metadata, list):
         raise WeightUpdateError("a flattened bucket needs a 1-D flattened_tensor and a metadata list")
+    allowed = tuple({bucket_classes()[1], _own_metadata_class()})
     out = []
     for m in metadata:
-        if not isinstance(m, FlattenedTensorMetadata):
+        if not isinstance(m, allowed):
             raise WeightUpdateError("flattened bucket metadata entries must be FlattenedTensorMetadata")
         try:
             if not 0 <= m.start_idx <= m.end_idx <= flat.numel() or m.end_idx - m.start_idx != m.numel:
                 raise WeightUpdateError(f"{m.name}: bucket slice [{m.start_idx}, {m.end_idx}) is out of range")
-            out.append((m.name, flat[m.start_idx : m.end_idx].view(tuple(m.shape)).to(m.dtype)))
+            out.append((m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(tuple(m.shape))))
         except (TypeError, RuntimeError) as err:  # a shape that does not fit its slice, a non-dtype
             raise WeightUpdateError(f"{m.name}: bad bucket metadata: {err}") from None
     return out
+
+
+def _sglang_cuda_rebuild() -> Any:
+    """SGLang's patched CUDA tensor rebuild (the device named by UUID, so an engine with another
+    CUDA_VISIBLE_DEVICES opens the right GPU); a payload made by SGLang's serializer names it."""
+    try:
+        from sglang.srt.utils import patch_torch  # type: ignore[import-not-found]
+    except ImportError as err:
+        raise WeightUpdateError(f"the payload was made by SGLang's serializer and sglang cannot be imported here: {err}") from None
+    patch_torch.monkey_patch_torch_reductions()
+    return patch_torch._rebuild_cuda_tensor_modified
+
+
+def _own_metadata_class() -> Any:
+    from rayrl.weights.bucket import FlattenedTensorMetadata
+
+    return FlattenedTensorMetadata
 
 
 @contextmanager
@@ -155,10 +192,10 @@ def _cpu_tensors_by_file_name() -> Iterator[None]:
         mp.set_sharing_strategy(previous)
 
 
-def shared_cpu_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D CPU tensor in named shared memory: pickling it later hands out its name without a copy."""
+def shared_cpu_buffer(nbytes: int) -> torch.Tensor:
+    """A 1-D uint8 CPU tensor in named shared memory: pickling it later hands out its name without a copy."""
     with _cpu_tensors_by_file_name():
-        return torch.empty(numel, dtype=dtype).share_memory_()
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
 
 
 def _first_tensor(obj: Any) -> torch.Tensor:
@@ -203,8 +240,9 @@ _ALLOWED_GLOBALS = {
     ("torch.storage", "TypedStorage"),
     ("collections", "OrderedDict"),
 }
-_CUDA_GLOBALS = {(_REDUCTIONS, "rebuild_cuda_tensor"), ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified")}
-_METADATA_CLASSES = {SGLANG_METADATA_CLASS, (__name__, "FlattenedTensorMetadata")}
+_SGLANG_CUDA_REBUILD = ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified")
+_CUDA_GLOBALS = {(_REDUCTIONS, "rebuild_cuda_tensor"), _SGLANG_CUDA_REBUILD}
+_OWN_METADATA_CLASS = ("rayrl.weights.bucket", "FlattenedTensorMetadata")
 
 
 class _AllowListUnpickler(pickle.Unpickler):
@@ -214,8 +252,10 @@ class _AllowListUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         key = (module, name)
-        if key in _METADATA_CLASSES:
-            return FlattenedTensorMetadata
+        if key == SGLANG_METADATA_CLASS:
+            return bucket_classes()[1]  # SGLang's own class when importable (its reconstruction reads it)
+        if key == _OWN_METADATA_CLASS:
+            return _own_metadata_class()
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if key in _CUDA_GLOBALS:
@@ -223,9 +263,9 @@ class _AllowListUnpickler(pickle.Unpickler):
                 raise WeightUpdateError(
                     "the payload holds CUDA IPC handles, which the CPU engine cannot open; send CPU tensors"
                 )
-            if key[0] == _REDUCTIONS:
-                return super().find_class(module, name)
-            raise WeightUpdateError("SGLang-patched CUDA handles need SGLang's receiver")
+            if key == _SGLANG_CUDA_REBUILD:  # SGLang's serializer names the GPU by UUID: its rebuild maps it
+                return _sglang_cuda_rebuild()
+            return super().find_class(module, name)
         if key == (_REDUCTIONS, "rebuild_storage_fd"):
             raise WeightUpdateError(
                 "the sender shared CPU tensors by file descriptor, which only its child processes can open; "

@@ -33,7 +33,7 @@ from rayrl.weights.disk import DiskSender
 from rayrl.weights.handles import HandleSender
 from rayrl.weights.routes import EngineEndpoint, RankPlace, make_sender, plan_routes
 from rayrl.weights.transfer import EngineTarget, WeightTransferError, iter_buckets
-from rayrl.weights.wire import FlattenedTensorMetadata, serialize_for_engine
+from rayrl.weights.wire import bucket_classes, serialize_for_engine
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -222,8 +222,9 @@ def test_bad_weight_transfer_requests(engine_proc, tmp_path):
     payload = serialize_for_engine([("model.no_such.weight", torch.zeros(3))])
     status, body = _post(url, "/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
     assert status == 400 and body["success"] is False and "model.no_such.weight" in body["message"]
-    bucket = {"flattened_tensor": torch.zeros(6),  # metadata that does not fit its slice
-              "metadata": [FlattenedTensorMetadata("model.norm.weight", torch.Size([4]), torch.float32, 0, 6, 6)]}  # fmt: skip
+    metadata_cls = bucket_classes()[1]  # SGLang's own class (the pinned wheel is installed for the tests)
+    bucket = {"flattened_tensor": torch.zeros(6, dtype=torch.uint8),  # metadata that does not fit its slice
+              "metadata": [metadata_cls("model.norm.weight", torch.Size([4]), torch.float32, 0, 6, 6)]}  # fmt: skip
     status, body = _post(url, "/update_weights_from_tensor",
                          {"serialized_named_tensors": [serialize_for_engine(bucket)], "load_format": "flattened_bucket"})  # fmt: skip
     assert status == 400 and body["object"] == "error" and "bad bucket metadata" in body["message"]
