@@ -44,6 +44,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu",
                     help="cpu, or cuda[:N] to run the model on a GPU (checks CUDA IPC weight updates)")
+    ap.add_argument("--strict-sglang", action="store_true",
+                    help="a stand-in for the pinned SGLang in tests: enforce its contract (rayrl/engines/sglang_standin.py)")
     ap.add_argument("--slow-request-s", type=float, default=120.0, help="log requests slower than this")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
@@ -65,6 +67,10 @@ async def serve(args: argparse.Namespace) -> None:
     from rayrl.engines.cpu_engine import CPUEngine
     from rayrl.engines.server import EngineServer
 
+    server_cls = EngineServer
+    if args.strict_sglang:  # imports the pinned SGLang's own serializer and bucket classes
+        from rayrl.engines.sglang_standin import StrictSGLangServer as server_cls  # type: ignore[assignment]
+
     if args.dtype == "auto":
         from rayrl.config.resolve import compute_dtype, cpu_has_native_bf16
 
@@ -81,7 +87,7 @@ async def serve(args: argparse.Namespace) -> None:
         prefix_cache_mb=args.prefix_cache_mb,
         device=args.device,
     ).start()
-    server = EngineServer(
+    server = server_cls(
         engine,
         host=args.host,
         port=args.port,
@@ -97,8 +103,8 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     url = await server.start()
-    print(f"rayrl cpu engine ready at {url} (model {path}, dtype {args.dtype}, device {args.device})",
-          flush=True)
+    print(f"rayrl cpu engine ready at {url} (model {path}, dtype {args.dtype}, device {args.device}"
+          f"{', strict SGLang stand-in' if args.strict_sglang else ''})", flush=True)
     try:
         await stop.wait()
     finally:
