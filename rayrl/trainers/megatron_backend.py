@@ -187,8 +187,10 @@ def split_for_context_parallel(batch: PackedBatch, cp_size: int, cp_rank: int) -
 
 
 def _unwrap_for_sharding(module: Any) -> Any:
-    """The innermost wrapper that knows ``sharded_state_dict`` (DDP does not; Float16Module does)."""
-    while not hasattr(type(module), "sharded_state_dict") and hasattr(module, "module"):
+    """The bare model inside its wrappers (DDP, Float16Module), whose ``sharded_state_dict`` keys are the
+    ones ``load_state_dict`` expects (the wrappers forward it to the bare model). DDP is a MegatronModule
+    too: its own ``sharded_state_dict`` walks its children and prefixes every key with ``module.``."""
+    while isinstance(getattr(module, "module", None), torch.nn.Module):
         module = module.module
     return module
 
@@ -437,13 +439,15 @@ class MegatronTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------
 
-    def _sharded_state_dict(self) -> dict[str, Any]:
+    def _sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
+        """Model and optimizer as Megatron distributed-checkpoint state. ``is_loading``: the distributed
+        optimizer builds its state's layout for a load (it differs from a save's)."""
         model_sd = {f"model{i}": _unwrap_for_sharding(m).sharded_state_dict() for i, m in enumerate(self.model)}
         state: dict[str, Any] = dict(model_sd)
         merged = {}
         for sd in model_sd.values():
             merged.update(sd)
-        state["optimizer"] = self.optimizer.sharded_state_dict(merged)
+        state["optimizer"] = self.optimizer.sharded_state_dict(merged, is_loading=is_loading)
         return state
 
     def save_checkpoint(self, directory: str | Path) -> None:
@@ -470,7 +474,7 @@ class MegatronTrainer:
         from megatron.core import dist_checkpointing
 
         directory = Path(directory)
-        loaded = dist_checkpointing.load(self._sharded_state_dict(), str(directory / "megatron"))
+        loaded = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(directory / "megatron"))
         for i, m in enumerate(self.model):
             _unwrap_for_sharding(m).load_state_dict(loaded[f"model{i}"])
         self.optimizer.load_state_dict(loaded["optimizer"])

@@ -1,0 +1,124 @@
+"""The Megatron backend held against the pinned megatron-core (0.15.3) and mbridge (0.15.1), on CPU.
+
+What runs here: a real megatron-core GPTModel (the local layer spec: Transformer Engine needs CUDA) inside
+Megatron's real wrappers (Float16Module, and DDP's base class: DDP itself allocates its buffers on CUDA),
+so the checkpoint keys the backend takes are Megatron's own, and a save/load round trip through
+dist_checkpointing; mbridge's own name mapping for every model family rayrl supports, against the real
+transformers models' parameter names (what the engines load by). What cannot run here: mbridge's
+get_model/export_weights (Transformer Engine layers, CUDA), DDP and the distributed optimizer (CUDA);
+tests/gpu/test_gpu_megatron_bridge.py covers them where Transformer Engine is installed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+
+import pytest
+import torch
+
+megatron = pytest.importorskip("megatron.core", reason="the pinned megatron-core wheel (make test installs it)")
+warnings.filterwarnings("ignore")
+
+from megatron.core import parallel_state as mpu  # noqa: E402
+
+from rayrl.trainers.megatron_backend import _unwrap_for_sharding  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def megatron_world(tmp_path_factory):
+    import torch.distributed as dist
+
+    from rayrl.engines.launcher import free_port
+
+    made = not dist.is_initialized()
+    if made:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    mpu.initialize_model_parallel(1, 1)
+    yield
+    mpu.destroy_model_parallel()
+    if made:
+        dist.destroy_process_group()
+
+
+def _gpt(bf16: bool = False):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                            bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
+    return cfg, GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128,
+                         max_sequence_length=64)
+
+
+def _as_state_dict(sharded: dict) -> dict:
+    """What dist_checkpointing.load hands back for a sharded state dict: its tensors under its keys (the
+    save/load itself synchronizes CUDA, so it cannot run here)."""
+    return {k: v.data.clone() for k, v in sharded.items() if isinstance(getattr(v, "data", None), torch.Tensor)}
+
+
+def test_checkpoint_keys_are_the_bare_models_and_load_back_through_the_wrappers(megatron_world):
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    cfg, bare = _gpt(bf16=True)
+    wrapped = _BaseDataParallel(cfg, Float16Module(cfg, bare))  # what get_model(wrap_with_ddp=True) returns
+    from_wrapper = _as_state_dict(wrapped.sharded_state_dict())  # where main took the keys from
+    assert all(k.startswith("module.") for k in from_wrapper)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        wrapped.load_state_dict(from_wrapper)
+    inner = _unwrap_for_sharding(wrapped)
+    assert inner is bare
+    saved = _as_state_dict(inner.sharded_state_dict())
+    assert saved and not any(k.startswith("module.") for k in saved)
+    with torch.no_grad():
+        for p in bare.parameters():
+            p.zero_()
+    wrapped.load_state_dict(saved)  # the wrappers forward it to the bare model: keys without module.
+    got = bare.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in saved.items())
+    assert any(v.abs().sum() > 0 for v in saved.values())
+
+
+def test_the_optimizer_load_is_told_it_is_loading():
+    """Megatron's optimizers build a load's layout only when told (is_loading); the backend passes it."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from rayrl.trainers import megatron_backend
+
+    assert "is_loading" in inspect.signature(DistributedOptimizer.sharded_state_dict).parameters
+    source = inspect.getsource(megatron_backend.MegatronTrainer.load_checkpoint)
+    assert "_sharded_state_dict(is_loading=True)" in source
+
+
+def _te_names(layers: int, qkv_bias: bool, qk_norm: bool) -> list[str]:
+    """Megatron parameter names of a Transformer Engine GPT (mbridge's layer spec): fused layernorms."""
+    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
+    for i in range(layers):
+        p = f"decoder.layers.{i}."
+        names += [p + "self_attention.linear_qkv.weight", p + "self_attention.linear_qkv.layer_norm_weight",
+                  p + "self_attention.linear_proj.weight", p + "mlp.linear_fc1.weight",
+                  p + "mlp.linear_fc1.layer_norm_weight", p + "mlp.linear_fc2.weight"]
+        names += [p + "self_attention.linear_qkv.bias"] if qkv_bias else []
+        names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"] if qk_norm else []
+    return names
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_mbridge_maps_every_megatron_weight_to_the_hf_names_the_engines_load(megatron_world, family):
+    import transformers
+    from mbridge import AutoBridge
+
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "qwen3": transformers.Qwen3Config}[family]
+    config = config_cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    hf_names = {n for n in hf.state_dict() if not n.endswith("rotary_emb.inv_freq")}
+    bridge = AutoBridge.from_config(config)
+    mapped = [n for name in _te_names(2, family == "qwen2", family == "qwen3")
+              for n in bridge._weight_name_mapping_mcore_to_hf(name)]
+    assert len(mapped) == len(set(mapped)) and set(mapped) == hf_names, set(mapped) ^ hf_names
