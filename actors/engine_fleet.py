@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 from urllib.parse import urlsplit
 
 import ray
@@ -218,8 +218,10 @@ class EngineFleet:
     def release_memory_occupation(self) -> None:
         self._all("release_memory_occupation", None)
 
-    def resume_memory_occupation(self) -> None:
-        self._all("resume_memory_occupation", None)
+    def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
+        """``tags``: what comes back (None: everything); the colocated schedule brings the weights back
+        first, the KV cache and CUDA graphs once the trainer has given its memory back."""
+        self._all("resume_memory_occupation", list(tags) if tags is not None else None)
 
     def weight_versions(self) -> dict[int, str]:
         slots = self.live()

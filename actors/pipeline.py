@@ -88,8 +88,11 @@ class Pipeline:
         seats = self.placement.engine_seats() if self.placement is not None else [None] * cfg.engine.num_engines
         self.engines = EngineFleet(cfg.engine, self.model_path, str((self.run_dir / "logs").resolve()), seats,
                                    name_prefix=name)
-        # 3. the trainer, and the weight routes from its ranks to the engines
+        # 3. the trainer, and the weight routes from its ranks to the engines (colocated: the engines release
+        #    their memory while the trainer is built; the schedule gives it back once the trainer is offloaded)
         print("[rayrl] starting trainer, trajectory managers, sandbox pool and rollout workers...", flush=True)
+        if cfg.pipeline.schedule == "colocated_async":
+            self.engines.release_memory_occupation()
         self.trainer = TrainerGroup(cfg.trainer, self.model_path, seed=cfg.seed, name_prefix=name,
                                     placement=self.placement)
         self.weights = WeightSync(cfg, self.trainer, self.engines)

@@ -19,17 +19,25 @@ and then only calls :meth:`Schedule.collect` and :meth:`Schedule.train`. One ste
        and its task queued again;
     2. as in sync;
     3. one trainer step while the episodes go on (engines keep generating; new groups start);
-    4. new weights to the engines; running generations switch between two decode steps and record
-       which version made each token; the loss corrects with truncated importance sampling.
+    4. new weights to the engines with nothing generating: the gateway holds new LLM calls, the engines
+       ``pause_generation(abort)`` (running generations return; the gateway continues each from its
+       tokens so far once generation continues), the update, ``continue_generation``. SGLang takes an
+       update's writer lock only between generations and reports no per-token versions (0.5.9), so an
+       update under traffic would wait for running generations and let requests admitted between two
+       buckets run on half-updated weights; this way each part of a generation has one version, recorded
+       per token by the gateway, and the loss corrects with truncated importance sampling.
 
 ``colocated_async`` (engines and trainer share devices)
     1.-2. as in async;
     3. hand the devices to the trainer: the gateway holds new LLM calls; in-flight generations finish
        (or, with ``partial_rollout``, are aborted and later continued); engines ``pause_generation`` and
        ``release_memory_occupation``; ``trainer.onload()``; train while episodes keep doing their tool
-       and sandbox work; ``trainer.offload()``;
-    4. engines ``resume_memory_occupation``, weight update, ``continue_generation``; the gateway lets the
-       held calls go on the new weights.
+       and sandbox work;
+    4. engines ``resume_memory_occupation(weights)``; the weight update, read from the trainer's live
+       memory; ``trainer.offload()``; engines ``resume_memory_occupation(kv_cache, cuda_graph)`` and
+       ``continue_generation``; the gateway lets the held calls go on the new weights. The push comes
+       before the offload because offload unmaps the trainer's memory (torch_memory_saver): an export
+       after it reads unmapped memory (slime pushes from a host copy instead; docs/gpu.md compares).
 
 While any schedule waits, :meth:`Schedule.tick` keeps the dispatch going and tends the engines: an
 engine that died is taken out of the routers and replaced on its bundle; the replacement gets the
@@ -212,9 +220,13 @@ class Schedule:
         """One trainer step on ``batch``, then the new weights on every engine."""
         metrics = self.train_on(batch)
         started = time.monotonic()
-        self.parts.weights.push(self.state.version)
+        self.update_engines()
         metrics["time/weight_sync_s"] = time.monotonic() - started
         return metrics
+
+    def update_engines(self) -> None:
+        """The new weights to every engine (sync: nothing is generating now)."""
+        self.parts.weights.push(self.state.version)
 
     def train_on(self, batch: Batch) -> dict[str, Any]:
         """The trainer step; advances the policy version; ``train/*`` and ``time/train_s``."""
@@ -257,6 +269,18 @@ class AsyncSchedule(Schedule):
     def train_step(self, batch: Batch) -> dict[str, Any]:
         return self.while_dispatching(lambda: self.parts.trainer.train(batch.samples, batch.advantages))
 
+    def update_engines(self) -> None:
+        """The new weights with nothing generating (step 4 in the module docstring): the gateway holds
+        new calls, the engines abort what runs (the gateway continues it after), update, continue."""
+        parts = self.parts
+        parts.trajectories.pause_generation()
+        try:
+            parts.engines.pause_generation("abort")
+            parts.weights.push(self.state.version)
+            parts.engines.continue_generation()
+        finally:
+            parts.trajectories.continue_generation()
+
 
 class ColocatedAsyncSchedule(AsyncSchedule):
     """``colocated_async``: as async, but engines and trainer take the devices in turn around each step."""
@@ -266,7 +290,8 @@ class ColocatedAsyncSchedule(AsyncSchedule):
     def __init__(self, parts: RunParts) -> None:
         super().__init__(parts)
         self.devices_with_trainer = False
-        parts.trainer.offload()  # the engines hold the devices outside the train phase
+        parts.trainer.offload()  # the engines hold the devices outside the train phase;
+        parts.engines.resume_memory_occupation()  # they gave them up while the trainer was built (pipeline.py)
 
     def engines_may_join(self) -> bool:
         return not self.devices_with_trainer  # a new engine's memory would collide with the trainer's
@@ -278,11 +303,12 @@ class ColocatedAsyncSchedule(AsyncSchedule):
         pause_s = time.monotonic() - started
         parts.trainer.onload()
         metrics = self.train_on(batch)
-        parts.trainer.offload()
         started = time.monotonic()
         metrics["gateway/queue_depth"] = parts.trajectories.queue_depth()
-        parts.engines.resume_memory_occupation()
-        parts.weights.push(self.state.version)
+        parts.engines.resume_memory_occupation(["weights"])
+        parts.weights.push(self.state.version)  # from live memory: offload unmaps it (module docstring)
+        parts.trainer.offload()
+        parts.engines.resume_memory_occupation(["kv_cache", "cuda_graph"])
         parts.engines.continue_generation()
         parts.trajectories.continue_generation()
         self.devices_with_trainer = False

@@ -72,6 +72,9 @@ class TrainerRank:
         from rayrl.trainers.torch_backend import TorchTrainer
 
         model_path, cfg, rank, world_size, seed = self.args
+        from rayrl.weights.group import NCCL_ENV
+
+        os.environ.update(NCCL_ENV)  # as SGLang's engines have it (rayrl/weights/group.py), before any NCCL use
         if world_size > 1:
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
             import torch

@@ -245,6 +245,7 @@ class TrainerConfig:
     sequence_packing: bool = True  # megatron: a micro-batch is one packed (THD) sequence, no padding
     distributed_optimizer: bool = True  # megatron: shard optimizer state across data-parallel ranks
     memory_saver: bool = False  # GPU: params, grads and optimizer state in torch_memory_saver regions (colocation)
+    memory_saver_standin: bool = False  # tests, torch backend on CPU: offload makes the weights unreadable until onload, as torch_memory_saver's pause does on GPU (rayrl/trainers/memory_standin.py)
     weight_bucket_mb: int = 512  # weights go to the engines in buckets of this size (CUDA IPC / NCCL)
 
     def __post_init__(self) -> None:
@@ -257,6 +258,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.tis_cap: must be >= 0, got {self.tis_cap!r}")
         at_least_one(self, "trainer.", "tp_size", "pp_size", "cp_size", "weight_bucket_mb")
         model_parallel = self.tp_size * self.pp_size * self.cp_size
+        if self.memory_saver_standin and self.backend != "torch":
+            raise ConfigError("trainer.memory_saver_standin: a CPU stand-in for the torch backend only")
         if self.backend != "megatron" and model_parallel > 1:
             raise ConfigError("trainer.tp_size: tp/pp/cp sizes above 1 need trainer.backend megatron")
         if self.num_ranks % model_parallel:

@@ -109,6 +109,19 @@ def sglang_command(
     ]  # fmt: skip
 
 
+def sglang_env(cfg: EngineConfig) -> dict[str, str]:
+    """Environment of an SGLang engine: NCCL as the trainer ranks use it (rayrl.weights.group.NCCL_ENV),
+    and with the memory saver on, CUDA-graph memory in torch_memory_saver too
+    (``SGLANG_MEMORY_SAVER_CUDA_GRAPH``; without it /release_memory_occupation leaves the graphs' pools
+    on the GPU through every training phase)."""
+    from rayrl.weights.group import NCCL_ENV
+
+    env = dict(NCCL_ENV)
+    if cfg.enable_memory_saver:
+        env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
+    return env
+
+
 class EngineProcess:
     """A managed engine server process. ``start()`` returns once it is healthy."""
 
@@ -159,7 +172,8 @@ class EngineProcess:
         if self.alive():
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        backend_env = sglang_env(self.cfg) if self.backend == "sglang" else {}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **backend_env, **self.env}
         with open(self.log_path, "ab") as log:
             log.write(
                 f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.command())}\n".encode()

@@ -2,6 +2,9 @@
 
 Every component is real (CPU engine subprocess, gateway, sandboxes, rollout workers, trainer). The agent
 does real sandbox work between its two LLM calls, so episodes are in flight while the trainer trains.
+The engines run as the strict SGLang 0.5.9 stand-in (``--strict-sglang``, rayrl/engines/sglang_standin.py):
+SGLang's own unpickler and bucket classes, the removed version route, the update lock, release only when
+idle; the colocated run's trainer uses the CPU memory-saver stand-in, so a push after offload fails here.
 """
 
 from __future__ import annotations
@@ -47,9 +50,22 @@ def pipeline_config(tmp_path: Path, model_dir: Path, *overrides: str):
     )
 
 
+STRICT = "engine.extra_args=[--strict-sglang]"
+
+
 def _engine_version(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/get_weight_version", timeout=10) as resp:
+    with urllib.request.urlopen(f"{url}/model_info", timeout=10) as resp:
         return json.load(resp)["weight_version"]
+
+
+def _assert_sglang_contract_kept(urls: list[str]) -> None:
+    """Nothing the stand-in refused, no generation on half-updated weights or across versions unseen."""
+    for url in urls:
+        with urllib.request.urlopen(f"{url}/server_info", timeout=10) as resp:
+            contract = json.load(resp)["sglang_contract"]
+        assert contract["version"] == "0.5.9"
+        assert contract["contract_violations"] == contract["mixed_weight_generations"] == 0, contract
+        assert contract["unseen_version_spans"] == 0, contract
 
 
 def _episodes(cfg, step: int) -> list[dict]:
@@ -63,13 +79,15 @@ def test_async_two_steps_drops_stale_groups(ray_local, tiny_model_dir, tmp_path)
     # max_staleness 0 and 4 groups in flight for 2 per step: the groups started before the first weight
     # update hold version-0 tokens when step 2 (at version 1) takes them, so they must be dropped.
     cfg = pipeline_config(tmp_path, tiny_model_dir, "exp_id=async", "pipeline.schedule=async",
-                          "pipeline.max_staleness=0", "pipeline.groups_in_flight=4")
+                          "pipeline.max_staleness=0", "pipeline.groups_in_flight=4", STRICT,
+                          "trainer.weight_bucket_mb=4")  # several buckets per update
     assert resolve(cfg).trainer.tis_cap == 2.0  # off-policy correction on by default in the async schedules
     pipeline = Pipeline(cfg)
     try:
         history = pipeline.run()
         assert len(history) == 2 and pipeline.version == 2
         assert all(_engine_version(u) == "2" for u in pipeline.engine_urls)
+        _assert_sglang_contract_kept(pipeline.engine_urls)
         assert history[1]["pipeline/dropped_stale_groups"] >= 1  # counted
         assert all(h["pipeline/staleness_max"] == 0 for h in history)  # nothing older was trained
         assert all(h["train/staleness_mean"] == 0 for h in history)
@@ -107,7 +125,8 @@ def test_colocated_async_two_steps_pauses_engines_in_order(ray_local, tiny_model
     from actors.pipeline import Pipeline
 
     cfg = pipeline_config(tmp_path, tiny_model_dir, "exp_id=colocated", "pipeline.schedule=colocated_async",
-                          "pipeline.max_staleness=1", "pipeline.partial_rollout=true")
+                          "pipeline.max_staleness=1", "pipeline.partial_rollout=true", STRICT,
+                          "trainer.memory_saver_standin=true")
     pipeline = Pipeline(cfg)
     try:
         history = pipeline.run()
@@ -116,9 +135,14 @@ def test_colocated_async_two_steps_pauses_engines_in_order(ray_local, tiny_model
         # the engine's own record of state-changing calls (weights come straight from the trainer rank)
         logged = ray.get(pipeline.engines.slots[0].actor.control_log.remote())
         calls = [c for i, c in enumerate(logged) if i == 0 or c != logged[i - 1]]  # one entry per bucket run
+        # the engines give their memory to the trainer while it is built, and get it back once it is offloaded
+        start = ["release_memory_occupation", "resume_memory_occupation"]
+        # each step: the weights come back first and are pushed from the trainer's live memory before it is
+        # offloaded, then the KV cache (the stand-in makes offloaded weights unreadable: the old order failed)
         phase = ["pause_generation", "release_memory_occupation", "resume_memory_occupation",
-                 "update_weights_from_tensor", "continue_generation"]
-        assert calls == phase * 2, calls
+                 "update_weights_from_tensor", "resume_memory_occupation", "continue_generation"]
+        assert calls == start + phase * 2, calls
+        _assert_sglang_contract_kept(pipeline.engine_urls)
         assert all(h["pipeline/staleness_max"] <= 1 for h in history)
         # episodes kept doing sandbox work during training; their LLM calls waited at the gateway
         assert history[-1]["gateway/queued"] >= 1
