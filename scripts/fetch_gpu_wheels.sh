@@ -3,7 +3,7 @@
 # most 64 MiB each with the working tree: .gpu-carry/1 and .gpu-carry/2 (ignored by git).
 #
 #   bash scripts/fetch_gpu_wheels.sh            # the wheels below + the SmolLM2 GGUF in two parts
-#   bash scripts/fetch_gpu_wheels.sh --with-te  # also megatron-core/mbridge and Transformer Engine's CUDA 13 core
+#   bash scripts/fetch_gpu_wheels.sh --with-megatron  # also megatron-core and mbridge (their tests need Transformer Engine, which the device lacks)
 #
 # The device image (.library/device/KINDS.md) has Python 3.12, torch 2.11 (cu130), numpy 2, triton, psutil,
 # pillow, aiohttp, anyio, but transformers 5, no omegaconf, no SGLang and no Transformer Engine. So this fetches:
@@ -17,7 +17,7 @@
 #     cannot save the GGUF-converted SmolLM2), omegaconf 2.3.0 + antlr4 4.9.3 (sdist, pure Python), gguf 0.19.0.
 # The SmolLM2 GGUF (94 MiB) is split so that each carry stays under the limit: part 1 fills .gpu-carry/1, part 2
 # and the wheels go in .gpu-carry/2; the script fails if either carry would be over.
-# Megatron (with --with-te): its tests need Transformer Engine, whose torch extension is an sdist needing nvcc;
+# Megatron (with --with-megatron): its tests need Transformer Engine, whose torch extension is an sdist needing nvcc;
 # they skip on the device without it (docs/gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +43,7 @@ $PY download -q --no-deps "${PLATFORM[@]}" -d "$W" \
     torch_memory_saver==0.0.10 transformers==4.57.1 tokenizers==0.22.1 huggingface_hub==0.36.0 \
     omegaconf==2.3.0 gguf==0.19.0
 $PY download -q --no-deps --no-binary=:all: -d "$W" antlr4-python3-runtime==4.9.3
-if [ "${1:-}" = "--with-te" ]; then
+if [ "${1:-}" = "--with-megatron" ]; then
     $PY download -q --no-deps "${PLATFORM[@]}" -d "$W" megatron-core==0.15.3 mbridge==0.15.1 einops==0.8.1
 fi
 wheels=$(du -cb "$W"/* | tail -1 | cut -f1)
