@@ -103,8 +103,6 @@ class WeightEndpoints:
                 f"{err} (SGLang's form: base64 of a multiprocessing pickle of [(name, tensor)] or a "
                 'flattened bucket; bytes from another machine: load_format="safetensors")'
             ) from None
-        if load_format == "flattened_bucket" and len({t.dtype for _, t in named}) > 1:
-            raise RequestError("a flattened bucket holds one dtype")
         tensors = dict(named)
         if len(tensors) != len(named):
             raise RequestError("serialized_named_tensors names a tensor twice")

@@ -80,7 +80,8 @@ def iter_buckets(
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of at most ``bucket_bytes`` (a larger tensor travels alone).
 
-    ``one_dtype`` also closes a bucket when the dtype changes (flattened buckets are one tensor).
+    ``one_dtype`` also closes a bucket when the dtype changes (a flattened broadcast is one tensor of one
+    dtype; a flattened tensor bucket holds any dtypes as bytes).
     The input is consumed lazily, so at most one bucket is held at a time.
     """
     if bucket_bytes <= 0:
