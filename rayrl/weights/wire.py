@@ -164,7 +164,9 @@ def _sglang_cuda_rebuild() -> Any:
     try:
         from sglang.srt.utils import patch_torch  # type: ignore[import-not-found]
     except ImportError as err:
-        raise WeightUpdateError(f"the payload was made by SGLang's serializer and sglang cannot be imported here: {err}") from None
+        raise WeightUpdateError(
+            f"the payload was made by SGLang's serializer and sglang cannot be imported here: {err}"
+        ) from None
     patch_torch.monkey_patch_torch_reductions()
     return patch_torch._rebuild_cuda_tensor_modified
 

@@ -138,6 +138,21 @@ def test_the_handle_sender_posts_payloads_sglang_deserializes(loop_thread):
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, _named()))
 
 
+def test_our_receiver_takes_sglangs_patched_cuda_rebuild():
+    """SGLang's serializer (used on GPU) names its own CUDA rebuild (the GPU by UUID); main refused it, so
+    every CUDA IPC update into our engine failed wherever sglang was installed. CPU: the name only."""
+    from sglang.srt.utils import patch_torch
+
+    from rayrl.weights.wire import WeightUpdateError, _AllowListUnpickler
+
+    found = _AllowListUnpickler(b"", allow_cuda=True).find_class("sglang.srt.utils.patch_torch",
+                                                                 "_rebuild_cuda_tensor_modified")
+    assert found is patch_torch._rebuild_cuda_tensor_modified
+    with pytest.raises(WeightUpdateError, match="CUDA IPC handles"):  # an engine on CPU still says why not
+        _AllowListUnpickler(b"", allow_cuda=False).find_class("sglang.srt.utils.patch_torch",
+                                                              "_rebuild_cuda_tensor_modified")
+
+
 # -- the launch command: SGLang's own argument parser ------------------------------------------------
 
 _PARSE = r"""
