@@ -68,3 +68,20 @@ def test_make_sender_gives_each_rank_its_transport(tmp_path):
     broadcast = plan_routes("distributed", engines, ranks, "cpu")
     assert isinstance(make_sender(broadcast, 0, **kwargs), BroadcastSender)
     assert make_sender(broadcast, 1, **kwargs) is None  # rank 1 feeds nobody
+
+
+def test_tensor_transport_to_tensor_parallel_sglang_engines_is_refused_at_load():
+    """One rank's CUDA IPC payload repeated for every TP rank would make each map one GPU's memory
+    (issue 25 point 2): auto sends TP engines by broadcast, and tensor is a config error naming the field."""
+    import pytest
+
+    from rayrl.config import ConfigError, load_config
+    from rayrl.weights.routes import EngineEndpoint, RankPlace, WeightRouteError, plan_routes
+
+    with pytest.raises(ConfigError, match="pipeline.weight_transfer"):
+        load_config(None, ["engine.backend=sglang", "engine.tp_size=2", "pipeline.weight_transfer=tensor"])
+    engine = EngineEndpoint("http://e", "n", tp_size=2, bundles=(0, 1))
+    ranks = [RankPlace(0, "n", 0), RankPlace(1, "n", 1)]
+    assert plan_routes("auto", [engine], ranks, "sglang").transport == "distributed"
+    with pytest.raises(WeightRouteError, match="tp_size"):
+        plan_routes("tensor", [engine], ranks, "sglang")

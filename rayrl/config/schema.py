@@ -439,6 +439,9 @@ class RunConfig:
         groups = self.pipeline.groups_in_flight
         if self.pipeline.schedule != "sync" and 0 < groups < self.rollout.prompts_per_step:
             raise ConfigError("pipeline.groups_in_flight: must be 0 or at least rollout.prompts_per_step")
+        if self.pipeline.weight_transfer == "tensor" and self.engine.backend == "sglang" and self.engine.tp_size > 1:
+            raise ConfigError("pipeline.weight_transfer: tensor sends one GPU's CUDA IPC handles, and an engine with "
+                              "engine.tp_size > 1 needs one made on each of its GPUs; use auto or distributed")
         if self.placement.mode != "none":
             check_layout(self.placement.mode, self.placement.num_gpus, trainer_ranks=self.trainer.num_ranks,
                          num_engines=self.engine.num_engines, tp_size=self.engine.tp_size,
