@@ -70,10 +70,9 @@ class TrainerRank:
         import torch.distributed as dist
 
         from rayrl.trainers.torch_backend import TorchTrainer
-
-        model_path, cfg, rank, world_size, seed = self.args
         from rayrl.weights.group import NCCL_ENV
 
+        model_path, cfg, rank, world_size, seed = self.args
         os.environ.update(NCCL_ENV)  # as SGLang's engines have it (rayrl/weights/group.py), before any NCCL use
         if world_size > 1:
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
