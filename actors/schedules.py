@@ -156,7 +156,7 @@ class Schedule:
         if not joining or not self.engines_may_join():
             return
         if self.state.version > 0:  # senders are rebuilt for the new address (and broadcast seat) first
-            self.parts.weights.push(self.state.version)
+            self.update_engines()  # as after a step: with nothing generating on the engines already live
         else:
             self.parts.weights.connect()
         for slot in joining:
