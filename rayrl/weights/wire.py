@@ -223,9 +223,17 @@ def serialize_for_engine(obj: Any) -> str:
             pass
     from multiprocessing.reduction import ForkingPickler
 
+    from torch.multiprocessing import reductions
+
     buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    # SGLang's monkey_patch_torch_reductions (applied once a CUDA payload was made or received in this
+    # process) replaces torch's tensor reducer process-wide with one that only handles CUDA tensors
+    reduce_tensor = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)
+    pickler.dispatch_table[torch.Tensor] = reduce_tensor
+    pickler.dispatch_table[torch.nn.Parameter] = reduce_tensor
     with _cpu_tensors_by_file_name():
-        ForkingPickler(buf).dump(obj)
+        pickler.dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 

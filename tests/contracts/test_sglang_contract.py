@@ -138,19 +138,30 @@ def test_the_handle_sender_posts_payloads_sglang_deserializes(loop_thread):
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, _named()))
 
 
+_REBUILD = r"""
+import pytest, torch
+from sglang.srt.utils import patch_torch
+from rayrl.weights.wire import WeightUpdateError, _AllowListUnpickler, serialize_for_engine
+from sglang.srt.utils import MultiprocessingSerializer
+found = _AllowListUnpickler(b"", allow_cuda=True).find_class("sglang.srt.utils.patch_torch",
+                                                             "_rebuild_cuda_tensor_modified")
+assert found is patch_torch._rebuild_cuda_tensor_modified
+with pytest.raises(WeightUpdateError, match="CUDA IPC handles"):  # an engine on CPU still says why not
+    _AllowListUnpickler(b"", allow_cuda=False).find_class("sglang.srt.utils.patch_torch",
+                                                          "_rebuild_cuda_tensor_modified")
+# SGLang's patch is now process-wide (it only reduces CUDA tensors); CPU payloads still serialize
+named = [("w", torch.arange(6.0))]
+assert torch.equal(MultiprocessingSerializer.deserialize(serialize_for_engine(named))[0][1], named[0][1])
+print("OK")
+"""
+
+
 def test_our_receiver_takes_sglangs_patched_cuda_rebuild():
     """SGLang's serializer (used on GPU) names its own CUDA rebuild (the GPU by UUID); main refused it, so
-    every CUDA IPC update into our engine failed wherever sglang was installed. CPU: the name only."""
-    from sglang.srt.utils import patch_torch
-
-    from rayrl.weights.wire import WeightUpdateError, _AllowListUnpickler
-
-    found = _AllowListUnpickler(b"", allow_cuda=True).find_class("sglang.srt.utils.patch_torch",
-                                                                 "_rebuild_cuda_tensor_modified")
-    assert found is patch_torch._rebuild_cuda_tensor_modified
-    with pytest.raises(WeightUpdateError, match="CUDA IPC handles"):  # an engine on CPU still says why not
-        _AllowListUnpickler(b"", allow_cuda=False).find_class("sglang.srt.utils.patch_torch",
-                                                              "_rebuild_cuda_tensor_modified")
+    every CUDA IPC update into our engine failed wherever sglang was installed. CPU: the name only. In a
+    process of its own: the receiver applies SGLang's process-wide patch of torch's tensor reducer."""
+    out = subprocess.run([sys.executable, "-c", _REBUILD], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
 
 
 # -- the launch command: SGLang's own argument parser ------------------------------------------------
