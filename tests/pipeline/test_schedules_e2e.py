@@ -88,6 +88,11 @@ def test_async_two_steps_drops_stale_groups(ray_local, tiny_model_dir, tmp_path)
         assert len(history) == 2 and pipeline.version == 2
         assert all(_engine_version(u) == "2" for u in pipeline.engine_urls)
         _assert_sglang_contract_kept(pipeline.engine_urls)
+        # each update with nothing generating: SGLang would otherwise wait for running generations and let
+        # requests in between buckets run on half-updated weights (main pushed under traffic)
+        logged = ray.get(pipeline.engines.slots[0].actor.control_log.remote())
+        calls = [c for i, c in enumerate(logged) if i == 0 or c != logged[i - 1]]  # one entry per bucket run
+        assert calls == ["pause_generation", "update_weights_from_tensor", "continue_generation"] * 2, calls
         assert history[1]["pipeline/dropped_stale_groups"] >= 1  # counted
         assert all(h["pipeline/staleness_max"] == 0 for h in history)  # nothing older was trained
         assert all(h["train/staleness_mean"] == 0 for h in history)
