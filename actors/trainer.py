@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rayrl.checkpoint import CheckpointStore
 from rayrl.config import TrainerConfig
 from rayrl.rl.shard import rank_shards, replica_leads
+from rayrl.trainers.memory_saver import preload_env
 from rayrl.types import Sample
 from rayrl.weights.routes import RankPlace, WeightRoutes, make_sender
 
@@ -215,6 +216,10 @@ class TrainerGroup:
                 }
                 for r in range(cfg.num_ranks)
             ]
+        preload = preload_env(cfg.memory_saver)  # ranks on a GPU start with the saver's hook (memory_saver.py)
+        for opts in options:
+            if preload and opts.get("num_gpus"):
+                opts["runtime_env"] = {"env_vars": preload}
         self.ranks = [
             TrainerRank.options(name=f"{name_prefix}-trainer-{r}", **options[r]).remote(
                 model_path, cfg, r, cfg.num_ranks, seed

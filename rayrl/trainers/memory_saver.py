@@ -27,8 +27,12 @@ CPU (tests/test_memory_saver_cpu.py).
 
 Hook mode: torch_memory_saver intercepts CUDA allocations either by ``LD_PRELOAD`` of its hook library
 (which must be set when the process starts) or through torch's pluggable allocator ("torch" mode, no
-preload, but no pauseable CUDA graphs). Ray actors are not started with the preload, so "torch" is used
-unless the preload library is already in ``LD_PRELOAD``.
+preload, but no pauseable CUDA graphs). "torch" mode ends the process with ``exit(1)`` whenever region
+memory is freed outside a region, which interpreter teardown does with the region's pool: on an H100
+(2026-11-26, tests/gpu/test_gpu_memory_saver.py) every process that had used a region exited 1 after its
+work was done, and preload mode exited 0. So trainer ranks on GPU are started with the preload
+(:func:`preload_env`, read by actors/trainer.py when it creates them), as slime starts its train actors;
+"torch" stays the fallback for a process started without it.
 """
 
 from __future__ import annotations
@@ -369,6 +373,24 @@ def init_optimizer_state(optimizer: Any) -> int:
         logger.warning("memory saver: %s has no eager state initialisation; state its first step creates "
                        "will stay on the GPU when the trainer is offloaded", type(optimizer).__name__)
     return total
+
+
+def preload_env(enabled: bool) -> dict[str, str]:
+    """Environment a GPU trainer process must be started with for the saver: torch_memory_saver's preload
+    hook in ``LD_PRELOAD`` (the build for the installed torch's CUDA major), prepended to any preload already
+    set. Empty when the saver is off or the library is not installed here (the process then uses "torch"
+    mode, with its exit status problem above, and a warning says so)."""
+    if not enabled:
+        return {}
+    try:
+        from torch_memory_saver.utils import get_binary_path_from_package
+    except ImportError:
+        logger.warning("memory saver: torch_memory_saver is not installed where the trainer ranks are made; "
+                       "they use its torch hook mode, whose processes exit 1 at teardown")
+        return {}
+    hook = str(get_binary_path_from_package("torch_memory_saver_hook_mode_preload"))
+    current = os.environ.get("LD_PRELOAD", "")
+    return {"LD_PRELOAD": f"{hook}:{current}" if current else hook}
 
 
 def gpu_memory_used_bytes(device: Optional[int] = None) -> int:

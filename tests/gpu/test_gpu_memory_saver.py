@@ -123,3 +123,50 @@ def test_megatron_trainer_offload_frees_what_it_holds(medium_qwen2_dir):
     assert all(torch.equal(a.cpu(), b) for a, b in zip(state["adam_moments"], kept_moments))
     again = trainer.train_step(_samples(8, seed=1), [1.0, -1.0] * 4)
     assert again["update_successful"] and again["policy_version"] == 2
+
+
+
+EXIT_SCRIPT = r"""
+import torch
+from rayrl.trainers.memory_saver import MemorySaver, _hook_mode, gpu_memory_used_bytes, init_optimizer_state
+saver = MemorySaver(enabled=True, tag="exit-test")
+with saver.region():
+    model = torch.nn.Linear(4096, 4096, device="cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    init_optimizer_state(optimizer)
+model(torch.randn(8, 4096, device="cuda")).sum().backward()
+optimizer.step()
+before = [p.detach().cpu().clone() for p in model.parameters()]
+torch.cuda.synchronize()
+held = gpu_memory_used_bytes()
+saver.pause()
+paused = gpu_memory_used_bytes()
+saver.resume()
+same = all(torch.equal(p.detach().cpu(), q) for p, q in zip(model.parameters(), before))
+torch.cuda.synchronize()
+print("WORK DONE", _hook_mode(), held - paused, same, flush=True)
+"""
+
+
+def test_a_trainer_process_exits_cleanly_in_the_mode_its_ranks_use():
+    """torch_memory_saver's torch hook mode calls exit(1) when region memory is freed outside a region, which
+    interpreter teardown does; trainer ranks are therefore started with the preload hook (preload_env). A
+    process started that way pauses, restores every byte and exits 0; the torch-mode outcome is recorded."""
+    need("torch_memory_saver")
+    import subprocess
+    import sys
+
+    from rayrl.trainers.memory_saver import preload_env
+
+    outcomes = {}
+    for mode, env in (("preload", preload_env(True)), ("torch", {"LD_PRELOAD": ""})):
+        done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "LD_PRELOAD": "", **env})  # fmt: skip
+        outcomes[mode] = done
+        record(f"memory_saver_exit_{mode}", {"returncode": done.returncode, "stdout": done.stdout[-300:],
+                                              "stderr_tail": done.stderr[-600:]})  # fmt: skip
+    done = outcomes["preload"]
+    assert "WORK DONE preload" in done.stdout, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "True", done.stdout  # every byte back after the pause
+    assert "only support interesting region" not in done.stdout + done.stderr
+    assert done.returncode == 0, done.stderr[-2000:]
