@@ -80,7 +80,9 @@ class EngineActor:
         self.incarnation = uuid.uuid4().hex[:12]
         self.seats, seat_gpus = self._hold_other_gpus(seat)
         self.gpu_ids = [str(int(g)) for g in ray.get_gpu_ids()] + seat_gpus
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(self.gpu_ids)} if cfg.backend == "sglang" and self.gpu_ids else {}
+        # SGLang's TP rank r uses the r-th visible GPU; the CPU engine reads the same list to check that each
+        # rank's weight payload was made on that rank's (logical) GPU (rayrl/weights/tp_payloads.py)
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(self.gpu_ids)} if self.gpu_ids else {}
         advertise = self.node_ip if cfg.host in BIND_ALL else cfg.host
         self.process = EngineProcess(cfg, model_path, Path(log_dir) / f"engine-{index}.log", backend=cfg.backend,
                                      env=env, advertise_host=advertise, die_with_parent=True)

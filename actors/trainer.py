@@ -58,6 +58,7 @@ class TrainerRank:
         self.args = (model_path, cfg, rank, world_size, seed)
         self.trainer = None
         self.sender: Any = None  # this rank's weight sender (rayrl/weights/routes.py), or None
+        self.world: Any = None  # rayrl.trainers.process_groups.TrainerWorld (several ranks, or Megatron)
         self._loop: asyncio.AbstractEventLoop | None = None  # one loop for the sender's HTTP sessions
 
     def master_address(self) -> tuple[str, int]:
@@ -68,20 +69,20 @@ class TrainerRank:
         return ip, port
 
     def setup(self, master_addr: str, master_port: int) -> int:
-        import torch.distributed as dist
+        import torch
 
+        from rayrl.trainers.process_groups import TrainerWorld
         from rayrl.trainers.torch_backend import TorchTrainer
         from rayrl.weights.group import NCCL_ENV
 
         model_path, cfg, rank, world_size, seed = self.args
         os.environ.update(NCCL_ENV)  # as SGLang's engines have it (rayrl/weights/group.py), before any NCCL use
-        if world_size > 1:
+        if world_size > 1 or cfg.backend == "megatron":
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-            import torch
-
-            # logical GPUs (ray.init(num_gpus=...) on a CPU machine) have ids but no CUDA: gloo then
+            # logical GPUs (ray.init(num_gpus=...) on a CPU machine) have ids but no CUDA: gloo then. On NCCL
+            # the groups are released while the trainer is offloaded (rayrl/trainers/process_groups.py)
             backend = "nccl" if ray.get_gpu_ids() and torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
+            self.world = TrainerWorld(rank, world_size, backend, master_addr, master_port).start()
         if cfg.backend == "megatron":  # raises MegatronUnavailable naming what is missing (packages, CUDA)
             from rayrl.trainers.megatron_backend import MegatronTrainer
 
@@ -123,9 +124,13 @@ class TrainerRank:
 
         self.close_weights()
         cfg = self.args[1]
+        cuda = torch.cuda.is_available()
+        gpus = ray.get_gpu_ids()  # on CPU, a logical GPU: marked on this rank's handle payloads
+        store = None if self.world is None else torch.distributed.PrefixStore("rayrl-weights", self.world.store)
         self.sender = make_sender(routes, self.args[2], bucket_bytes=cfg.weight_bucket_mb * 1024 * 1024,
                                   timeout_s=timeout_s, master_address=ray.util.get_node_ip_address(),
-                                  disk_root=disk_root, cuda=torch.cuda.is_available())
+                                  disk_root=disk_root, cuda=cuda, store=store,
+                                  gpu_id=str(int(gpus[0])) if gpus and not cuda else None)
         if self.sender is not None:
             self._run(self.sender.connect())
         return self.sender is not None
@@ -176,10 +181,15 @@ class TrainerRank:
         return self.trainer.policy_version
 
     def offload(self) -> bool:
-        return self.trainer.offload()
+        """Lend the GPU: NCCL groups released, then the memory (rayrl/trainers/process_groups.py)."""
+        from rayrl.trainers.process_groups import offload_rank
+
+        return offload_rank(self.world, self.trainer)
 
     def onload(self) -> bool:
-        return self.trainer.onload()
+        from rayrl.trainers.process_groups import onload_rank
+
+        return onload_rank(self.world, self.trainer)
 
 
 class TrainerGroup:

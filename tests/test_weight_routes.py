@@ -37,11 +37,17 @@ def test_split_over_nodes_broadcasts_from_rank_0():
 
 
 def test_split_on_one_node_uses_the_fastest_local_transport():
-    engines = [EngineEndpoint("http://e0", "A", 1, (2,)), EngineEndpoint("http://e1", "A", 1, (3,))]
-    ranks = [RankPlace(0, "A", 0), RankPlace(1, "A", 1)]
+    """Host memory reaches every process on the node; a GPU's handles only processes that see that GPU."""
+    engines = [EngineEndpoint("http://e0", "A", 1), EngineEndpoint("http://e1", "A", 1)]
+    ranks = [RankPlace(0, "A"), RankPlace(1, "A")]
     assert plan_routes("auto", engines, ranks, "cpu").by_rank == {0: (0, 1)}  # the lowest rank on the node
-    assert plan_routes("auto", engines, ranks, "sglang").transport == "distributed"  # not sharing a GPU
-    assert plan_routes("tensor", engines, ranks, "sglang").transport == "tensor"  # asked: same node suffices
+    placed = [EngineEndpoint("http://e0", "A", 1, (2,)), EngineEndpoint("http://e1", "A", 1, (3,))]
+    placed_ranks = [RankPlace(0, "A", 0), RankPlace(1, "A", 1)]
+    for backend in ("sglang", "cpu"):  # engines on other (logical) GPUs than the trainer's
+        assert plan_routes("auto", placed, placed_ranks, backend).transport == "distributed"
+        # SGLang 0.5.9 maps a handle's GPU among those it sees (CUDA_VISIBLE_DEVICES: its own bundles') or dies
+        with pytest.raises(WeightRouteError, match=r"pipeline.weight_transfer: tensor .*http://e0.*bundles \[2\]"):
+            plan_routes("tensor", placed, placed_ranks, backend)
 
 
 def test_partly_remote_engines_fall_back_to_a_broadcast_under_auto():
@@ -70,18 +76,46 @@ def test_make_sender_gives_each_rank_its_transport(tmp_path):
     assert make_sender(broadcast, 1, **kwargs) is None  # rank 1 feeds nobody
 
 
-def test_tensor_transport_to_tensor_parallel_sglang_engines_is_refused_at_load():
-    """One rank's CUDA IPC payload repeated for every TP rank would make each map one GPU's memory
-    (issue 25 point 2): auto sends TP engines by broadcast, and tensor is a config error naming the field."""
-    import pytest
+def _tp2_colocated() -> tuple[list[EngineEndpoint], list[RankPlace]]:
+    """Two tp=2 engines colocated with four ranks: engine j on bundles (2j+1, 2j) (TP rank 0's first), rank
+    r on bundle r; so engine 0's TP ranks read the GPUs of ranks 1 and 0, engine 1's those of 3 and 2."""
+    engines = [EngineEndpoint(f"http://e{j}", "A", 2, (2 * j + 1, 2 * j)) for j in range(2)]
+    return engines, [RankPlace(r, "A", r) for r in range(4)]
 
-    from rayrl.config import ConfigError, load_config
-    from rayrl.weights.routes import EngineEndpoint, RankPlace, WeightRouteError, plan_routes
 
-    with pytest.raises(ConfigError, match="pipeline.weight_transfer"):
-        load_config(None, ["engine.backend=sglang", "engine.tp_size=2", "pipeline.weight_transfer=tensor"])
-    engine = EngineEndpoint("http://e", "n", tp_size=2, bundles=(0, 1))
-    ranks = [RankPlace(0, "n", 0), RankPlace(1, "n", 1)]
-    assert plan_routes("auto", [engine], ranks, "sglang").transport == "distributed"
-    with pytest.raises(WeightRouteError, match="tp_size"):
-        plan_routes("tensor", [engine], ranks, "sglang")
+def test_tensor_parallel_engines_get_one_payload_per_tp_rank_from_the_rank_on_its_gpu():
+    """Issue 25 point 2: each TP rank's entry is made by the trainer rank on that rank's GPU; the rank on the
+    engine's first GPU posts them all. auto picks tensor for them again, and the config no longer refuses it."""
+    from rayrl.config import load_config
+
+    load_config(None, ["engine.backend=sglang", "engine.tp_size=2", "pipeline.weight_transfer=tensor"])
+    engines, ranks = _tp2_colocated()
+    for backend in ("sglang", "cpu"):  # SGLang on GPUs, or the CPU engine placed on logical GPUs
+        routes = plan_routes("auto", engines, ranks, backend)
+        assert routes.transport == "tensor" and plan_routes("tensor", engines, ranks, backend).transport == "tensor"
+        assert routes.tp_ranks == {0: (1, 0), 1: (3, 2)}  # in TP order
+        assert routes.by_rank == {1: (0,), 3: (1,)}  # TP rank 0's trainer rank posts
+        assert [routes.contributions_of(r) for r in range(4)] == [[(0, 1)], [], [(1, 1)], []]
+    missing = [RankPlace(0, "A", 0), RankPlace(1, "A", 1), RankPlace(2, "A", 2)]  # bundle 3 has no rank
+    assert plan_routes("auto", engines, missing, "sglang").transport == "distributed"
+    with pytest.raises(WeightRouteError, match=r"tensor .*http://e1.*bundles \[3, 2\].*use distributed or auto"):
+        plan_routes("tensor", engines, missing, "sglang")
+    # plain CPU (no placement): host memory, one payload serves every TP rank of the engine
+    plain = plan_routes("auto", [EngineEndpoint("http://e", "A", 2)], [RankPlace(0, "A")], "cpu")
+    assert plain.transport == "tensor" and plain.by_rank == {0: (0,)} and plain.tp_ranks == {}
+
+
+def test_make_sender_gives_the_ranks_of_a_tp_engine_their_part(tmp_path):
+    import torch.distributed as dist
+
+    engines, ranks = _tp2_colocated()
+    routes = plan_routes("auto", engines, ranks, "sglang")
+    store = dist.HashStore()
+    kwargs = {"bucket_bytes": 1 << 20, "timeout_s": 5, "master_address": "127.0.0.1", "disk_root": tmp_path,
+              "cuda": False, "store": store}
+    poster, member = make_sender(routes, 1, **kwargs), make_sender(routes, 0, **kwargs)
+    assert isinstance(poster, HandleSender) and [(e.tp_size, e.exchange_key) for e in poster.engines] == [(2, 0)]
+    assert poster.contributes == [] and poster.exchange is not None
+    assert isinstance(member, HandleSender) and member.engines == [] and member.contributes == [(0, 1)]
+    with pytest.raises(WeightRouteError, match="store"):
+        make_sender(routes, 0, **{**kwargs, "store": None})

@@ -341,7 +341,7 @@ class PipelineConfig:
     partial_rollout: bool = False  # colocated_async: abort generations at a weight update and continue them on the new weights (False: they finish first)
     generation_wait_timeout_s: float = 600.0  # colocated_async: an LLM call waits at most this long at the gateway while engines are paused
     weight_sync_timeout_s: float = 300.0  # a weight update to the engines that takes longer fails the step with a clear error
-    weight_transfer: Literal["auto", "disk", "tensor", "distributed"] = "auto"  # how new weights reach the engines: auto | disk | tensor | distributed (auto: tensor, i.e. shared-memory handles on CPU and CUDA IPC on GPU, when every engine has a trainer rank on its node (on GPU: on its GPU, colocated), else distributed: a gloo / NCCL broadcast; rayrl/weights/routes.py)
+    weight_transfer: Literal["auto", "disk", "tensor", "distributed"] = "auto"  # how new weights reach the engines: auto | disk | tensor | distributed (auto: tensor, i.e. shared-memory handles on CPU and CUDA IPC on GPU, when every engine has a trainer rank on its node (on GPU: on each of its GPUs, colocated; a tensor-parallel engine gets one payload per TP rank, each from the rank on that GPU), else distributed: a gloo / NCCL broadcast; rayrl/weights/routes.py)
     max_episode_retries: int = 2  # an episode whose rollout worker died is re-queued at most this many times
     max_group_reruns: int = 2  # a task whose group had too few successful episodes runs again at most this many times
     checkpoint_interval: int = 0  # save every N steps (0: only at the end)
@@ -439,9 +439,6 @@ class RunConfig:
         groups = self.pipeline.groups_in_flight
         if self.pipeline.schedule != "sync" and 0 < groups < self.rollout.prompts_per_step:
             raise ConfigError("pipeline.groups_in_flight: must be 0 or at least rollout.prompts_per_step")
-        if self.pipeline.weight_transfer == "tensor" and self.engine.backend == "sglang" and self.engine.tp_size > 1:
-            raise ConfigError("pipeline.weight_transfer: tensor sends one GPU's CUDA IPC handles, and an engine with "
-                              "engine.tp_size > 1 needs one made on each of its GPUs; use auto or distributed")
         if self.placement.mode != "none":
             check_layout(self.placement.mode, self.placement.num_gpus, trainer_ranks=self.trainer.num_ranks,
                          num_engines=self.engine.num_engines, tp_size=self.engine.tp_size,

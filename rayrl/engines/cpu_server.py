@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
 import signal
 import sys
@@ -41,6 +42,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument(
         "--prefix-cache-mb", type=int, default=1024, help="KV of known prefixes kept for reuse (0: off)"
     )
+    ap.add_argument("--tp-size", type=int, default=1,
+                    help="tensor-parallel ranks this engine stands for: a tensor update carries one entry per rank, "
+                         "rank r reading GPU r of CUDA_VISIBLE_DEVICES when set (as SGLang's ranks do)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu",
                     help="cpu, or cuda[:N] to run the model on a GPU (checks CUDA IPC weight updates)")
@@ -49,7 +53,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--slow-request-s", type=float, default=120.0, help="log requests slower than this")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
-    for name in ("max_batch_size", "context_length", "prefill_budget_tokens"):
+    for name in ("max_batch_size", "context_length", "prefill_budget_tokens", "tp_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.num_threads < 0:
@@ -58,7 +62,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error("--prefix-cache-mb must be >= 0")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         ap.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    args.tp_gpus = tp_gpus(args.tp_size, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    if args.tp_gpus is None:
+        ap.error(f"--tp-size {args.tp_size} needs as many GPUs in CUDA_VISIBLE_DEVICES "
+                 f"({os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
     return args
+
+
+def tp_gpus(tp_size: int, visible: str) -> Optional[list[str]]:
+    """The GPU each TP rank reads: rank r the r-th of ``CUDA_VISIBLE_DEVICES`` (as SGLang 0.5.9 places its
+    ranks: base_gpu_id 0, gpu_id_step 1); [] when none are visible (not placed on GPUs), None when too few."""
+    ids = [g.strip() for g in visible.split(",") if g.strip()]
+    if not ids:
+        return []
+    return ids[:tp_size] if len(ids) >= tp_size else None
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -97,6 +114,8 @@ async def serve(args: argparse.Namespace) -> None:
             "max_batch_size": args.max_batch_size,
         },
         slow_request_s=args.slow_request_s,
+        tp_size=args.tp_size,
+        tp_gpus=args.tp_gpus,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

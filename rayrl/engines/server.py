@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from aiohttp import web
 
@@ -65,8 +65,13 @@ class EngineServer(WeightEndpoints):
         server_args: Optional[dict[str, Any]] = None,
         slow_request_s: float = 120.0,
         max_body_mb: float = 4096.0,
+        tp_size: int = 1,
+        tp_gpus: Sequence[str] = (),
     ) -> None:
         self.engine = engine
+        self.tp_size = tp_size  # tensor-parallel ranks this engine stands for (rayrl/engines/weight_routes.py)
+        self.tp_gpus = tuple(str(g) for g in tp_gpus)[:tp_size]
+        self.tp_payload_gpus: list[Optional[str]] = []  # the GPU each entry of the last tensor update came from
         self.host = host
         self.port = port
         self.server_args = dict(server_args or {})
@@ -353,7 +358,7 @@ class EngineServer(WeightEndpoints):
             "max_running_requests": self.engine.max_batch_size,
             "max_total_num_tokens": self.engine.max_batch_size * self.engine.context_length,
             "max_req_input_len": self.engine.context_length - 1,
-            "tp_size": 1,
+            "tp_size": self.tp_size,
             "dp_size": 1,
             "skip_tokenizer_init": False,
             "enable_memory_saver": False,
@@ -362,6 +367,8 @@ class EngineServer(WeightEndpoints):
             **self.server_args,
             "internal_states": [stats],
             "control_calls": list(self.control_calls),
+            "tp_gpus": list(self.tp_gpus),
+            "tp_payload_gpus": list(self.tp_payload_gpus),  # the last tensor update's entries, by TP rank
             "version": f"rayrl-cpu-{__version__}",
         }
         return web.json_response(info)

@@ -12,7 +12,11 @@ utils/common.py, model_executor/model_runner.py):
 - ``/update_weights_from_tensor`` payloads are unpickled by SGLang's own ``MultiprocessingSerializer``
   (its ``SafeUnpickler``: only ``sglang.srt.*`` buckets, torch and Python's own types) and flattened
   buckets are cut apart by SGLang's own ``FlattenedTensorBucket``; on 0.5.9 a refused payload kills the
-  scheduler, here it is answered 400 and counted in ``contract_violations``;
+  scheduler, here it is answered 400 and counted in ``contract_violations``. One entry per TP rank
+  (``--tp-size``), each deserialized on its own as its rank would, made on that rank's GPU
+  (rayrl/weights/tp_payloads.py); too few entries, or one from another GPU, is refused the same way
+  (0.5.9: an IndexError or an unknown GPU kills the scheduler; a GPU it sees but does not use is mapped
+  silently, at the cost of a CUDA context and copies across GPUs);
 - every ``/generate`` holds the model-update reader lock for its whole run, and an update that arrives
   while generation is not paused takes the writer lock: it waits for the running generations, and new
   ones wait behind it (writer first). Paused (any mode), updates apply at once;
@@ -43,6 +47,8 @@ from aiohttp import web
 
 from rayrl.engines.http_input import RequestError, read_json
 from rayrl.engines.server import EngineServer
+from rayrl.weights.tp_payloads import check_tp_entries, entry_gpu
+from rayrl.weights.wire import WeightUpdateError
 
 PINNED_SGLANG = "0.5.9"
 
@@ -185,8 +191,9 @@ class StrictSGLangServer(EngineServer):
         return await self._locked_update(request, self._update_from_tensor)
 
     async def _update_from_tensor(self, request: web.Request) -> web.Response:
-        """As 0.5.9's tp_worker/model_runner: deserialize entry [tp_rank] with SGLang's serializer, cut a
-        flattened bucket apart with SGLang's class, load by name."""
+        """As 0.5.9's tp_worker/model_runner, once per TP rank: rank ``r`` deserializes entry ``r`` with
+        SGLang's serializer and cuts a flattened bucket apart with SGLang's class; the weights load once
+        every rank's entry was made on its GPU and all agree (rayrl/weights/tp_payloads.py)."""
         body = await read_json(request)
         load_format = body.get("load_format")
         entries = body.get("serialized_named_tensors")
@@ -194,19 +201,36 @@ class StrictSGLangServer(EngineServer):
             raise RequestError("serialized_named_tensors must be a non-empty list")
         if load_format not in (None, "direct", "flattened_bucket"):
             raise RequestError(f"load_format {load_format!r}: the stand-in loads null, direct or flattened_bucket")
+        if len(entries) != self.tp_size:  # 0.5.9: rank r indexes entry r; too few is an IndexError that kills
+            return self._refuse(f"serialized_named_tensors has {len(entries)} entries for tp_size {self.tp_size}: "
+                                "one per TP rank (too few: an IndexError in a rank kills the scheduler; too many: "
+                                "the rest are never read, so they were meant for another engine)")
+        per_rank = []
+        for rank, entry in enumerate(entries):
+            try:
+                obj = self._serializer.deserialize(entry)
+            except Exception as err:  # SafeUnpickler's RuntimeError: 0.5.9's scheduler dies on it
+                return self._refuse(f"entry {rank}: SGLang {PINNED_SGLANG} refuses this payload (its scheduler dies "
+                                    f"on it): {type(err).__name__}: {err}")
+            named = self._reconstruct(obj) if load_format == "flattened_bucket" else list(obj)
+            per_rank.append((named, entry_gpu(obj)))
+        device = self.engine.device if self.engine.device.type == "cuda" else None
         try:
-            obj = self._serializer.deserialize(entries[0])
-        except Exception as err:  # SafeUnpickler's RuntimeError: 0.5.9's scheduler dies on it
-            self.counts["contract_violations"] += 1
-            return web.json_response({"success": False, "message": f"SGLang {PINNED_SGLANG} refuses this payload "
-                                      f"(its scheduler dies on it): {type(err).__name__}: {err}"}, status=400)
-        if load_format == "flattened_bucket":
-            bucket = self._bucket_cls(flattened_tensor=obj["flattened_tensor"], metadata=[
-                self._metadata_cls(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
-                                   end_idx=m.end_idx, numel=m.numel) for m in obj["metadata"]])
-            named = bucket.reconstruct_tensors()
-        else:
-            named = list(obj)
+            named = check_tp_entries(per_rank, self.tp_gpus, device)
+        except WeightUpdateError as err:
+            return self._refuse(str(err))
+        self.tp_payload_gpus = [gpu for _, gpu in per_rank]
         version = self._version_field(body)
         return await self._apply_weights(body, lambda: self.engine.update_weights(dict(named), version),
                                          "from the request")
+
+    def _reconstruct(self, obj: Any) -> list:
+        bucket = self._bucket_cls(flattened_tensor=obj["flattened_tensor"], metadata=[
+            self._metadata_cls(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                               end_idx=m.end_idx, numel=m.numel) for m in obj["metadata"]])
+        return bucket.reconstruct_tensors()
+
+    def _refuse(self, message: str) -> web.Response:
+        """A payload SGLang would fail on: 400 here, counted in ``contract_violations``."""
+        self.counts["contract_violations"] += 1
+        return web.json_response({"success": False, "message": message}, status=400)

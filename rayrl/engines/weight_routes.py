@@ -17,11 +17,16 @@ from aiohttp import web
 from rayrl.engines.http_input import RequestError, bool_flag, read_json
 from rayrl.engines.sampling import is_int
 from rayrl.weights.group import WeightGroupError, parse_specs, receive_tensors
-from rayrl.weights.wire import decode_named_tensors, deserialize_from_trainer
+from rayrl.weights.tp_payloads import check_tp_entries
+from rayrl.weights.wire import decode_named_tensors, deserialize_entry
 
 
 class WeightEndpoints:
-    """Weight routes of the engine server (mixed into EngineServer)."""
+    """Weight routes of the engine server (mixed into EngineServer, which sets ``tp_size`` and ``tp_gpus``)."""
+
+    tp_size: int = 1  # the tensor-parallel ranks this engine stands for (one entry each in a tensor update)
+    tp_gpus: tuple[str, ...] = ()  # the (logical) GPU each rank reads, when placed on GPUs
+    tp_payload_gpus: list[Optional[str]]  # the GPU each rank's entry of the last tensor update was marked with
 
     @staticmethod
     def _version_field(body: dict[str, Any], key: str = "weight_version") -> Optional[str]:
@@ -76,12 +81,16 @@ class WeightEndpoints:
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         """SGLang's payload (``load_format`` null, "direct" or "flattened_bucket": shared-memory handles,
-        unpickled with an allow-list) or the byte-carrying ``"safetensors"`` form. Entry 0 is ours: the
-        CPU engine is one tensor-parallel rank."""
+        unpickled with an allow-list) or the byte-carrying ``"safetensors"`` form (entry 0, for every rank).
+
+        SGLang's form has one entry per tensor-parallel rank, and rank ``r`` deserializes entry ``r``: this
+        engine, one process standing for ``tp_size`` ranks, deserializes each entry as its rank would and
+        loads the weights once they agree (rayrl/weights/tp_payloads.py: entry ``r`` made on rank ``r``'s
+        GPU, every entry the same weights)."""
         body = await read_json(request)
         load_format = body.get("load_format")
         entries = body.get("serialized_named_tensors")
-        if not isinstance(entries, list) or not entries or not isinstance(entries[0], str):
+        if not isinstance(entries, list) or not entries or not all(isinstance(e, str) for e in entries):
             raise RequestError("serialized_named_tensors must be a non-empty list of base64 strings")
         version = self._version_field(body)
         if load_format == "safetensors":
@@ -95,17 +104,28 @@ class WeightEndpoints:
                 f"load_format {load_format!r} is not supported by the CPU engine "
                 '(null, "direct", "flattened_bucket" or "safetensors")'
             )
-        on_gpu = getattr(getattr(self.engine, "device", None), "type", "cpu") == "cuda"  # CUDA IPC handles
+        if len(entries) != self.tp_size:
+            raise RequestError(
+                f"serialized_named_tensors has {len(entries)} entries and this engine has tp_size {self.tp_size}: "
+                "one per tensor-parallel rank, entry r read by rank r (SGLang's rank r indexes entry r)"
+            )
+        device = getattr(self.engine, "device", None)
+        on_gpu = getattr(device, "type", "cpu") == "cuda"  # CUDA IPC handles
         try:
-            named = deserialize_from_trainer(entries[0], allow_cuda=on_gpu)
+            per_rank = [deserialize_entry(entry, allow_cuda=on_gpu) for entry in entries]
         except ValueError as err:  # WeightUpdateError: not a payload, disallowed names, CUDA handles on CPU
             raise RequestError(
                 f"{err} (SGLang's form: base64 of a multiprocessing pickle of [(name, tensor)] or a "
                 'flattened bucket; bytes from another machine: load_format="safetensors")'
             ) from None
+        try:
+            named = check_tp_entries(per_rank, self.tp_gpus, device if on_gpu else None)
+        except ValueError as err:
+            raise RequestError(str(err)) from None
         tensors = dict(named)
         if len(tensors) != len(named):
             raise RequestError("serialized_named_tensors names a tensor twice")
+        self.tp_payload_gpus = [gpu for _, gpu in per_rank]
         return await self._apply_weights(
             body, lambda: self.engine.update_weights(tensors, version), "from the request"
         )

@@ -28,7 +28,8 @@ from rayrl.weights.transfer import (
     verify_version,
     with_last,
 )
-from rayrl.weights.wire import flatten_bucket, serialize_for_engine, shared_cpu_buffer
+from rayrl.weights.tp_payloads import PayloadExchange
+from rayrl.weights.wire import GPU_MARK, flatten_bucket, serialize_for_engine, shared_cpu_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,13 @@ class HandleSender:
     Buckets are SGLang's own ``FlattenedTensorBucket`` (SGLang's unpickler admits no other class; see
     rayrl/weights/wire.py), laid out as bytes, so one bucket holds tensors of any dtypes. An engine with
     tensor parallelism reads ``serialized_named_tensors[tp_rank]``, a payload made on the GPU that rank
-    reads: one rank's handle repeated would make every TP rank map one GPU's memory. This sender holds
-    one rank's tensors, so on GPU it serves engines of one TP rank (routes.py sends TP engines by
-    broadcast); on CPU (one process reads shared memory) the payload is the same for every rank.
+    reads (rayrl/weights/tp_payloads.py). For an engine whose ``EngineTarget.gathered`` is set, this rank
+    makes TP rank 0's entry and the trainer ranks on the engine's other GPUs hand over theirs through
+    ``exchange``; the request carries all of them in TP order. ``contributes``: the (engine, TP rank)
+    entries this rank makes for another rank to post. An engine that is not gathered gets this rank's
+    payload for every TP rank, which only host memory allows (CPU, no logical GPU: every rank can read
+    it); a CUDA payload for several TP ranks is refused here. ``gpu_id``: the logical GPU a CPU rank
+    stands for (marked on its buckets, so engines can check whose GPU a payload came from).
     ``sglang_engines``: the engines are SGLang (the buckets must be SGLang's classes, never ours).
     """
 
@@ -53,11 +58,20 @@ class HandleSender:
         flattened: bool = True,
         timeout_s: float = 300.0,
         sglang_engines: bool = False,
+        exchange: Optional[PayloadExchange] = None,
+        contributes: Sequence[tuple[int, int]] = (),
+        gpu_id: Optional[str] = None,
     ) -> None:
-        if not engines:
+        if not engines and not contributes:
             raise ValueError("no engines to send weights to")
+        if exchange is None and (contributes or any(e.gathered for e in engines)):
+            raise ValueError("payloads gathered over TP ranks need an exchange (the trainer world's store)")
         self.engines = list(engines)
         self.sglang_engines = sglang_engines
+        self.exchange = exchange
+        self.contributes = list(contributes)
+        self.gpu_id = gpu_id
+        self._sends = 0  # pushes so far: names this push's keys in the exchange
         self.bucket_bytes = bucket_bytes
         self.flattened = flattened
         self.timeout_s = timeout_s
@@ -87,43 +101,82 @@ class HandleSender:
         version = str(version)
         stats = TransferStats(version)
         started = time.perf_counter()
+        send_no, self._sends = self._sends, self._sends + 1
         buckets = iter_buckets(named_tensors, self.bucket_bytes)
-        for bucket, last in with_last(buckets):
+        for index, (bucket, last) in enumerate(with_last(buckets)):
             on_gpu = bucket[0][1].is_cuda
-            if on_gpu and any(e.tp_size > 1 for e in self.engines):
+            if on_gpu and any(e.tp_size > 1 and not e.gathered for e in self.engines):
                 raise WeightTransferError(
-                    "a CUDA IPC payload is made on one GPU; an engine with tp_size > 1 needs one per TP rank, "
-                    "made on the GPU that rank reads: use pipeline.weight_transfer=distributed for TP engines"
+                    "a CUDA IPC payload is made on one GPU; an engine with tp_size > 1 needs one per TP rank, made "
+                    "by the trainer rank on that rank's GPU (rayrl/weights/routes.py plans them when the engine's "
+                    "GPUs are the trainer's: colocated); use pipeline.weight_transfer=distributed otherwise"
                 )
             obj = self._bucket_object(bucket)  # stays referenced until every engine has answered
+            if isinstance(obj, dict) and not on_gpu and self.gpu_id is not None:
+                obj[GPU_MARK] = self.gpu_id
             payload = serialize_for_engine(obj)
-            results = await asyncio.gather(
-                *(
-                    e.client.update_weights_from_serialized(
-                        [payload] * e.tp_size,
-                        load_format="flattened_bucket" if self.flattened else None,
-                        flush_cache=last,
-                        weight_version=version if last else None,
-                        timeout_s=self.timeout_s,
-                    )
-                    for e in self.engines
-                ),
-                return_exceptions=True,
-            )
+            for engine, tp_rank in self.contributes:  # another rank posts these: hand them over first
+                self.exchange.offer(engine, send_no, index, tp_rank, payload, last)
+            if self.engines:
+                await self._post(index, payload, last, version, send_no)
+            for engine, _ in self.contributes:  # the engine has copied (or refused) them
+                await self.exchange.outcome(engine, send_no, index)
             del obj, payload
             if on_gpu:  # the engines have copied: give the bucket's memory back to the driver now, so a
                 torch.cuda.ipc_collect()  # colocated engine's next bucket (or its KV cache) has room
-            check_results(results, self.engines, "update_weights_from_tensor")
             stats.add_bucket([t for _, t in bucket])
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
         stats.seconds = time.perf_counter() - started
-        await verify_version(self.engines, version)
+        if self.engines:
+            await verify_version(self.engines, version)
         logger.info(
-            "weights v%s handed to %d colocated engine(s): %d tensors, %.1f MB in %d buckets, %.2f GB/s",
-            version, len(self.engines), stats.tensors, stats.bytes / 1e6, stats.buckets, stats.gb_per_s,
+            "weights v%s handed to %d colocated engine(s)%s: %d tensors, %.1f MB in %d buckets, %.2f GB/s",
+            version, len(self.engines), f" and {len(self.contributes)} TP rank(s) posted by another rank"
+            if self.contributes else "", stats.tensors, stats.bytes / 1e6, stats.buckets, stats.gb_per_s,
         )  # fmt: skip
         return stats
 
+    async def _post(self, index: int, payload: str, last: bool, version: str, send_no: int) -> None:
+        """Bucket ``index`` to every engine this rank posts for: one request each, one entry per TP rank
+        (the gathered engines' other entries from the ranks on their GPUs), then the answer to those ranks."""
+        entries: list[list[str]] = []
+        try:
+            for e in self.engines:
+                if e.gathered:
+                    entries.append([payload, *await self.exchange.collect(e.exchange_key, send_no, index,
+                                                                          e.tp_size, last)])
+                else:
+                    entries.append([payload] * e.tp_size)
+        except WeightTransferError as err:  # the ranks waiting on this bucket learn why, then it fails here
+            for e in self.engines:
+                if e.gathered:
+                    self.exchange.answer(e.exchange_key, send_no, index, str(err))
+            raise
+        results = await asyncio.gather(
+            *(
+                e.client.update_weights_from_serialized(
+                    entry,
+                    load_format="flattened_bucket" if self.flattened else None,
+                    flush_cache=last,
+                    weight_version=version if last else None,
+                    timeout_s=self.timeout_s,
+                )
+                for e, entry in zip(self.engines, entries)
+            ),
+            return_exceptions=True,
+        )
+        try:
+            check_results(results, self.engines, "update_weights_from_tensor")
+        finally:
+            for e, result in zip(self.engines, results):
+                if e.gathered:
+                    refused = isinstance(result, BaseException) or (isinstance(result, dict)
+                                                                    and result.get("success") is False)
+                    self.exchange.answer(e.exchange_key, send_no, index, _describe(result) if refused else None)
 
 
+def _describe(result: Any) -> str:
+    if isinstance(result, BaseException):
+        return f"{type(result).__name__}: {result}"
+    return f"refused: {result.get('message')}"

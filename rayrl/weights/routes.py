@@ -4,30 +4,40 @@ Inputs are where things run (node and placement bundle of every engine and train
 layer found them) and ``pipeline.weight_transfer``. The three transports differ in reach:
 
 - ``distributed`` (rayrl/weights/broadcast.py) crosses nodes: trainer rank 0 broadcasts to every engine;
-- ``disk`` (disk.py) and ``tensor`` (handles.py) hand over a path or memory handles, which only mean
-  something on the sender's node: each engine gets them from a trainer rank on its own node (the rank on
-  its first bundle when colocated, else the lowest rank there). Every torch rank holds the full weights
-  after a step (data parallel), and every Megatron rank drains the gathered export, so any rank can send.
+- ``disk`` (disk.py) hands over a path, which only means something on the sender's node: each engine gets
+  it from a trainer rank on its own node (the rank on its first bundle when colocated, else the lowest
+  rank there);
+- ``tensor`` (handles.py) hands over memory handles. Host memory (CPU, no placement) can be read by any
+  process on the node, so one rank there feeds each engine, the same payload for each of its TP ranks. A
+  GPU handle can be opened only by a process that sees that GPU, and SGLang's TP rank ``r`` reads entry
+  ``r``, made on its own GPU (rayrl/weights/tp_payloads.py): so where engines sit on GPUs (SGLang, or
+  any engine placed on Ray's GPUs, logical ones included), each TP rank's entry is made by the trainer
+  rank on that rank's GPU, which needs a trainer rank on every GPU of the engine (colocated). The rank on
+  the engine's first GPU posts all entries (``tp_ranks``).
 
-``auto`` takes the fastest transport that reaches every engine: on CPU engines ``tensor`` (shared-memory
-handles: 6.5x faster than ``disk`` and 5x faster than a gloo broadcast for SmolLM2-135M, bench/weight_transfer.py)
-when every engine has a trainer rank on its node, else ``distributed`` (gloo); on GPU ``tensor`` (CUDA
-IPC) when every engine shares its first bundle with a trainer rank (colocated) and has one TP rank (a
-TP engine needs one payload made on each of its GPUs, which one sending rank cannot make), else
-``distributed`` (NCCL). ``disk`` is there to be asked for (it needs nothing but a shared-memory directory). One
-transport per run, so a rank holds at most one sender and the trainer never asks which.
+Every torch rank holds the full weights after a step (data parallel), and every Megatron rank drains the
+gathered export, so any rank can send.
+
+``auto`` takes the fastest transport that reaches every engine: ``tensor`` (CUDA IPC on GPU; shared-memory
+handles on CPU: 6.5x faster than ``disk`` and 5x faster than a gloo broadcast for SmolLM2-135M,
+bench/weight_transfer.py) when every engine can be fed that way (on GPUs: every GPU of every engine has a
+trainer rank; on CPU: every engine has one on its node), else ``distributed`` (NCCL or gloo). ``disk`` is
+there to be asked for (it needs nothing but a shared-memory directory). One transport per run, so a rank
+holds at most one sender and the trainer never asks which.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from rayrl.engines.client import EngineClient
 from rayrl.weights.broadcast import BroadcastSender
 from rayrl.weights.disk import DiskSender
 from rayrl.weights.handles import HandleSender
+from rayrl.weights.tp_payloads import PayloadExchange
 from rayrl.weights.transfer import EngineTarget, WeightSender
 
 Transport = Literal["disk", "tensor", "distributed"]
@@ -66,12 +76,25 @@ class WeightRoutes:
     engines: tuple[EngineEndpoint, ...]
     by_rank: dict[int, tuple[int, ...]] = field(default_factory=dict)
     engine_backend: str = "cpu"  # "sglang": payloads must be SGLang's own bucket classes
+    # tensor transport on GPUs: engine index -> the trainer rank that makes each TP rank's entry, in TP
+    # order (the first posts); engines not listed get one payload for every TP rank
+    tp_ranks: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names this plan's exchange keys
 
     def engines_of(self, rank: int) -> list[EngineEndpoint]:
         return [self.engines[i] for i in self.by_rank.get(rank, ())]
 
+    def contributions_of(self, rank: int) -> list[tuple[int, int]]:
+        """The (engine index, TP rank) entries ``rank`` makes for the rank that posts them."""
+        return [(i, tp) for i, ranks in sorted(self.tp_ranks.items()) for tp, r in enumerate(ranks)
+                if tp and r == rank]
+
     def describe(self) -> str:
-        parts = [f"rank {r} -> {', '.join(self.engines[i].url for i in idx)}" for r, idx in sorted(self.by_rank.items())]
+        def engine(i: int) -> str:
+            made_by = self.tp_ranks.get(i)
+            return self.engines[i].url + (f" (TP entries from ranks {', '.join(map(str, made_by))})" if made_by else "")
+
+        parts = [f"rank {r} -> {', '.join(engine(i) for i in idx)}" for r, idx in sorted(self.by_rank.items())]
         return f"{self.transport}: " + "; ".join(parts)
 
 
@@ -85,56 +108,74 @@ def _local_sender_rank(engine: EngineEndpoint, ranks: Sequence[RankPlace]) -> Op
     return min(on_node) if on_node else None
 
 
-def _shares_bundle(engine: EngineEndpoint, ranks: Sequence[RankPlace]) -> bool:
-    return bool(engine.bundles) and any(p.bundle == engine.bundles[0] for p in ranks if p.bundle is not None)
+def _on_gpus(engine: EngineEndpoint, engine_backend: str) -> bool:
+    """Whether the engine's memory is a GPU's: an SGLang engine, or any engine placed on Ray's GPUs."""
+    return engine_backend != "cpu" or bool(engine.bundles)
+
+
+def _gpu_ranks(engine: EngineEndpoint, ranks: Sequence[RankPlace]) -> Optional[tuple[int, ...]]:
+    """The trainer rank on each of the engine's GPUs (bundles), in TP order; None unless every one has one."""
+    on_bundle = {p.bundle: p.rank for p in ranks if p.bundle is not None}
+    found = tuple(on_bundle.get(b) for b in engine.bundles)
+    if len(found) < engine.tp_size or any(r is None for r in found):
+        return None
+    return found[: engine.tp_size]  # type: ignore[return-value]
+
+
+def _tensor_reaches(engine: EngineEndpoint, ranks: Sequence[RankPlace], engine_backend: str) -> bool:
+    if _on_gpus(engine, engine_backend):
+        return _gpu_ranks(engine, ranks) is not None
+    return _local_sender_rank(engine, ranks) is not None
 
 
 def resolve_transport(
     mode: str, engines: Sequence[EngineEndpoint], ranks: Sequence[RankPlace], engine_backend: str
 ) -> Transport:
     """``pipeline.weight_transfer`` made concrete for where the engines and ranks actually run."""
-    tensor_parallel = engine_backend != "cpu" and any(e.tp_size > 1 for e in engines)
-    if mode == "tensor" and tensor_parallel:  # one CUDA IPC payload per TP rank, made on that rank's GPU
-        raise WeightRouteError(
-            "pipeline.weight_transfer: tensor sends one GPU's IPC handles, and an engine with engine.tp_size > 1 "
-            "needs a payload made on each of its GPUs; use distributed (or auto) for tensor-parallel engines"
-        )
     if mode in TRANSPORTS:
         return mode  # type: ignore[return-value]
     if mode != "auto":
         raise WeightRouteError(f"pipeline.weight_transfer: {mode!r} is not one of auto, {', '.join(TRANSPORTS)}")
-    if engine_backend == "cpu":
-        local = all(_local_sender_rank(e, ranks) is not None for e in engines)
-        return "tensor" if local else "distributed"
-    colocated = all(_shares_bundle(e, ranks) for e in engines)
-    return "tensor" if colocated and not tensor_parallel else "distributed"
+    return "tensor" if all(_tensor_reaches(e, ranks, engine_backend) for e in engines) else "distributed"
 
 
 def plan_routes(
     mode: str, engines: Sequence[EngineEndpoint], ranks: Sequence[RankPlace], engine_backend: str
 ) -> WeightRoutes:
     """Which rank feeds which engine; raises WeightRouteError when a node-local transport was asked for
-    and some engine has no trainer rank on its node."""
+    and some engine has no trainer rank to feed it (``tensor`` on GPUs: on each of its GPUs)."""
     if not engines:
         raise WeightRouteError("no engines to send weights to")
     if not ranks:
         raise WeightRouteError("no trainer ranks to send weights from")
     transport = resolve_transport(mode, engines, ranks, engine_backend)
     by_rank: dict[int, list[int]] = {}
+    tp_ranks: dict[int, tuple[int, ...]] = {}
     if transport == "distributed":
         lowest = min(p.rank for p in ranks)
         by_rank[lowest] = list(range(len(engines)))
-    else:
-        for i, engine in enumerate(engines):
-            rank = _local_sender_rank(engine, ranks)
-            if rank is None:
+    for i, engine in enumerate(engines if transport != "distributed" else ()):
+        if transport == "tensor" and _on_gpus(engine, engine_backend):
+            found = _gpu_ranks(engine, ranks)
+            if found is None:
                 raise WeightRouteError(
-                    f"pipeline.weight_transfer: {transport} hands weights over on one node, but the engine at "
-                    f"{engine.url} (node {engine.node_id[:12]}) has no trainer rank on its node; use distributed "
-                    "or auto"
+                    f"pipeline.weight_transfer: tensor hands each tensor-parallel rank of the engine at {engine.url} "
+                    f"a payload made on that rank's GPU, but its GPUs (bundles {list(engine.bundles)}) do not all "
+                    "have a trainer rank (the colocated layout gives them one); use distributed or auto"
                 )
-            by_rank.setdefault(rank, []).append(i)
-    return WeightRoutes(transport, tuple(engines), {r: tuple(v) for r, v in by_rank.items()}, engine_backend)
+            tp_ranks[i] = found
+            by_rank.setdefault(found[0], []).append(i)
+            continue
+        rank = _local_sender_rank(engine, ranks)
+        if rank is None:
+            raise WeightRouteError(
+                f"pipeline.weight_transfer: {transport} hands weights over on one node, but the engine at "
+                f"{engine.url} (node {engine.node_id[:12]}) has no trainer rank on its node; use distributed "
+                "or auto"
+            )
+        by_rank.setdefault(rank, []).append(i)
+    return WeightRoutes(transport, tuple(engines), {r: tuple(v) for r, v in by_rank.items()}, engine_backend,
+                        {i: r for i, r in tp_ranks.items() if len(r) > 1})
 
 
 def make_sender(
@@ -146,18 +187,32 @@ def make_sender(
     master_address: str,
     disk_root: str | Path,
     cuda: bool,
+    store: Any = None,
+    gpu_id: Optional[str] = None,
 ) -> Optional[WeightSender]:
     """The sender rank ``rank`` needs under ``routes`` (None: it feeds no engine). ``connect()`` it before
     the first ``send``. ``disk_root`` is this run's directory for the disk transport (a per-rank directory
-    is made under it); ``master_address`` is the address other nodes reach this rank at (broadcast)."""
-    endpoints = routes.engines_of(rank)
-    if not endpoints:
+    is made under it); ``master_address`` is the address other nodes reach this rank at (broadcast);
+    ``store``: the trainer world's TCP store, where the TP ranks' payloads of an engine meet
+    (rayrl/weights/tp_payloads.py); ``gpu_id``: the logical GPU a CPU rank stands for (marked on its
+    handle payloads)."""
+    fed = routes.by_rank.get(rank, ())
+    contributes = routes.contributions_of(rank)
+    if not fed and not contributes:
         return None
-    targets = [EngineTarget(EngineClient(e.url, timeout_s=timeout_s), e.tp_size) for e in endpoints]
+    targets = [EngineTarget(EngineClient(routes.engines[i].url, timeout_s=timeout_s), routes.engines[i].tp_size,
+                            i if i in routes.tp_ranks else None) for i in fed]
     if routes.transport == "disk":
         return DiskSender(targets, Path(disk_root) / f"rank{rank}", timeout_s=timeout_s)
     if routes.transport == "tensor":
+        exchange = None
+        if routes.tp_ranks:
+            if store is None:
+                raise WeightRouteError("pipeline.weight_transfer: tensor to tensor-parallel engines gathers each "
+                                       "engine's payloads over the trainer ranks' store, and this rank has none")
+            exchange = PayloadExchange(store, routes.session, timeout_s)
         return HandleSender(targets, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
-                            sglang_engines=routes.engine_backend == "sglang")
+                            sglang_engines=routes.engine_backend == "sglang", exchange=exchange,
+                            contributes=contributes, gpu_id=gpu_id)
     return BroadcastSender(targets, backend="nccl" if cuda else "gloo", master_address=master_address,
                            bucket_bytes=bucket_bytes, timeout_s=timeout_s)

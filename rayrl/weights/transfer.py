@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -36,10 +36,17 @@ class WeightTransferError(RuntimeError):
 @dataclass
 class EngineTarget:
     """One engine server: its client and how many tensor-parallel ranks it has (each needs a payload or a
-    seat in a broadcast group)."""
+    seat in a broadcast group). ``exchange_key``: where the other TP ranks' payloads for it meet
+    (rayrl/weights/tp_payloads.py), when trainer ranks on its other GPUs make them; None: one payload for
+    every rank."""
 
     client: EngineClient
     tp_size: int = 1
+    exchange_key: Optional[int] = None
+
+    @property
+    def gathered(self) -> bool:
+        return self.exchange_key is not None
 
 
 @dataclass

@@ -88,6 +88,7 @@ def copy_into(named_tensors: Mapping[str, torch.Tensor], targets: Mapping[str, t
 
 
 SGLANG_METADATA_CLASS = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+GPU_MARK = "gpu_id"  # a CPU bucket's logical GPU (rayrl/weights/tp_payloads.py); SGLang ignores the key
 
 
 def bucket_classes(require_sglang: bool = False) -> tuple[Any, Any]:
@@ -289,6 +290,12 @@ class _AllowListUnpickler(pickle.Unpickler):
 def deserialize_from_trainer(payload: Any, allow_cuda: bool = False) -> list[tuple[str, torch.Tensor]]:
     """One ``serialized_named_tensors`` entry -> ``[(name, tensor), ...]`` (flattened buckets are cut
     apart). Raises WeightUpdateError for anything that is not a weight payload; never runs other code."""
+    return deserialize_entry(payload, allow_cuda)[0]
+
+
+def deserialize_entry(payload: Any, allow_cuda: bool = False) -> tuple[list[tuple[str, torch.Tensor]], Optional[str]]:
+    """:func:`deserialize_from_trainer`, and the logical GPU a flattened bucket is marked with (or None:
+    rayrl/weights/tp_payloads.py)."""
     if isinstance(payload, str):
         try:
             raw = base64.b64decode(payload, validate=True)
@@ -307,7 +314,10 @@ def deserialize_from_trainer(payload: Any, allow_cuda: bool = False) -> list[tup
             f"serialized_named_tensors entry is not a weight payload: {type(err).__name__}: {err}"
         ) from None
     if isinstance(obj, dict):
-        return unflatten_bucket(obj)
+        gpu = obj.get(GPU_MARK)
+        if gpu is not None and not isinstance(gpu, str):
+            raise WeightUpdateError("a flattened bucket's gpu_id must be a string")
+        return unflatten_bucket(obj), gpu
     if not isinstance(obj, (list, tuple)) or not obj:
         raise WeightUpdateError("a weight payload is a non-empty list of (name, tensor) or a flattened bucket")
     out = []
@@ -320,4 +330,4 @@ def deserialize_from_trainer(payload: Any, allow_cuda: bool = False) -> list[tup
         ):
             raise WeightUpdateError("each entry of a weight payload must be a (name, tensor) pair")
         out.append((item[0], item[1]))
-    return out
+    return out, None
