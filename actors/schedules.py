@@ -34,7 +34,9 @@ and then only calls :meth:`Schedule.collect` and :meth:`Schedule.train`. One ste
        ``release_memory_occupation``; ``trainer.onload()``; train while episodes keep doing their tool
        and sandbox work;
     4. engines ``resume_memory_occupation(weights)``; the weight update, read from the trainer's live
-       memory; ``trainer.offload()``; engines ``resume_memory_occupation(kv_cache, cuda_graph)`` and
+       memory; a broadcast group (``distributed``) is destroyed; ``trainer.offload()`` (on NCCL its process
+       groups are destroyed, then its memory paused; onload makes them again: rayrl/trainers/
+       process_groups.py); engines ``resume_memory_occupation(kv_cache, cuda_graph)`` and
        ``continue_generation``; the gateway lets the held calls go on the new weights. The push comes
        before the offload because offload unmaps the trainer's memory (torch_memory_saver): an export
        after it reads unmapped memory (slime pushes from a host copy instead; docs/gpu.md compares).
@@ -290,6 +292,7 @@ class ColocatedAsyncSchedule(AsyncSchedule):
     def __init__(self, parts: RunParts) -> None:
         super().__init__(parts)
         self.devices_with_trainer = False
+        parts.weights.release_groups()  # a broadcast group goes before the trainer's own (its offload)
         parts.trainer.offload()  # the engines hold the devices outside the train phase;
         parts.engines.resume_memory_occupation()  # they gave them up while the trainer was built (pipeline.py)
 
@@ -307,7 +310,8 @@ class ColocatedAsyncSchedule(AsyncSchedule):
         metrics["gateway/queue_depth"] = parts.trajectories.queue_depth()
         parts.engines.resume_memory_occupation(["weights"])
         parts.weights.push(self.state.version)  # from live memory: offload unmaps it (module docstring)
-        parts.trainer.offload()
+        parts.weights.release_groups()  # NCCL groups hold GPU memory: the broadcast group's, then (offload)
+        parts.trainer.offload()  # the trainer's own go with its memory
         parts.engines.resume_memory_occupation(["kv_cache", "cuda_graph"])
         parts.engines.continue_generation()
         parts.trajectories.continue_generation()

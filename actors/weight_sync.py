@@ -38,7 +38,7 @@ class WeightSync:
         self.timeout_s = cfg.pipeline.weight_sync_timeout_s
         self.disk_root = str(shared_memory_root() / f"rayrl-{cfg.exp_id}-weights")
         self._places: Optional[list[RankPlace]] = None
-        self._connected: list[EngineEndpoint] = []  # the engines the senders were built for
+        self._connected: Optional[list[EngineEndpoint]] = []  # the engines the senders were built for
         self.routes: Optional[WeightRoutes] = None
         self.failures = 0
 
@@ -89,6 +89,14 @@ class WeightSync:
             return {"bytes": sum(r["bytes"] for r in sent), "seconds": max((r["seconds"] for r in sent), default=0.0),
                     "senders": len(sent)}
         raise AssertionError("unreachable")
+
+    def release_groups(self) -> None:
+        """Colocated schedule, before the trainer lends its GPU: a broadcast group (``distributed``) is
+        destroyed on the engines and the trainer, so its NCCL communicators hold no memory while the engines
+        generate; the next :meth:`push` forms it again. The other transports hold no group: nothing to do."""
+        if self.transport == "distributed":
+            self.trainer.close_weights()
+            self._connected = None  # push() connects again
 
     def _fail(self, version: int, err: Exception) -> None:
         self.failures += 1

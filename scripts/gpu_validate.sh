@@ -105,10 +105,11 @@ declare -A LIMIT=(
     [tests/gpu/test_gpu_memory_saver.py]=60 [tests/gpu/test_gpu_colocated_cycle.py]=150
     [tests/gpu/test_gpu_engine_ipc.py]=120 [tests/gpu/test_gpu_offload.py]=90 [tests/gpu/test_gpu_cuda_ipc.py]=60
     [tests/gpu/test_gpu_offload_bandwidth.py]=90 [tests/gpu/test_gpu_megatron_bridge.py]=45
+    [tests/gpu/test_gpu_nccl_release.py]=90
 )
 ORDER=(tests/gpu/test_gpu_memory_saver.py tests/gpu/test_gpu_colocated_cycle.py tests/gpu/test_gpu_engine_ipc.py
        tests/gpu/test_gpu_offload.py tests/gpu/test_gpu_cuda_ipc.py tests/gpu/test_gpu_offload_bandwidth.py
-       tests/gpu/test_gpu_megatron_bridge.py)
+       tests/gpu/test_gpu_megatron_bridge.py tests/gpu/test_gpu_nccl_release.py)
 if [ "$#" -gt 0 ]; then files=("$@"); else files=("${ORDER[@]}"); fi
 for f in tests/gpu/test_*.py; do  # a file added without a place in ORDER still runs, last
     [ "$#" -gt 0 ] || [[ " ${files[*]} " == *" $f "* ]] || files+=("$f")

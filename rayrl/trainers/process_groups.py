@@ -118,9 +118,9 @@ class _Hooks:
             return
         with warnings.catch_warnings():  # dir() reaches deprecated aliases (reduce_op), which warn when read
             warnings.simplefilter("ignore", FutureWarning)
-            found = {name: getattr(dist, name) for name in dir(dist)}
+            found = {name: fn for name in dir(dist) if inspect.isfunction(fn := getattr(dist, name))}
         for name, fn in found.items():
-            if name.startswith("__") or name == "new_group" or not inspect.isfunction(fn):
+            if name.startswith("__") or name == "new_group":
                 continue
             try:
                 params = inspect.signature(fn).parameters
