@@ -13,6 +13,7 @@ import json
 import urllib.request
 from pathlib import Path
 
+import pytest
 import ray
 
 from tests.ray_support import scrape_metrics
@@ -155,5 +156,34 @@ def test_colocated_async_two_steps_pauses_engines_in_order(ray_local, tiny_model
         assert all(s["router_queue_depth"] == 0 for s in stats)  # nothing left waiting after resume
         for step in (1, 2):
             assert all(r["status"] == "ok" for r in _episodes(cfg, step))
+    finally:
+        pipeline.shutdown()
+
+
+@pytest.mark.slow  # ~60 s; tests/test_process_groups.py is the fast test of the release mechanism
+def test_colocated_async_releases_the_broadcast_group_before_the_trainer_lends_its_gpu(ray_local, tiny_model_dir,
+                                                                                     tmp_path):
+    """Issue 25 point 6: with the distributed transport, the broadcast group (NCCL memory on a GPU) is
+    destroyed after each push, before the engines get their KV cache back, and formed again at the next."""
+    from actors.pipeline import Pipeline
+
+    cfg = pipeline_config(tmp_path, tiny_model_dir, "exp_id=colocated-bcast", "pipeline.schedule=colocated_async",
+                          "pipeline.max_staleness=1", "pipeline.weight_transfer=distributed", STRICT,
+                          "trainer.memory_saver_standin=true")
+    pipeline = Pipeline(cfg)
+    try:
+        history = pipeline.run()
+        assert len(history) == 2 and pipeline.weights.transport == "distributed"
+        assert all(_engine_version(u) == "2" for u in pipeline.engine_urls)
+        logged = ray.get(pipeline.engines.slots[0].actor.control_log.remote())
+        calls = [c for i, c in enumerate(logged) if i == 0 or c != logged[i - 1]]
+        # the group formed when the weight path connects at start goes too, before the trainer's first offload
+        start = ["release_memory_occupation", "init_weights_update_group", "destroy_weights_update_group",
+                 "resume_memory_occupation"]
+        phase = ["pause_generation", "release_memory_occupation", "resume_memory_occupation",
+                 "init_weights_update_group", "update_weights_from_distributed", "destroy_weights_update_group",
+                 "resume_memory_occupation", "continue_generation"]
+        assert calls == start + phase * 2, calls
+        _assert_sglang_contract_kept(pipeline.engine_urls)
     finally:
         pipeline.shutdown()
