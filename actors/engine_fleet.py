@@ -14,7 +14,7 @@ Control calls (pause, memory, stats) fan out to the live engines concurrently.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
@@ -220,6 +220,13 @@ class EngineFleet:
 
     def resume_memory_occupation(self) -> None:
         self._all("resume_memory_occupation", None)
+
+    def set_weight_format(self, weight_format: str) -> None:
+        """Every CPU engine's decode weights from now on, replacements included (SGLang has none)."""
+        if self.cfg.backend == "sglang":
+            return
+        self.cfg = replace(self.cfg, weight_format=weight_format)
+        self._all("set_weight_format", weight_format)
 
     def weight_versions(self) -> dict[int, str]:
         slots = self.live()

@@ -41,6 +41,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument(
         "--prefix-cache-mb", type=int, default=1024, help="KV of known prefixes kept for reuse (0: off)"
     )
+    ap.add_argument("--weight-format", default="auto", choices=("auto", "float32", "fp16-packed"),
+                    help="decode weights (rayrl/engines/weight_formats.py); auto: fp16-packed where the engine's "
+                         "own decode path runs the model in float32 on x86, else float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu",
                     help="cpu, or cuda[:N] to run the model on a GPU (checks CUDA IPC weight updates)")
@@ -80,6 +83,7 @@ async def serve(args: argparse.Namespace) -> None:
         seed=args.seed,
         prefix_cache_mb=args.prefix_cache_mb,
         device=args.device,
+        weight_format=args.weight_format,
     ).start()
     server = EngineServer(
         engine,
@@ -97,8 +101,8 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     url = await server.start()
-    print(f"rayrl cpu engine ready at {url} (model {path}, dtype {args.dtype}, device {args.device})",
-          flush=True)
+    print(f"rayrl cpu engine ready at {url} (model {path}, dtype {args.dtype}, device {args.device}, "
+          f"decode weights {engine.weight_format})", flush=True)
     try:
         await stop.wait()
     finally:

@@ -20,8 +20,9 @@ receives ready 4-D boolean masks (True = attend), which transformers passes thro
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -116,7 +117,7 @@ class _BufferLayer(DynamicLayer):
         o = self.owner
         if not o.key_buffers:
             return torch.empty(0)
-        return o.key_buffers[self.index][: o.rows, :, : o.length + o.pending]
+        return o.key_buffers[self.index][o.window, :, : o.length + o.pending]
 
     @keys.setter
     def keys(self, value: Any) -> None:  # DynamicLayer.__init__ assigns None; the views are computed
@@ -127,7 +128,7 @@ class _BufferLayer(DynamicLayer):
         o = self.owner
         if not o.value_buffers:
             return torch.empty(0)
-        return o.value_buffers[self.index][: o.rows, :, : o.length + o.pending]
+        return o.value_buffers[self.index][o.window, :, : o.length + o.pending]
 
     @values.setter
     def values(self, value: Any) -> None:
@@ -141,8 +142,8 @@ class _BufferLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         o = self.owner
         start, end = o.length, o.length + key_states.shape[2]
-        o.key_buffers[self.index][: o.rows, :, start:end] = key_states
-        o.value_buffers[self.index][: o.rows, :, start:end] = value_states
+        o.key_buffers[self.index][o.window, :, start:end] = key_states
+        o.value_buffers[self.index][o.window, :, start:end] = value_states
         o.pending = end - o.length
         return self.keys, self.values
 
@@ -156,8 +157,10 @@ class _BufferLayer(DynamicLayer):
 class BatchKV:
     """The running batch's cache, as a transformers ``DynamicCache`` (``.cache``) over shared buffers.
 
-    The engine calls :meth:`decode_mask` before a decode forward and :meth:`commit` after it;
-    :meth:`append` adds prefilled rows, :meth:`remove` drops finished rows.
+    The engine calls :meth:`decode_mask` (or :meth:`step_mask`) before a decode forward and
+    :meth:`commit` after it; :meth:`append` adds prefilled rows, :meth:`remove` drops finished rows.
+    A decode forward may run for part of the rows (:meth:`rows_only`): the cache views the model sees
+    are then those rows', which is how a batch whose forward failed is retried in parts.
     """
 
     def __init__(self, num_layers: int, max_rows: int) -> None:
@@ -169,6 +172,8 @@ class BatchKV:
         self.rows = 0
         self.length = 0
         self.pending = 0  # columns written by the current forward, not yet committed
+        self._part: Optional[slice] = None  # rows the current forward runs for (None: all)
+        self._dense: Optional[bool] = None  # no running row has padding (None: not known since a change)
         self.cache = DynamicCache()
         self.cache.layers = [_BufferLayer(self, i) for i in range(num_layers)]
         self.cache.layer_class_to_replicate = None
@@ -218,6 +223,20 @@ class BatchKV:
         mask[:r, :c] = self.mask_buffer[:r, :c]
         self.mask_buffer = mask
 
+    @property
+    def window(self) -> slice:
+        """The rows a forward runs for: all running rows, or the part :meth:`rows_only` set."""
+        return self._part if self._part is not None else slice(0, self.rows)
+
+    @contextlib.contextmanager
+    def rows_only(self, rows: slice) -> Iterator[None]:
+        """Within the block, the cache views (``.cache``) cover rows ``rows`` only."""
+        self._part = rows
+        try:
+            yield
+        finally:
+            self._part = None
+
     # ------------------------------------------------------------------ decode
 
     def decode_mask(self) -> torch.Tensor:
@@ -226,14 +245,24 @@ class BatchKV:
         self.mask_buffer[: self.rows, self.length] = True
         return self.mask_buffer[: self.rows, None, None, : self.length + 1]
 
-    def commit(self) -> None:
-        """Accept the columns the last forward wrote."""
-        self.length += self.pending
+    def step_mask(self) -> Optional[torch.Tensor]:
+        """:meth:`decode_mask`, or None when no running row has padding: attention over every column is
+        then what the mask would say, and SDPA runs without one. Whether rows are padded changes only
+        when rows join or leave, so it is worked out once after such a change."""
+        mask = self.decode_mask()
+        if self._dense is None:
+            self._dense = bool(self.mask_buffer[: self.rows, : self.length].all())
+        return None if self._dense else mask
+
+    def commit(self, columns: Optional[int] = None) -> None:
+        """Accept the columns the last forward wrote (``columns``: written directly into the buffers)."""
+        self.length += self.pending if columns is None else columns
         self.pending = 0
 
     def clear(self) -> None:
         """Drop every row (buffers are kept for reuse)."""
         self.rows = self.length = self.pending = 0
+        self._dense = None
 
     # ------------------------------------------------------------------ join / leave
 
@@ -265,6 +294,7 @@ class BatchKV:
         self.mask_buffer[r0:r1, :pad] = False
         self.mask_buffer[r0:r1, pad:new_length] = mask[:, start:]
         self.rows, self.length = r1, new_length
+        self._dense = None
 
     def _shift_right(self, shift: int) -> None:
         r, c = self.rows, self.length
@@ -299,6 +329,7 @@ class BatchKV:
                     buf[dst, :, :c] = buf[src, :, :c]
             self.mask_buffer[dst, :c] = self.mask_buffer[src, :c]
         self.rows = keep
+        self._dense = None
         if keep == 0:
             self.length = 0
         else:

@@ -78,6 +78,7 @@ def cpu_server_command(
         "--context-length", str(cfg.context_length),
         "--num-threads", str(cfg.num_threads),
         "--prefix-cache-mb", str(cfg.prefix_cache_mb),
+        "--weight-format", cfg.weight_format,
         "--weight-version", str(weight_version),
         *cfg.extra_args,
     ]  # fmt: skip
