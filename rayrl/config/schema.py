@@ -48,8 +48,8 @@ class EngineConfig:
     context_length: int = 4096  # longest prompt + response accepted
     num_threads: int = 0  # torch CPU threads per CPU engine (0: auto, the cores the schedule gives the engines)
     prefix_cache_mb: int = 1024  # CPU engine: KV of known prompt prefixes kept for reuse (0: off); SGLang has its radix cache
-    weight_format: Literal["auto", "float32", "fp16-packed"] = "auto"  # CPU engine decode weights: auto | float32 | fp16-packed (FBGEMM fp16 weights, float32 math: about 2x faster decode, log-probs within ~5e-3; repacked at every weight update). auto: fp16-packed where the engine's own decode path runs the model in float32 on x86, else float32; decided by the engine at load (docs/engines.md)
-    max_logprob_gap: float = 0.01  # CPU engine: when a step's train/engine_gap/mean_abs (mean |engine - trainer| log-prob over trained tokens) exceeds this, fp16-packed engines switch to float32 for the rest of the run, logged once (0: never)
+    weight_format: Literal["auto", "float32", "fp16-packed"] = "auto"  # CPU engine decode weights: auto | float32 | fp16-packed (half-precision weights for FBGEMM, float32 math: faster decode, log-probs within about 5e-3; repacked at every weight update). auto: fp16-packed where the engine's own decode path runs the model in float32 on x86, else float32; decided by each engine at load (docs/architecture.md, CPU engine)
+    max_logprob_gap: float = 0.01  # CPU engine: when a step's train/engine_gap/mean_abs (mean absolute engine - trainer log-prob difference over trained tokens) exceeds this, fp16-packed engines switch to float32 for the rest of the run, said once (0: never)
     host: str = "127.0.0.1"  # bind address of the engine servers
     startup_timeout_s: float = 300.0  # how long to wait for /health after launch
     request_timeout_s: float = 600.0  # client-side limit for one /generate
