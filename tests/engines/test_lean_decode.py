@@ -250,3 +250,48 @@ def test_real_smollm2_log_probs_hold_to_transformers(smollm2, fmt, max_tol, mean
             gaps.append((torch.tensor(res.output_logprobs) - expected).abs())
     gap = torch.cat(gaps)
     assert float(gap.max()) <= max_tol and float(gap.mean()) <= mean_tol, (float(gap.max()), float(gap.mean()))
+
+
+@packed_only
+def test_set_weight_format_over_http(tiny_model):
+    """POST /set_weight_format (the CPU engine's own route, the pipeline's float32 fallback): bad values
+    get a 400 with a JSON body; a good one repacks between steps, is counted and logged as a control call."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from _engine_kit import ServerThread
+
+    def post(server, body) -> tuple[int, dict]:
+        req = urllib.request.Request(server.url + "/set_weight_format", data=json.dumps(body).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, json.load(resp)
+        except urllib.error.HTTPError as err:
+            return err.code, json.load(err)
+
+    with CPUEngine(tiny_model, dtype="float32", max_batch_size=4, weight_format="fp16-packed") as eng:
+        server = ServerThread(eng)
+        try:
+            packed = eng.generate(PROMPTS[1], GREEDY, timeout=30)
+            for bad in ({}, {"weight_format": 3}, {"weight_format": "int4"}):
+                code, body = post(server, bad)
+                assert code == 400 and body["object"] == "error" and "weight_format" in body["message"]
+            code, body = post(server, {"weight_format": "float32"})
+            assert code == 200 and body["success"] and body["weight_format"] == "float32"
+            stats = eng.stats()
+            assert stats["weight_format"] == "float32" and stats["packed_weight_bytes"] == 0 and stats["weight_packs"] == 1
+            dense = eng.generate(PROMPTS[1], GREEDY, timeout=30)
+            torch.testing.assert_close(torch.tensor(dense.output_logprobs),
+                                       forward_logprobs(_reference(tiny_model), PROMPTS[1], dense.output_ids),
+                                       atol=1e-4, rtol=0)
+            code, body = post(server, {"weight_format": "fp16-packed"})
+            assert code == 200 and body["pack_seconds"] > 0
+            again = eng.generate(PROMPTS[1], GREEDY, timeout=30)  # its prompt now comes from the prefix cache
+            assert again.output_ids == packed.output_ids
+            torch.testing.assert_close(torch.tensor(again.output_logprobs), torch.tensor(packed.output_logprobs),
+                                       atol=1e-5, rtol=0)
+            assert server.server.control_calls.count("set_weight_format") == 2
+        finally:
+            server.close()
