@@ -2,8 +2,9 @@
 
 Layout: per layer, keys and values live in buffers ``[row_capacity, kv_heads, col_capacity, head_dim]``;
 rows ``[0, rows)`` are the running requests, columns ``[0, length)`` are valid, and every row is
-right-aligned (left padding), so one decode step appends one column for all rows. A boolean
-``mask [row_capacity, col_capacity]`` marks real tokens.
+right-aligned (left padding), so one decode step appends one column for all rows. A layer's keys and
+values are the two halves of one ``[2, rows, heads, cols, dim]`` buffer (``kv_buffers``), so a decode
+step writes both with one copy. A boolean ``mask [row_capacity, col_capacity]`` marks real tokens.
 
 Why this shape: a decode step writes its column in place and attends over a view, so no step copies the
 cache (transformers' DynamicCache concatenates, copying everything every step). Joins and leaves touch
@@ -166,8 +167,9 @@ class BatchKV:
     def __init__(self, num_layers: int, max_rows: int) -> None:
         self.num_layers = num_layers
         self.max_rows = max_rows
-        self.key_buffers: list[torch.Tensor] = []
-        self.value_buffers: list[torch.Tensor] = []
+        self.kv_buffers: list[torch.Tensor] = []  # per layer [2, rows, heads, cols, dim]: keys, values
+        self.key_buffers: list[torch.Tensor] = []  # views: kv_buffers[i][0]
+        self.value_buffers: list[torch.Tensor] = []  # views: kv_buffers[i][1]
         self.mask_buffer = torch.zeros(0, 0, dtype=torch.bool)
         self.rows = 0
         self.length = 0
@@ -208,17 +210,16 @@ class BatchKV:
         if not refs:
             raise ValueError("the first append needs a block to size the buffers")
         r, c = self.rows, self.length
-        new_keys, new_values = [], []
+        new_kv = []
         for i in range(self.num_layers):
-            shape = (new_rows, refs[i].shape[1], new_cols, refs[i].shape[3])
-            k = torch.empty(shape, dtype=refs[i].dtype, device=refs[i].device)
-            v = torch.empty(shape, dtype=refs[i].dtype, device=refs[i].device)
-            if self.key_buffers and r and c:
-                k[:r, :, :c] = self.key_buffers[i][:r, :, :c]
-                v[:r, :, :c] = self.value_buffers[i][:r, :, :c]
-            new_keys.append(k)
-            new_values.append(v)
-        self.key_buffers, self.value_buffers = new_keys, new_values
+            shape = (2, new_rows, refs[i].shape[1], new_cols, refs[i].shape[3])
+            kv = torch.empty(shape, dtype=refs[i].dtype, device=refs[i].device)
+            if self.kv_buffers and r and c:
+                kv[:, :r, :, :c] = self.kv_buffers[i][:, :r, :, :c]
+            new_kv.append(kv)
+        self.kv_buffers = new_kv
+        self.key_buffers = [kv[0] for kv in new_kv]
+        self.value_buffers = [kv[1] for kv in new_kv]
         mask = torch.zeros(new_rows, new_cols, dtype=torch.bool)
         mask[:r, :c] = self.mask_buffer[:r, :c]
         self.mask_buffer = mask

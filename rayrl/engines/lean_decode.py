@@ -254,7 +254,7 @@ class LeanDecoder:
         n = ids.shape[0]
         col = kv.length
         heads, kv_heads, dim, half = self.q_heads, self.kv_heads, self.head_dim, self.head_dim // 2
-        eps, width, inter = self.eps, self.qk_width, self.intermediate
+        eps, width, inter, q_width = self.eps, self.qk_width, self.intermediate, self.q_heads * self.head_dim
         norm_shape, head_shape = (self.hidden,), (dim,)
         cos = self.cos.index_select(0, positions).view(n, 1, dim)
         sin = self.sin.index_select(0, positions).view(n, 1, dim)
@@ -264,17 +264,16 @@ class LeanDecoder:
             qkv = layer.qkv(h)
             qk = qkv[:, :width].view(n, heads + kv_heads, dim)
             if layer.q_norm is not None:
-                qk = torch.cat([F.rms_norm(qk[:, :heads], head_shape, layer.q_norm, eps),
-                                F.rms_norm(qk[:, heads:], head_shape, layer.k_norm, eps)], dim=1)
-            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
-            keys, values = kv.key_buffers[i], kv.value_buffers[i]
-            keys[rows, :, col] = qk[:, heads:]
-            values[rows, :, col] = qkv[:, width:].view(n, kv_heads, dim)
+                qk[:, :heads] = F.rms_norm(qk[:, :heads], head_shape, layer.q_norm, eps)
+                qk[:, heads:] = F.rms_norm(qk[:, heads:], head_shape, layer.k_norm, eps)
+            torch.addcmul(qk * cos, qk.roll(half, -1), sin, out=qk)  # RoPE, in place: qkv is [q, k, v] again
+            cache = kv.kv_buffers[i]
+            cache[:, rows, :, col] = qkv[:, q_width:].view(n, 2, kv_heads, dim).transpose(0, 1)
             att = F.scaled_dot_product_attention(
-                qk[:, :heads].view(n, kv_heads, self.group, dim),
-                keys[rows, :, : col + 1], values[rows, :, : col + 1], attn_mask=mask, scale=self.scale,
+                qkv[:, :q_width].view(n, kv_heads, self.group, dim),
+                cache[0, rows, :, : col + 1], cache[1, rows, :, : col + 1], attn_mask=mask, scale=self.scale,
             )
-            x = x + layer.o(att.view(n, heads * dim))
+            x = x + layer.o(att.view(n, q_width))
             h = F.rms_norm(x, norm_shape, layer.post_norm, eps)
             gate_up = layer.gate_up(h)
             x = x + layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])

@@ -97,7 +97,7 @@ class PackedBatch:
     advantages: torch.Tensor  # [1, T] float32
     cu_seqlens: torch.Tensor  # [n + 1] int32, padded segment boundaries
     max_seqlen: int
-    policy_versions: Optional[torch.Tensor] = None  # [1, T] int64: the version that sampled each trained token
+    policy_versions: torch.Tensor  # [1, T] int64: the version that sampled each trained token (-1 elsewhere)
 
     @property
     def num_tokens(self) -> int:
@@ -181,7 +181,7 @@ def split_for_context_parallel(batch: PackedBatch, cp_size: int, cp_rank: int) -
     picked = {
         name: getattr(batch, name).index_select(1, index)
         for name in ("tokens", "position_ids", "targets", "loss_mask", "rollout_logprobs", "advantages",
-                     "policy_versions") if getattr(batch, name) is not None
+                     "policy_versions")
     }
     return PackedBatch(**picked, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
 
