@@ -104,8 +104,11 @@ class OursWorker:
         from torch.profiler import ProfilerActivity, profile
 
         before = self.engine.stats()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            r = self.run(prompts, new_tokens)
+        holder: list[Any] = []  # torch's profiler records the thread it starts on: the engine's loop thread
+        self.engine._call_in_loop(lambda: holder.append(profile(activities=[ProfilerActivity.CPU]).__enter__()))
+        r = self.run(prompts, new_tokens)
+        self.engine._call_in_loop(lambda: holder[0].__exit__(None, None, None))
+        prof = holder[0]
         after = self.engine.stats()
         kinds: dict[str, float] = {}
         for op in prof.key_averages():
@@ -115,19 +118,6 @@ class OursWorker:
                 "prefill_s": after["prefill_seconds"] - before["prefill_seconds"],
                 "decode_s": after["decode_seconds"] - before["decode_seconds"]}
 
-
-OP_KINDS = (  # (kind, substrings of torch op names), first match wins
-    ("matmuls with weights", ("linear_dynamic", "addmm", "aten::mm", "aten::linear", "matmul")),
-    ("attention", ("scaled_dot_product", "flash_attention", "aten::bmm", "baddbmm")),
-    ("sampling and log-softmax", ("log_softmax", "argmax", "gather", "amax", "isfinite", "searchsorted")),
-)
-
-
-def op_kind(name: str) -> str:
-    for kind, keys in OP_KINDS:
-        if any(k in name for k in keys):
-            return kind
-    return "other ops (norms, RoPE, residuals, cache writes, copies)"
 
     def roofline(self) -> dict[str, float]:
         """A float32 matmul peak and a copy bandwidth, with torch on this worker's threads."""
@@ -151,6 +141,20 @@ def op_kind(name: str) -> str:
             dst.copy_(src)
             times.append(time.perf_counter() - t0)
         return {"matmul_flops": best, "copy_bytes_per_s": 2 * src.numel() * 4 / sorted(times)[2]}
+
+
+OP_KINDS = (  # (kind, substrings of torch op names), first match wins
+    ("matmuls with weights", ("linear_dynamic", "addmm", "aten::mm", "aten::linear", "matmul")),
+    ("attention", ("scaled_dot_product", "flash_attention", "aten::bmm", "baddbmm")),
+    ("sampling and log-softmax", ("log_softmax", "argmax", "gather", "amax", "isfinite", "searchsorted")),
+)
+
+
+def op_kind(name: str) -> str:
+    for kind, keys in OP_KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return "other ops (norms, RoPE, residuals, cache writes, copies)"
 
 
 class LlamaWorker:
