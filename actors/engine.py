@@ -161,9 +161,11 @@ class EngineActor:
             raise EngineError(400, f"{name}: {result.get('message')}", self.process.url)
         return result
 
-    async def set_weight_format(self, weight_format: str) -> None:
-        """The CPU engine's decode weights (the pipeline's float32 fallback, rayrl/rl/logprob_gap.py)."""
-        await self._call("set_weight_format", weight_format)
+    async def set_weight_format(self, weight_format: str) -> bool:
+        """The CPU engine's decode weights (the pipeline's float32 fallback, rayrl/rl/logprob_gap.py); True
+        when they changed."""
+        reply = await self._call("set_weight_format", weight_format)
+        return reply.get("previous_weight_format") != weight_format
 
     async def pause_generation(self, mode: str = "abort") -> None:
         await self._call("pause_generation", mode)

@@ -221,12 +221,13 @@ class EngineFleet:
     def resume_memory_occupation(self) -> None:
         self._all("resume_memory_occupation", None)
 
-    def set_weight_format(self, weight_format: str) -> None:
-        """Every CPU engine's decode weights from now on, replacements included (SGLang has none)."""
+    def set_weight_format(self, weight_format: str) -> int:
+        """Every CPU engine's decode weights from now on, replacements included (SGLang has none); returns
+        how many engines changed."""
         if self.cfg.backend == "sglang":
-            return
+            return 0
         self.cfg = replace(self.cfg, weight_format=weight_format)
-        self._all("set_weight_format", weight_format)
+        return sum(self._all("set_weight_format", weight_format))
 
     def weight_versions(self) -> dict[int, str]:
         slots = self.live()

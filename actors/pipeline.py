@@ -251,9 +251,10 @@ class Pipeline:
         if gap is None or self._gap_fallback or engine.backend != "cpu" or engine.weight_format == "float32":
             return
         self._gap_fallback = True
-        logger.warning("step %d: engine-trainer log-prob gap %.4g > engine.max_logprob_gap %g; fp16-packed CPU "
-                       "engines decode with float32 weights from now on", self.step, gap, engine.max_logprob_gap)
-        self.engines.set_weight_format("float32")
+        switched = self.engines.set_weight_format("float32")
+        logger.warning("step %d: engine-trainer log-prob gap %.4g > engine.max_logprob_gap %g; %s", self.step, gap,
+                       engine.max_logprob_gap, f"{switched} fp16-packed engine(s) decode with float32 weights from "
+                       "now on" if switched else "no engine decodes with packed weights, so nothing changes")
 
     def _engine_work(self) -> EngineWork:
         """The engines' counters: cumulative tokens, and forward-pass seconds since the last reading (per

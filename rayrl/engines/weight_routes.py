@@ -51,9 +51,10 @@ class WeightEndpoints:
         fmt = body.get("weight_format")
         if not isinstance(fmt, str):
             raise RequestError("weight_format must be a string")
+        previous = self.engine.weight_format
         seconds = await asyncio.get_running_loop().run_in_executor(None, self.engine.set_weight_format, fmt)
-        return web.json_response({"success": True, "message": f"Decode weights are {fmt}.",
-                                  "weight_format": fmt, "pack_seconds": seconds})
+        return web.json_response({"success": True, "message": f"Decode weights are {fmt}.", "weight_format": fmt,
+                                  "previous_weight_format": previous, "pack_seconds": seconds})
 
     async def _apply_weights(self, body: dict[str, Any], load: Callable[[], int], what: str) -> web.Response:
         version = self._version_field(body)

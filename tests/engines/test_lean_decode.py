@@ -280,6 +280,7 @@ def test_set_weight_format_over_http(tiny_model):
                 assert code == 400 and body["object"] == "error" and "weight_format" in body["message"]
             code, body = post(server, {"weight_format": "float32"})
             assert code == 200 and body["success"] and body["weight_format"] == "float32"
+            assert body["previous_weight_format"] == "fp16-packed"
             stats = eng.stats()
             assert stats["weight_format"] == "float32" and stats["packed_weight_bytes"] == 0 and stats["weight_packs"] == 1
             dense = eng.generate(PROMPTS[1], GREEDY, timeout=30)
