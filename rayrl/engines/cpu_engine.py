@@ -16,11 +16,11 @@ steps; a request that spans an update records which version produced each token.
 Log-probs are the RAW model distribution's (``log_softmax`` of the logits, no temperature, no top-p),
 as float32 — see sampling.py for why.
 
-Decoding runs through lean_decode.py (the engine's own step for Llama/Qwen models, weights in
-``weight_format``: float32 or FBGEMM-packed fp16, weight_formats.py) where the model allows, else through
-the transformers forward; prefill always runs through transformers. A weight update is copied into the
-model and the packed weights are rebuilt from it inside the same loop command, so no decode step ever
-sees half-updated packed weights; the seconds it took are counted (``weight_pack_seconds``).
+Prefill and decode run through lean_decode.py (the engine's own forward for Llama/Qwen models, weights
+in ``weight_format``: float32 or FBGEMM-packed fp16, weight_formats.py) where the model allows, else
+through the transformers forward. A weight update is copied into the model and the packed weights are
+rebuilt from it inside the same loop command (engine_weights.py), so no step ever sees half-updated
+packed weights; the seconds it took are counted (``weight_pack_seconds``).
 
 One request's failure is its own: bad values are refused at :meth:`CPUEngine.submit` (ValueError, a 400
 over HTTP), and what still fails inside the batch (a row that cannot be sampled, a prefill that raises,

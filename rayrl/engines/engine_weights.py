@@ -38,6 +38,7 @@ class WeightsMixin:
     _params: dict[str, torch.Tensor]
     _counters: Any
     _weight_version: str
+    _flush_prefix_cache: Any
 
     def _lean_decoder(self, weight_format: str) -> Optional[LeanDecoder]:
         """The lean decode path in ``weight_format`` ("auto" resolved here), or None where it cannot run
@@ -113,6 +114,7 @@ class WeightsMixin:
             seconds = lean.pack(weight_format)
             self._counters["weight_pack_s"] += seconds
             self._counters["weight_packs"] += 1
+            self._flush_prefix_cache()  # cached keys came from the other format's numbers
             return seconds
 
         seconds = self._call_in_loop(apply)

@@ -98,11 +98,6 @@ class KVBlock:
     values: list[torch.Tensor]
     mask: torch.Tensor
 
-    @classmethod
-    def from_cache(cls, cache: DynamicCache, mask: torch.Tensor) -> "KVBlock":
-        """A block from a freshly prefilled transformers cache (layers with ``keys``/``values``)."""
-        return cls([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], mask)
-
 
 class _BufferLayer(DynamicLayer):
     """One layer's keys/values in a shared buffer; ``update`` writes in place and returns views."""

@@ -17,9 +17,11 @@ This module is the same arithmetic in as few ops as the model allows:
   head, so the shared keys are never repeated. No mask is built when no running row has padding.
 - The head's output is the ``[rows, vocab]`` float32 logits the sampler takes as is.
 
-The transformers model stays the reference (tests/engines/test_lean_decode.py holds this path's
-log-probs to it on the real SmolLM2) and runs prefill, which is compute-bound and batched already.
-Models this path does not cover (another architecture, a dynamic RoPE, sliding-window attention) decode
+Prefill runs through the same weights (:meth:`LeanDecoder.prefill`: prompt columns in left-padded
+batches, or on top of cached prefixes, as prefill.py builds them), so a request's first token and the
+prompt's cached keys come from the format its decode steps use. The transformers model stays the
+reference (tests/engines/test_lean_decode.py holds this path's log-probs to it on the real SmolLM2).
+Models this path does not cover (another architecture, a dynamic RoPE, sliding-window attention) run
 through transformers as before (:func:`unsupported_reason` says why).
 """
 
@@ -242,6 +244,50 @@ class LeanDecoder:
         for layer in self.layers:
             total += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
         return total
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor],
+                past: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]], all_logits: bool):
+        """Prompt tokens ``ids`` ``[n, T]`` at ``positions`` ``[n, T]``, over ``past`` keys/values per layer
+        (``[n, kv_heads, P, head_dim]``, or None). ``mask``: ``[n, 1, T, P + T]`` boolean (True = attend), or
+        None for plain causal attention without a past. Returns the logits (``[n, T, vocab]`` when
+        ``all_logits``, else the last column's ``[n, 1, vocab]``) and every layer's keys and values over the
+        past and new columns, as prefill.py's transformers forward does."""
+        n, t = ids.shape
+        heads, kv_heads, dim, half = self.q_heads, self.kv_heads, self.head_dim, self.head_dim // 2
+        eps, width, inter = self.eps, self.qk_width, self.intermediate
+        q_width, kv_width = heads * dim, kv_heads * dim
+        norm_shape, head_shape = (self.hidden,), (dim,)
+        cos = self.cos[positions].view(n, t, 1, dim)
+        sin = self.sin[positions].view(n, t, 1, dim)
+        x = F.embedding(ids, self.base.embed_tokens.weight)
+        keys_out: list[torch.Tensor] = []
+        values_out: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, norm_shape, layer.in_norm, eps)
+            qkv = layer.qkv(h)
+            qk = qkv[..., :width].view(n, t, heads + kv_heads, dim)
+            if layer.q_norm is not None:
+                qk[:, :, :heads] = F.rms_norm(qk[:, :, :heads], head_shape, layer.q_norm, eps)
+                qk[:, :, heads:] = F.rms_norm(qk[:, :, heads:], head_shape, layer.k_norm, eps)
+            torch.addcmul(qk * cos, qk.roll(half, -1), sin, out=qk)
+            q = qkv[..., :q_width].view(n, t, heads, dim).transpose(1, 2)
+            k = qkv[..., q_width : q_width + kv_width].view(n, t, kv_heads, dim).transpose(1, 2)
+            v = qkv[..., q_width + kv_width :].view(n, t, kv_heads, dim).transpose(1, 2)
+            if past is not None:
+                k, v = torch.cat([past[0][i], k], dim=2), torch.cat([past[1][i], v], dim=2)
+            keys_out.append(k)
+            values_out.append(v)
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
+                                                 scale=self.scale, enable_gqa=kv_heads != heads)
+            x = x + layer.o(att.transpose(1, 2).reshape(n, t, q_width))
+            h = F.rms_norm(x, norm_shape, layer.post_norm, eps)
+            gate_up = layer.gate_up(h)
+            x = x + layer.down(F.silu(gate_up[..., :inter]) * gate_up[..., inter:])
+        x = F.rms_norm(x if all_logits else x[:, -1:], norm_shape, self.base.norm.weight, eps)
+        assert self.head is not None
+        return self.head(x), keys_out, values_out
 
     # ------------------------------------------------------------------ the step
 

@@ -8,7 +8,7 @@ Tolerances (max |engine - transformers| log-prob of each generated token, recomp
 transformers forward in float32):
 - float32 weights: 1e-4 (float32 rounding of fused matmuls and another attention kernel);
 - fp16-packed weights, on the real SmolLM2-135M-Instruct: 1e-2 at most and 2e-3 on average (measured
-  4.3e-3 and 8.7e-4 on 2026-11-26); on the random tiny models, whose logits are far larger than a
+  about 4e-3 and 9e-4 on 2026-11-26); on the random tiny models, whose logits are far larger than a
   trained model's, 2e-2 (measured up to 7.5e-3).
 """
 
@@ -289,10 +289,8 @@ def test_set_weight_format_over_http(tiny_model):
                                        atol=1e-4, rtol=0)
             code, body = post(server, {"weight_format": "fp16-packed"})
             assert code == 200 and body["pack_seconds"] > 0
-            again = eng.generate(PROMPTS[1], GREEDY, timeout=30)  # its prompt now comes from the prefix cache
-            assert again.output_ids == packed.output_ids
-            torch.testing.assert_close(torch.tensor(again.output_logprobs), torch.tensor(packed.output_logprobs),
-                                       atol=1e-5, rtol=0)
+            again = eng.generate(PROMPTS[1], GREEDY, timeout=30)  # the prefix cache was emptied at each change
+            assert again.output_ids == packed.output_ids and again.output_logprobs == packed.output_logprobs
             assert server.server.control_calls.count("set_weight_format") == 2
         finally:
             server.close()
