@@ -169,12 +169,15 @@ def test_packed_update_while_a_request_decodes(tiny_model):
     original = {k: v.clone() for k, v in reference.state_dict().items()}
     updates = {"1": random_weights(reference, seed=31), "2": random_weights(reference, seed=32)}
     with CPUEngine(tiny_model, dtype="float32", max_batch_size=4, weight_format="fp16-packed") as eng:
-        h = eng.submit(PROMPTS[1], dict(GREEDY, max_new_tokens=600))
-        for version, weights in updates.items():
+        h = eng.submit(PROMPTS[1], dict(GREEDY, max_new_tokens=1500), rid="spans-updates")
+        for version, weights in [*updates.items(), (None, None)]:
             seen = len(h.output_ids)
             while len(h.output_ids) < seen + 5:
                 threading.Event().wait(0.002)
-            eng.update_weights(weights, version=version)
+            if weights is None:
+                eng.abort("spans-updates")  # enough tokens after the second update: the rest adds nothing
+            else:
+                eng.update_weights(weights, version=version)
         res = h.result(120)
     versions = res.token_versions
     assert versions is not None and versions[0] == "0" and versions[-1] == "2" and "1" in versions
