@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from engine_profile import op_kind, report_profile
 from measure import Record, Spread, add_common_args, alternate, paired_ratio
 
 HERE = Path(__file__).resolve()
@@ -141,20 +142,6 @@ class OursWorker:
             dst.copy_(src)
             times.append(time.perf_counter() - t0)
         return {"matmul_flops": best, "copy_bytes_per_s": 2 * src.numel() * 4 / sorted(times)[2]}
-
-
-OP_KINDS = (  # (kind, substrings of torch op names), first match wins
-    ("matmuls with weights", ("linear_dynamic", "addmm", "aten::mm", "aten::linear", "matmul")),
-    ("attention", ("scaled_dot_product", "flash_attention", "aten::bmm", "baddbmm")),
-    ("sampling and log-softmax", ("log_softmax", "argmax", "gather", "amax", "isfinite", "searchsorted")),
-)
-
-
-def op_kind(name: str) -> str:
-    for kind, keys in OP_KINDS:
-        if any(k in name for k in keys):
-            return kind
-    return "other ops (norms, RoPE, residuals, cache writes, copies)"
 
 
 class LlamaWorker:
@@ -391,8 +378,9 @@ def main() -> int:
         for w in workers.values():
             w.close()
 
-    report(record, info, results, roof, new, (lo, hi))
-    report_profile(record, results, profiles, new)
+    goals = report(record, info, results, roof, new, (lo, hi))
+    weight_bytes = {"ours": info["ours"]["weight_bytes"], "llama.cpp": weight_bytes_gguf(str(_gguf_path()))}
+    report_profile(record, info, results, profiles, new, goals, weight_bytes)
     pairs = [(a, b) for h in heads.values() if len(h) == 2 for a, b in zip(h["ours"], h["llama.cpp"])]
     n_tok = min(HEAD, new)
     record.note(f"check: over {len(pairs)} sequences both engines decoded, the first generated token agrees in "
@@ -404,7 +392,8 @@ def main() -> int:
 
 
 def report(record: Record, info: dict[str, Any], results: dict[str, dict], roof: dict[str, float], new: int,
-           prompt_range: tuple[int, int]) -> None:
+           prompt_range: tuple[int, int]) -> dict[str, bool]:
+    """The comparison and roofline tables; returns each row's goal, met or not."""
     ours, llama = info["ours"], info["llama.cpp"]
     record.note(f"ours: rayrl CPUEngine, dtype {ours['dtype']} (engine.dtype auto on this CPU), dequantised "
                 f"weights, decode path {ours['decode_path']}, weight format {ours['weight_format']} (packed at "
@@ -423,9 +412,9 @@ def report(record: Record, info: dict[str, Any], results: dict[str, dict], roof:
         rows.append([name, a.fmt(digits), b.fmt(digits), ratio.fmt(2, "x"), unit])
         record.figure(name, {"ours": a, "llama.cpp": b, "ratio": ratio})
         if name == "batch-1 decode":
-            goals.append(("at least 0.4x llama.cpp at batch 1", ratio.median >= 0.4))
+            goals.append((name, "at least 0.4x llama.cpp at batch 1", ratio.median >= 0.4))
         elif "concurrent" in name:
-            goals.append((f"at least 1.5x llama.cpp at {name}", ratio.median >= 1.5))
+            goals.append((name, f"at least 1.5x llama.cpp at {name}", ratio.median >= 1.5))
     record.table(f"median [IQR] (min-max, n) over alternating rounds; ours/llama.cpp is the median of per-round "
                  f"ratios; prompts of {prompt_range[0]}-{prompt_range[1]} tokens in the concurrent rows",
                  ["measurement", "ours", "llama.cpp", "ours/llama.cpp", "unit"], rows)
@@ -452,33 +441,8 @@ def report(record: Record, info: dict[str, Any], results: dict[str, dict], roof:
                  ["engine", "tokens/s", "GFLOP/s", "share of FLOP peak", "weights read/token",
                   "bandwidth roof tok/s", "share of bandwidth roof"], roof_rows)
     record.figure("roofline", roof)
-    record.note("goal: " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in goals))
-
-
-def report_profile(record: Record, results: dict[str, dict], profiles: dict[str, dict], new: int) -> None:
-    """Where the time goes: both sides' prefill and decode, then ours by kind of work."""
-    rows = []
-    for name in profiles:
-        for side in SIDES:
-            prefill, step = results[name][side]["prefill_s"], results[name][side]["decode_ms_step"]
-            share = prefill.median / (prefill.median + step.median * (new - 1) / 1e3)
-            rows.append([name, side, prefill.fmt(3), step.fmt(1), f"{share:.0%}"])
-    record.table("prefill and decode per side, from the same alternating rounds: prefill = until every request has "
-                 "its first token; decode = the rest, per step (every running sequence gets one token)",
-                 ["row", "engine", "prefill s", "decode ms/step", "prefill share"], rows)
-    kinds = sorted({k for prof in profiles.values() for k in prof["kinds"]})
-    rows = []
-    for name, prof in profiles.items():
-        wall = prof["wall"]
-        inside = sum(prof["kinds"].values())
-        step_ms = 1e3 * prof["decode_s"] / max(prof["steps"], 1)
-        rows.append([name, f"{wall:.2f}", f"{prof['prefill_s']:.2f}", f"{step_ms:.1f}",
-                     *(f"{prof['kinds'].get(k, 0.0) / wall:.0%}" for k in kinds), f"{max(wall - inside, 0.0) / wall:.0%}"])
-    record.table("ours under torch's profiler, one run per row after the rounds (the profiler slows it a little): "
-                 "self time of the ops by kind as a share of the run's wall time, and the time outside any op "
-                 "(Python, dispatch, waits)",
-                 ["row", "wall s", "prefill s", "decode ms/step", *kinds, "outside ops"], rows)
-    record.figure("profile", profiles)
+    record.note("goal: " + "; ".join(f"{goal}: {'met' if ok else 'NOT met'}" for _, goal, ok in goals))
+    return {row: ok for row, _, ok in goals}
 
 
 def _gguf_path() -> Path:
