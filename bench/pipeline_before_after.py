@@ -59,6 +59,8 @@ def main() -> int:
     ap.add_argument("--files-steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per figure")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="longest one run may take")
+    ap.add_argument("--only", choices=("make run", "files task"), default=None,
+                    help="measure one of the two (each round of make run takes ~7 min a side on 2 cores)")
     add_common_args(ap)
     args = ap.parse_args()
     sides = {"before": args.base.resolve(), "after": ROOT}
@@ -71,6 +73,8 @@ def main() -> int:
     runs = {"make run": ([] if not args.quick else ["trainer.steps=2"]),
             "files task": ["--config", "examples/files/config.yaml", f"trainer.steps={2 if args.quick else args.files_steps}",
                            "pipeline.eval_interval=0"]}
+    if args.only:
+        runs = {args.only: runs[args.only]}
     results = {}
     for name, driver_args in runs.items():
         count = {side: 0 for side in sides}
@@ -87,14 +91,17 @@ def main() -> int:
     rows = []
     for name, figure, unit in (("make run", "wall_s", "s, whole run"), ("files task", "step_s", "s per step"),
                                ("files task", "wall_s", "s, whole run")):
+        if name not in results:
+            continue
         before, after = results[name]["before"][figure], results[name]["after"][figure]
         rows.append([f"{name}: {unit}", before.fmt(1), after.fmt(1), paired_ratio(before, after).fmt(2, "x")])
         record.figure(f"{name} {figure}", {"before": before, "after": after})
     record.table("median [IQR] (min-max, n) over alternating rounds; before/after is the median of per-round "
                  "ratios (above 1: faster after)", ["measurement", "before", "after", "speed-up"], rows)
     record.note(f"before: {git_commit(sides['before'])} ({sides['before']}); after: {git_commit(ROOT)}. "
-                f"make run = python driver.py (examples/calculator, 10 steps); files task = examples/files/config.yaml, "
-                f"{runs['files task'][2]}, no evaluation. Each run starts its own local Ray.")
+                "make run = python driver.py (examples/calculator, 10 steps); files task = examples/files/config.yaml, "
+                f"trainer.steps={2 if args.quick else args.files_steps}, no evaluation. Each run starts its own local Ray."
+                + (f" Only {args.only} measured in this run (--only)." if args.only else ""))
     record.save()
     return 0
 
