@@ -31,7 +31,8 @@ from measure import ROOT, Record, add_common_args, alternate, paired_ratio
 
 
 def git_commit(checkout: Path) -> str:
-    out = subprocess.run(["git", "-C", str(checkout), "log", "-1", "--format=%h %s"], capture_output=True, text=True)
+    out = subprocess.run(["git", "-C", str(checkout), "log", "-1", "--format=%h %s"], capture_output=True,
+                         text=True, check=False)
     return out.stdout.strip()[:90] or "?"
 
 
@@ -40,7 +41,8 @@ def run_driver(checkout: Path, out_dir: Path, args: list[str], timeout_s: float)
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     cmd = [sys.executable, "driver.py", *args, f"logging.output_dir={out_dir}"]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True, timeout=timeout_s,
+                          check=False)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} in {checkout} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n"
@@ -79,7 +81,7 @@ def main() -> int:
     for name, driver_args in runs.items():
         count = {side: 0 for side in sides}
 
-        def side(which: str, driver_args: list[str] = driver_args, name: str = name):
+        def side(which: str, driver_args: list[str] = driver_args, name: str = name, count: dict = count):
             def go() -> dict[str, float]:
                 count[which] += 1
                 out = scratch / f"{name.replace(' ', '-')}-{which}-{count[which]}"
