@@ -51,7 +51,8 @@ test-all: $(TDEPS) model
 	$(BIN)/python -X faulthandler -m pytest -q -ra -m "slow or not slow"
 
 # every bench, then docs/benchmarks.md from their records (runs/bench/); BENCH_QUICK=1 for a smoke run
-# (its page goes to runs/bench/benchmarks.md).
+# (its page goes to runs/bench/benchmarks.md). BASE=/path/to/an/older/checkout adds make run's wall time and
+# the files task's step time, that checkout against this one (bench/pipeline_before_after.py).
 # The first time, the bench extra builds llama-cpp-python from source (~30 min on 2 cores).
 bench: $(TDEPS) model
 	$(BIN)/pip install --quiet -e '.[bench]'
@@ -63,6 +64,7 @@ bench: $(TDEPS) model
 	$(BIN)/python bench/trajectory_scaling.py
 	$(BIN)/python bench/weight_transfer.py
 	$(BIN)/python bench/sandbox_pool.py
+	$(if $(BASE),$(BIN)/python bench/pipeline_before_after.py --base $(BASE))
 	$(BIN)/python bench/report.py
 
 clean-runs:

@@ -135,7 +135,8 @@ class EngineActor:
         """Cumulative counters of the server (the CPU engine's: prompt tokens, prefix-cache hits, seconds in
         prefill and decode forward passes); 0 for what the server does not report."""
         keys = {"prompt_tokens": "prompt_tokens", "cached_prompt_tokens": "prefix_cache_hit_tokens",
-                "prefill_s": "prefill_seconds", "decode_s": "decode_seconds", "requests": "requests_finished"}
+                "prefill_s": "prefill_seconds", "decode_s": "decode_seconds", "requests": "requests_finished",
+                "weight_pack_s": "weight_pack_seconds"}
         try:
             info = await self.client.get_server_info()
         except EngineError:
@@ -161,6 +162,12 @@ class EngineActor:
         if isinstance(result, dict) and result.get("success") is False:
             raise EngineError(400, f"{name}: {result.get('message')}", self.process.url)
         return result
+
+    async def set_weight_format(self, weight_format: str) -> bool:
+        """The CPU engine's decode weights (the pipeline's float32 fallback, rayrl/rl/logprob_gap.py); True
+        when they changed."""
+        reply = await self._call("set_weight_format", weight_format)
+        return reply.get("previous_weight_format") != weight_format
 
     async def pause_generation(self, mode: str = "abort") -> None:
         await self._call("pause_generation", mode)

@@ -14,7 +14,7 @@ Control calls (pause, memory, stats) fan out to the live engines concurrently.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 from urllib.parse import urlsplit
 
@@ -222,6 +222,14 @@ class EngineFleet:
         """``tags``: what comes back (None: everything); the colocated schedule brings the weights back
         first, the KV cache and CUDA graphs once the trainer has given its memory back."""
         self._all("resume_memory_occupation", list(tags) if tags is not None else None)
+
+    def set_weight_format(self, weight_format: str) -> int:
+        """Every CPU engine's decode weights from now on, replacements included (SGLang has none); returns
+        how many engines changed."""
+        if self.cfg.backend == "sglang":
+            return 0
+        self.cfg = replace(self.cfg, weight_format=weight_format)
+        return sum(self._all("set_weight_format", weight_format))
 
     def weight_versions(self) -> dict[int, str]:
         slots = self.live()

@@ -50,6 +50,7 @@ from rayrl.models import resolve_model_path
 from rayrl.records import tokenizer_text, write_episodes, write_inspection
 from rayrl.rl.batch import Batch, build_batch
 from rayrl.rl.failures import failure_kind
+from rayrl.rl.logprob_gap import gap_crossed
 from rayrl.rl.step_metrics import EngineWork, gateway_metrics, step_metrics
 
 __all__ = ["Pipeline", "WeightSyncError"]
@@ -119,6 +120,7 @@ class Pipeline:
         self._engine_busy = CounterDeltas(time.monotonic())
         self._episodes_total = 0
         self._started_at = time.monotonic()
+        self._gap_fallback = False  # engine.max_logprob_gap was crossed: the engines decode in float32
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -163,13 +165,15 @@ class Pipeline:
         train = self.schedule.train(batch) if batch.trains else None
         if train is None:
             logger.info("step %d: every group had equal rewards; no gradient step", state.step)
+        self._check_engine_gap(train)
         self.checkpoints.untrained_taken = []  # trained (or nothing to learn: equal rewards in every group)
         self._episodes_total += len(episodes)
         metrics = step_metrics(
             episodes, batch, version=version, policy_version=state.version, train=train,
             pipeline_counts=counts, groups_in_flight=in_flight,
             failures={**state.failures, **self.dispatcher.counts}, engines=self._engine_work(),
-            extra={**gateway_metrics(self.trajectories.stats()), **self._agentcore_metrics()},
+            extra={**gateway_metrics(self.trajectories.stats()), **self._agentcore_metrics(),
+                   "engine/float32_fallback": float(self._gap_fallback)},
             rollout_s=rollout_s, step_s=time.monotonic() - started,
             run_episodes=self._episodes_total,
             run_s=time.monotonic() - self._started_at,
@@ -242,14 +246,29 @@ class Pipeline:
                 self.state.failures[failure_kind(e)] += 1
                 logger.warning("episode failed: session=%s task=%s: %s", e.session_id, e.task_id, e.error)
 
+    def _check_engine_gap(self, train: dict[str, Any] | None) -> None:
+        """``engine.max_logprob_gap``: once a step's engine-trainer gap crosses it, the CPU engines hold
+        their decode weights in float32 for the rest of the run (said once, here)."""
+        engine = self.cfg.engine
+        gap = gap_crossed(train, engine.max_logprob_gap)
+        if gap is None or self._gap_fallback or engine.backend != "cpu" or engine.weight_format == "float32":
+            return
+        self._gap_fallback = True
+        switched = self.engines.set_weight_format("float32")
+        logger.warning("step %d: engine-trainer log-prob gap %.4g > engine.max_logprob_gap %g; %s", self.step, gap,
+                       engine.max_logprob_gap, f"{switched} fp16-packed engine(s) decode with float32 weights from "
+                       "now on" if switched else "no engine decodes with packed weights, so nothing changes")
+
     def _engine_work(self) -> EngineWork:
         """The engines' counters: cumulative tokens, and forward-pass seconds since the last reading (per
         engine incarnation, so a replaced engine's fresh counters count from zero)."""
         work = self.engines.work_stats()
         busy, window = self._engine_busy.update(
-            {f"{key}/{kind}": stats[kind] for key, stats in work.items() for kind in ("prefill_s", "decode_s")},
+            {f"{key}/{kind}": stats[kind] for key, stats in work.items()
+             for kind in ("prefill_s", "decode_s", "weight_pack_s")},
             time.monotonic())
-        by_kind = {kind: sum(v for k, v in busy.items() if k.endswith("/" + kind)) for kind in ("prefill_s", "decode_s")}
+        by_kind = {kind: sum(v for k, v in busy.items() if k.endswith("/" + kind))
+                   for kind in ("prefill_s", "decode_s", "weight_pack_s")}
         return EngineWork(int(sum(s["prompt_tokens"] for s in work.values())),
                           int(sum(s["cached_prompt_tokens"] for s in work.values())), by_kind, window,
                           max(len(work), 1))

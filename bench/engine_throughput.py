@@ -9,10 +9,12 @@
 
 The two sides alternate run by run (bench/measure.py); every figure is a median with its spread. The
 engine's prefix cache is flushed before each of its runs, since ``generate`` recomputes every prompt.
-The dtype is what ``engine.dtype: auto`` resolves to on this machine unless ``--dtype`` says otherwise.
+The dtype is what ``engine.dtype: auto`` resolves to on this machine unless ``--dtype`` says otherwise, and
+the engine's decode weights are ``engine.weight_format``'s default (auto) unless ``--weight-format`` says
+otherwise.
 bench/engine_vs_llamacpp.py compares the engine with llama.cpp instead.
 
-    python bench/engine_throughput.py [--model smollm2-135m-instruct] [--dtype auto] [--quick]
+    python bench/engine_throughput.py [--model smollm2-135m-instruct] [--dtype auto] [--weight-format auto] [--quick]
 """
 
 from __future__ import annotations
@@ -183,6 +185,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
                     help="auto: as engine.dtype auto resolves on this machine (rayrl/config/resolve.py)")
+    ap.add_argument("--weight-format", default="auto", choices=["auto", "float32", "fp16-packed"],
+                    help="the engine's engine.weight_format")
     ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per row in (a)")
     ap.add_argument("--batches", default="1,8", help="batch sizes in (a) (bench/engine_vs_llamacpp.py covers 32)")
     ap.add_argument("--turns", type=int, default=16)
@@ -209,8 +213,9 @@ def main() -> None:
     path: Path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
-    engine = CPUEngine(path, dtype=dtype, max_batch_size=max(32, args.turns)).start()
-    record.note(f"model {args.model}, dtype {dtype} (--dtype {args.dtype}), torch threads {torch.get_num_threads()}; "
+    engine = CPUEngine(path, dtype=dtype, max_batch_size=max(32, args.turns), weight_format=args.weight_format).start()
+    record.note(f"model {args.model}, dtype {dtype} (--dtype {args.dtype}), engine weights {engine.weight_format}, "
+                f"torch threads {torch.get_num_threads()}; "
                 "the engine's prefix cache is flushed before every run (generate recomputes every prompt too)")
     skip = set(args.skip.split(","))
     try:

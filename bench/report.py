@@ -5,9 +5,11 @@ figures and nothing older. Each bench becomes a section with its command, date, 
 load average at start and end, then its tables and notes as the bench printed them. A bench in
 ``BENCHES`` without a record (it failed, or was not run) is listed as missing; a ``--quick`` record is
 marked as a smoke run, not a result, and a page with smoke runs goes to runs/bench/benchmarks.md, so
-``BENCH_QUICK=1 make bench`` never overwrites docs/benchmarks.md.
+``BENCH_QUICK=1 make bench`` never overwrites docs/benchmarks.md. ``--keep`` renders the records there are
+into the existing page instead, keeping the sections (and index rows, with their own dates) of the benches
+that have none: how one bench run again updates its part of the page.
 
-    python bench/report.py [--records runs/bench] [--out docs/benchmarks.md]
+    python bench/report.py [--records runs/bench] [--out docs/benchmarks.md] [--keep]
 """
 
 from __future__ import annotations
@@ -63,10 +65,28 @@ def section(rec: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render(records_dir: Path) -> str:
+def kept_parts(page: str) -> tuple[dict[str, str], dict[str, str]]:
+    """An existing page's index rows and sections, by bench title."""
+    index = page.split("\n## ")[0]
+    rows = {}
+    for line in index.splitlines():
+        if line.startswith("| ") and "` | " in line:
+            title = line.split(" | ")[0][2:].replace(" (smoke run)", "").replace(" (busy machine)", "")
+            rows[title] = line
+    sections = {}
+    for chunk in page.split("\n## ")[1:]:
+        title = chunk.split("\n", 1)[0]
+        sections[title] = "## " + chunk.rstrip() + "\n"
+    return rows, sections
+
+
+def render(records_dir: Path, keep: str = "") -> str:
     records = {p.stem: json.loads(p.read_text()) for p in sorted(records_dir.glob("*.json"))}
     order = [name for name in BENCHES if name in records] + sorted(set(records) - set(BENCHES))
-    missing = [name for name in BENCHES if name not in records]
+    kept_rows, kept_sections = kept_parts(keep) if keep else ({}, {})
+    fresh = {records[name]["title"] for name in order}
+    kept = [title for title in kept_sections if title not in fresh]
+    missing = [] if keep else [name for name in BENCHES if name not in records]
     parts = [HEADER]
     parts.append("| bench | command | date | load at start / end |\n|---|---|---|---|")
     for name in order:
@@ -74,10 +94,12 @@ def render(records_dir: Path) -> str:
         flags = (" (smoke run)" if rec.get("quick") else "") + (" (busy machine)" if rec.get("busy") else "")
         parts.append(f"| {rec['title']}{flags} | `{rec['command']}` | "
                      f"{rec['started']} | {rec['load_start'][0]:.2f} / {rec['load_end'][0]:.2f} |")
+    parts += [kept_rows[title] for title in kept if title in kept_rows]
     if missing:
         parts.append("\nMissing from this run (failed or not run): " + ", ".join(f"bench/{n}.py" for n in missing))
     parts.append("")
     parts += [section(records[name]) for name in order]
+    parts += [kept_sections[title] for title in kept]
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -86,10 +108,12 @@ def main() -> None:
     ap.add_argument("--records", type=Path, default=RECORD_DIR)
     ap.add_argument("--out", type=Path, default=None,
                     help="default: docs/benchmarks.md, or <records>/benchmarks.md when any record is a smoke run")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the existing page's sections of benches that have no record here")
     args = ap.parse_args()
     quick = any(json.loads(p.read_text()).get("quick") for p in args.records.glob("*.json"))
     out = args.out or (args.records / "benchmarks.md" if quick else ROOT / "docs" / "benchmarks.md")
-    out.write_text(render(args.records))
+    out.write_text(render(args.records, out.read_text() if args.keep and out.exists() else ""))
     print(f"wrote {out}" + (" (smoke-run records: docs/benchmarks.md left as it was)" if quick and not args.out else ""))
 
 

@@ -28,8 +28,10 @@ machine's cores (its CPU affinity) and whether it has CUDA: `engine.backend`, `e
 `trainer.num_threads`, `pipeline.groups_in_flight` (in `sync` always `rollout.prompts_per_step`),
 `rollout.max_concurrent_episodes`, `trainer.tis_cap` and `model.tokenizer_path`. A run works on the
 resolved config and saves it as `<logging.output_dir>/<exp_id>/config.yaml`, so the file says what ran;
-loading it and resolving again changes nothing. `pipeline.weight_transfer: auto` is the exception: it
-depends on where each engine is placed and is decided when the engines start.
+loading it and resolving again changes nothing. Two exceptions: `pipeline.weight_transfer: auto`
+depends on where each engine is placed and is decided when the engines start, and
+`engine.weight_format: auto` depends on the model's family (whether the CPU engine's own decode path
+covers it) and is decided by each CPU engine when it loads the model (its `/get_server_info` says which).
 """  # the page's opening paragraphs
 
 

@@ -69,3 +69,23 @@ def test_record_json_renders_into_the_benchmarks_page(tmp_path: Path):
     page = report.render(tmp_path)
     assert "## Demo bench" in page and "Smoke run" in page and "| ours | 1 \\| 2 |" in page
     assert "goal: met" in page and "Missing from this run" in page  # the real benches have no record here
+
+
+def test_keep_updates_one_bench_in_an_existing_page(tmp_path: Path):
+    """--keep: a bench run again replaces its own section and index row; the others stay as they were."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    for name, title, figure in (("demo", "Demo bench", "1"), ("other", "Other bench (2 sides)", "2")):
+        rec = measure.Record(name, title, quick=True, record_dir=first)
+        rec.table("t", ["figure"], [[figure]])
+        rec.save()
+    page = report.render(first)
+    again = report.render(tmp_path / "none", page)  # nothing new: the page as it was (less the "missing" line)
+    assert again == "\n".join(line for line in page.split("\n") if not line.startswith("Missing from")).replace(
+        "|\n\n\n## ", "|\n\n## ", 1)
+    rec = measure.Record("demo", "Demo bench", quick=True, record_dir=second)
+    rec.table("t", ["figure"], [["9"]])
+    rec.save()
+    updated = report.render(second, page)
+    assert "| 9 |" in updated and "| 1 |" not in updated  # the demo section is the new one
+    assert "## Other bench (2 sides)" in updated and "| 2 |" in updated and updated.count("| Other bench") == 1
+    assert "Missing from this run" not in updated

@@ -123,6 +123,9 @@ def test_a_value_outside_a_literal_names_the_field(field):
     [
         ("engine.num_engines=0", "engine.num_engines: must be > 0, got 0"),
         ("engine.tp_size=0", "engine.tp_size: must be >= 1"),
+        ("engine.max_logprob_gap=-0.1", "engine.max_logprob_gap: must be >= 0"),
+        ("engine.max_logprob_gap=nan", "engine.max_logprob_gap: must be a finite number"),
+        ("engine.weight_format=int3", "engine.weight_format"),
         ("gateway.port=-1", "gateway.port: must be >= 0, got -1"),
         ("sandbox.timeout_s=0", "sandbox.timeout_s: must be > 0"),
         ("sandbox_pool.min_warm=64", "sandbox_pool.min_warm: must not exceed sandbox_pool.max_size"),
@@ -153,6 +156,8 @@ def test_out_of_range_values_name_the_field(override, message):
     "overrides, message",
     [
         (["rollout.group_size=1"], "rollout.group_size: GRPO needs at least 2"),
+        (["engine.backend=sglang", "engine.weight_format=fp16-packed"], "engine.weight_format: fp16-packed is the CPU"),
+        (["engine.dtype=bfloat16", "engine.weight_format=fp16-packed"], "engine.weight_format: fp16-packed packs float32"),
         (["pipeline.eval_interval=2"], "pipeline.eval_interval: set data.val_path"),
         (["pipeline.schedule=async", "rollout.prompts_per_step=4", "pipeline.groups_in_flight=2"],
          "pipeline.groups_in_flight: must be 0 or at least rollout.prompts_per_step"),

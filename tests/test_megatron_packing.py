@@ -19,7 +19,7 @@ def _sample(rng: np.random.Generator, length: int, prompt: int) -> Sample:
     mask = (rng.random(n) > 0.3).astype(np.int8)
     return Sample(tokens=rng.integers(10, 4000, size=length).astype(np.int32), prompt_length=prompt,
                   loss_mask=mask, rollout_logprobs=rng.normal(size=n).astype(np.float32),
-                  policy_versions=np.zeros(n, np.int32))  # fmt: skip
+                  policy_versions=rng.integers(0, 3, size=n).astype(np.int32))  # fmt: skip
 
 
 def test_packed_positions_match_the_torch_backend(tiny_model_dir):
@@ -52,6 +52,10 @@ def test_packed_positions_match_the_torch_backend(tiny_model_dir):
     assert np.allclose(batch.rollout_logprobs[0, keep].numpy(), want_rollout)
     want_adv = np.concatenate([np.full(int(s.loss_mask.sum()), a) for s, a in zip(samples, advantages)])
     assert np.allclose(batch.advantages[0, keep].numpy(), want_adv)
+    # the version of each trained token (the engine-trainer gap counts the current version's only)
+    want_versions = np.concatenate([s.policy_versions[s.loss_mask == 1] for s in samples])
+    assert batch.policy_versions[0, keep].tolist() == want_versions.tolist()
+    assert bool((batch.policy_versions[0, ~keep] == -1).all())
 
 
 def test_shards_and_micro_batches_cover_the_batch_once():

@@ -13,6 +13,7 @@ concrete. The comment beside each field is its documentation (docs/config.md is 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
@@ -47,6 +48,8 @@ class EngineConfig:
     context_length: int = 4096  # longest prompt + response accepted
     num_threads: int = 0  # torch CPU threads per CPU engine (0: auto, the cores the schedule gives the engines)
     prefix_cache_mb: int = 1024  # CPU engine: KV of known prompt prefixes kept for reuse (0: off); SGLang has its radix cache
+    weight_format: Literal["auto", "float32", "fp16-packed"] = "auto"  # CPU engine decode weights: auto | float32 | fp16-packed (half-precision weights for FBGEMM, float32 math: faster decode, log-probs within about 5e-3; repacked at every weight update). auto: fp16-packed where the engine's own decode path runs the model in float32 on x86, else float32; decided by each engine at load (docs/architecture.md, CPU engine)
+    max_logprob_gap: float = 0.01  # CPU engine: when a step's train/engine_gap/mean_abs (mean absolute engine - trainer log-prob difference over trained tokens) exceeds this, fp16-packed engines switch to float32 for the rest of the run, said once (0: never)
     host: str = "127.0.0.1"  # bind address of the engine servers
     startup_timeout_s: float = 300.0  # how long to wait for /health after launch
     request_timeout_s: float = 600.0  # client-side limit for one /generate
@@ -57,8 +60,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         positive(self, "engine.", "num_engines", "max_batch_size", "context_length")
-        non_negative(self, "engine.", "num_threads", "prefix_cache_mb")
+        non_negative(self, "engine.", "num_threads", "prefix_cache_mb", "max_logprob_gap")
         at_least_one(self, "engine.", "tp_size")
+        if not math.isfinite(self.max_logprob_gap):
+            raise ConfigError(f"engine.max_logprob_gap: must be a finite number, got {self.max_logprob_gap!r}")
+        if self.weight_format == "fp16-packed" and self.backend == "sglang":
+            raise ConfigError("engine.weight_format: fp16-packed is the CPU engine's; SGLang takes --dtype and "
+                              "its own quantisation flags (engine.extra_args)")
+        if self.weight_format == "fp16-packed" and self.dtype in ("bfloat16", "float16"):
+            raise ConfigError(f"engine.weight_format: fp16-packed packs float32 weights; engine.dtype is {self.dtype}")
 
 
 @dataclass

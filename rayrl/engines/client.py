@@ -344,6 +344,10 @@ class EngineClient:
     async def update_weight_version(self, new_version: str) -> dict[str, Any]:
         return await self._request("POST", "/update_weight_version", {"new_version": str(new_version)})
 
+    async def set_weight_format(self, weight_format: str) -> dict[str, Any]:
+        """The CPU engine's decode weight format (its own route; SGLang has none: a 404 there)."""
+        return await self._request("POST", "/set_weight_format", {"weight_format": weight_format})
+
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         return await self._request("POST", "/pause_generation", {"mode": mode})
 

@@ -16,11 +16,19 @@ steps; a request that spans an update records which version produced each token.
 Log-probs are the RAW model distribution's (``log_softmax`` of the logits, no temperature, no top-p),
 as float32 — see sampling.py for why.
 
+Prefill and decode run through lean_decode.py (the engine's own forward for Llama/Qwen models, weights
+in ``weight_format``: float32 or FBGEMM-packed fp16, weight_formats.py) where the model allows, else
+through the transformers forward. A weight update is copied into the model and the packed weights are
+rebuilt from it inside the same loop command (engine_weights.py), so no step ever sees half-updated
+packed weights; the seconds it took are counted (``weight_pack_seconds``).
+
 One request's failure is its own: bad values are refused at :meth:`CPUEngine.submit` (ValueError, a 400
-over HTTP), and what still fails inside the batch (a row that cannot be sampled, a prefill that raises)
-finishes that request alone with an engine error (``requests.engine_error``: finish type ``abort`` with
-``status_code``), see decode.py and prefill.py. Only a failed forward pass of the whole batch ends every
-running request, each with that engine error. ``context_length`` defaults to the model's own maximum.
+over HTTP), and what still fails inside the batch (a row that cannot be sampled, a prefill that raises,
+a decode forward that raises) finishes that request alone with an engine error (``requests.engine_error``:
+finish type ``abort`` with ``status_code``), see decode.py and prefill.py: a failed decode forward is run
+again on halves of the batch until the rows that break it are alone. Only an error outside the forward
+passes and the sampler ends every running request. ``context_length`` defaults to the model's own
+maximum.
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
+from rayrl.engines.engine_weights import DTYPES, WeightsMixin
 from rayrl.engines.kv_cache import ATTENTION_NAME, BatchKV
+from rayrl.engines.lean_decode import LeanDecoder
 from rayrl.engines.prefill import PrefillMixin
 from rayrl.engines.prefix_cache import PrefixCache
 from rayrl.engines.decode import DecodeMixin
@@ -45,17 +55,14 @@ from rayrl.engines.requests import (
     GenerationResult, RequestHandle, SequenceState, checked_prompt, engine_error, eos_token_ids,
 )
 from rayrl.engines.sampling import BatchSampler, SamplingParams
-from rayrl.weights.files import read_checkpoint
-from rayrl.weights.wire import copy_into
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 PAUSE_MODES = ("abort", "in_place", "retract")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
-class CPUEngine(PrefillMixin, DecodeMixin):
+class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin):
     """Continuous-batching generation over a transformers causal LM on CPU (thread-safe API)."""
 
     def __init__(
@@ -71,10 +78,14 @@ class CPUEngine(PrefillMixin, DecodeMixin):
         seed: int = 0,
         prefix_cache_mb: int = 1024,
         device: str = "cpu",
+        weight_format: str = "float32",
     ) -> None:
         """``device``: where the model, the KV cache and sampling live. "cpu" is the engine's purpose;
         "cuda" runs the same loop on a GPU (tensors the loop makes default to it), which is how CUDA IPC
-        weight updates are checked against our own engine (tests/gpu/test_gpu_engine_ipc.py)."""
+        weight updates are checked against our own engine (tests/gpu/test_gpu_engine_ipc.py).
+
+        ``weight_format``: how the decode path holds its matmul weights (weight_formats.py); "auto" takes
+        fp16-packed where the lean decode path runs this model in float32 with FBGEMM, else float32."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if dtype not in DTYPES:
@@ -104,6 +115,7 @@ class CPUEngine(PrefillMixin, DecodeMixin):
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else next(iter(sorted(self.eos_token_ids)), 0))
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._logits_width = int(self.model.get_output_embeddings().weight.shape[0])
 
         self._weight_version = str(weight_version)
         self._lock = threading.Lock()
@@ -129,6 +141,7 @@ class CPUEngine(PrefillMixin, DecodeMixin):
         self._counters = collections.Counter()
         self._prefix = PrefixCache(int(prefix_cache_mb) * 1024 * 1024)
         self._cache_epoch = 0  # bumped when the weights change: older KV is never reused
+        self._lean: Optional[LeanDecoder] = self._lean_decoder(weight_format)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -262,36 +275,6 @@ class CPUEngine(PrefillMixin, DecodeMixin):
     def paused(self) -> bool:
         return self._paused
 
-    @property
-    def weight_version(self) -> str:
-        return self._weight_version
-
-    def set_weight_version(self, version: str) -> None:
-        """Rename the current weights' version (tokens generated from now on carry it)."""
-        self._call_in_loop(lambda: self._set_version(str(version)))
-
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: Optional[str] = None) -> int:
-        """Copy ``named_tensors`` (HF names) into the model between decode steps; returns the count.
-
-        Names and shapes are validated before anything is copied (WeightUpdateError, a ValueError).
-        Dtypes are cast to the engine's. Running requests continue with the new weights and record
-        per-token versions.
-        """
-
-        def apply() -> int:
-            count = copy_into(named_tensors, self._params)
-            self._flush_prefix_cache()
-            if version is not None:
-                self._set_version(str(version))
-            return count
-
-        return self._call_in_loop(apply)
-
-    def load_weights_from_disk(self, path: str | Path, version: Optional[str] = None) -> int:
-        """Read a safetensors checkpoint (a directory of ``*.safetensors`` or one file) and apply it."""
-        tensors = read_checkpoint(path, self._params)
-        return self.update_weights(tensors, version)
-
     def flush_cache(self) -> bool:
         """Empty the prefix cache (between decode steps). Always succeeds."""
         self._call_in_loop(self._flush_prefix_cache)
@@ -341,6 +324,14 @@ class CPUEngine(PrefillMixin, DecodeMixin):
             "prefill_seconds": round(self._counters["prefill_s"], 3),  # forward time: how busy the engine was
             "decode_seconds": round(self._counters["decode_s"], 3),
             "request_errors": self._counters["request_errors"],  # requests that failed alone (decode.py)
+            "decode_retries": self._counters["decode_retries"],  # decode forwards run again in parts
+            "decode_path": "lean" if self._lean is not None else "transformers",
+            "weight_format": self.weight_format,
+            "weight_pack_seconds": round(self._counters["weight_pack_s"], 4),  # rebuilding packed weights
+            "weight_packs": self._counters["weight_packs"],
+            "weight_pack_last_seconds": round(self._lean.pack_seconds, 4) if self._lean is not None else 0.0,
+            "weight_load_pack_seconds": round(self._counters["weight_load_pack_s"], 4),
+            "packed_weight_bytes": self._lean.packed_bytes() if self._lean is not None else 0,
             "paused": self._paused,
             "released_memory": sorted(self._released),
             "weight_version": self._weight_version,

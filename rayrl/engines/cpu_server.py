@@ -45,6 +45,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--tp-size", type=int, default=1,
                     help="tensor-parallel ranks this engine stands for: a tensor update carries one entry per rank, "
                          "rank r reading GPU r of CUDA_VISIBLE_DEVICES when set (as SGLang's ranks do)")
+    ap.add_argument("--weight-format", default="auto", choices=("auto", "float32", "fp16-packed"),
+                    help="decode weights (rayrl/engines/weight_formats.py); auto: fp16-packed where the engine's "
+                         "own decode path runs the model in float32 on x86, else float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu",
                     help="cpu, or cuda[:N] to run the model on a GPU (checks CUDA IPC weight updates)")
@@ -103,6 +106,7 @@ async def serve(args: argparse.Namespace) -> None:
         seed=args.seed,
         prefix_cache_mb=args.prefix_cache_mb,
         device=args.device,
+        weight_format=args.weight_format,
     ).start()
     server = server_cls(
         engine,
@@ -122,8 +126,8 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     url = await server.start()
-    print(f"rayrl cpu engine ready at {url} (model {path}, dtype {args.dtype}, device {args.device}"
-          f"{', strict SGLang stand-in' if args.strict_sglang else ''})", flush=True)
+    print(f"rayrl cpu engine ready at {url} (model {path}, dtype {args.dtype}, device {args.device}, "
+          f"decode weights {engine.weight_format}{', strict SGLang stand-in' if args.strict_sglang else ''})", flush=True)
     try:
         await stop.wait()
     finally:

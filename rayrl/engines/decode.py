@@ -6,19 +6,27 @@ model, batch state (``_kv``, ``_seqs``, ``_positions``, ``_next_ids``, ``_sample
 prefix cache. A decode step writes one KV column for the whole batch; a request that finished leaves
 right after the step that finished it, and its conversation goes into the prefix cache.
 
+The forward runs through the lean decode path (lean_decode.py) where the engine has one, else through
+the transformers model over the cache's views (kv_cache.py); either can run for a contiguous part of
+the rows.
+
 A request that fails, fails alone: a row the sampler cannot sample (its logits are NaN or infinite
 after its own parameters), a token it cannot append (decoding for its stop strings raised), an output
 that cannot be decoded: that request finishes with an engine error (``requests.engine_error``) and
-leaves; the other rows' tokens are the ones they would have had without it. Each such failure is
-counted (``request_errors``) and logged once. Only a failure of the batch's forward pass itself, which
-no single request can be blamed for, still ends the whole batch (cpu_engine.py's loop).
+leaves; the other rows' tokens are the ones they would have had without it. A forward pass of the
+batch that raises is run again on each half of the rows, and so on down to single rows
+(:meth:`DecodeMixin._forward_isolated`): a request whose row still fails alone is failed, the others
+get their logits from the parts that succeeded, so one request that breaks the forward (a bad state of
+its own) costs the others about ``2 log2(batch)`` extra forwards and nothing else. A part rewrites the
+same cache column, so a retry leaves no trace of the failed try. Each such failure is counted
+(``request_errors``; ``decode_retries`` for the batches retried) and logged once.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -37,19 +45,11 @@ class DecodeMixin:
     def _decode_step(self) -> None:
         kv = self._kv
         assert kv is not None and kv.rows == len(self._seqs)
-        attention = kv.decode_mask()
-        out = self.model(
-            input_ids=self._next_ids,
-            attention_mask=attention,
-            position_ids=self._positions.view(-1, 1),
-            past_key_values=kv.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        kv.commit()
-        tokens, logprobs, failed = self._sampler.sample(
-            out.logits[:, -1], self._blocked(self._seqs), self._generator
-        )
+        mask = kv.step_mask() if self._lean is not None else kv.decode_mask()
+        logits, broken = self._forward_isolated(slice(0, kv.rows), mask)
+        kv.commit(1)
+        tokens, logprobs, failed = self._sampler.sample(logits, self._blocked(self._seqs), self._generator)
+        failed.update(broken)  # a row whose forward failed was sampled from placeholder logits
         self._positions += 1
         self._next_ids = tokens.view(-1, 1)
         self._counters["steps"] += 1
@@ -62,6 +62,44 @@ class DecodeMixin:
                 leave.add(i)
         if leave:
             self._leave(leave)
+
+    def _forward_rows(self, rows: slice, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Next-token logits ``[n, vocab]`` of the running rows ``rows``; writes their cache column."""
+        ids, positions = self._next_ids[rows], self._positions[rows]
+        part_mask = mask[rows] if mask is not None else None
+        if self._lean is not None:
+            return self._lean.step(ids.view(-1), positions, self._kv, rows, part_mask)
+        with self._kv.rows_only(rows):
+            out = self.model(
+                input_ids=ids,
+                attention_mask=part_mask,
+                position_ids=positions.view(-1, 1),
+                past_key_values=self._kv.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return out.logits[:, -1]
+
+    def _forward_isolated(self, rows: slice, mask: Optional[torch.Tensor],
+                          retry: bool = False) -> tuple[torch.Tensor, dict[int, str]]:
+        """:meth:`_forward_rows`; when it raises, each half of ``rows`` is run on its own, down to single
+        rows. Returns the logits of every row (zeros for a row that failed alone) and the failed rows
+        with the reason."""
+        try:
+            return self._forward_rows(rows, mask), {}
+        except Exception as err:
+            reason = f"the decode forward pass failed: {type(err).__name__}: {err}"
+            size = rows.stop - rows.start
+            if size == 1:
+                return torch.zeros(1, self._logits_width), {rows.start: reason}
+            if not retry:
+                self._counters["decode_retries"] += 1
+                logger.warning("decode forward of %d requests failed (%s: %s); running it again in parts to find "
+                               "the request that breaks it", size, type(err).__name__, err)
+            mid = rows.start + size // 2
+            first, failed = self._forward_isolated(slice(rows.start, mid), mask, True)
+            second, more = self._forward_isolated(slice(mid, rows.stop), mask, True)
+            return torch.cat([first, second]), {**failed, **more}
 
     def _fail(self, handle: RequestHandle, message: str) -> None:
         """Finish one request with an engine error, alone (counted and logged once)."""

@@ -2,8 +2,9 @@
 
 Layout: per layer, keys and values live in buffers ``[row_capacity, kv_heads, col_capacity, head_dim]``;
 rows ``[0, rows)`` are the running requests, columns ``[0, length)`` are valid, and every row is
-right-aligned (left padding), so one decode step appends one column for all rows. A boolean
-``mask [row_capacity, col_capacity]`` marks real tokens.
+right-aligned (left padding), so one decode step appends one column for all rows. A layer's keys and
+values are the two halves of one ``[2, rows, heads, cols, dim]`` buffer (``kv_buffers``), so a decode
+step writes both with one copy. A boolean ``mask [row_capacity, col_capacity]`` marks real tokens.
 
 Why this shape: a decode step writes its column in place and attends over a view, so no step copies the
 cache (transformers' DynamicCache concatenates, copying everything every step). Joins and leaves touch
@@ -20,8 +21,9 @@ receives ready 4-D boolean masks (True = attend), which transformers passes thro
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -96,11 +98,6 @@ class KVBlock:
     values: list[torch.Tensor]
     mask: torch.Tensor
 
-    @classmethod
-    def from_cache(cls, cache: DynamicCache, mask: torch.Tensor) -> "KVBlock":
-        """A block from a freshly prefilled transformers cache (layers with ``keys``/``values``)."""
-        return cls([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], mask)
-
 
 class _BufferLayer(DynamicLayer):
     """One layer's keys/values in a shared buffer; ``update`` writes in place and returns views."""
@@ -116,7 +113,7 @@ class _BufferLayer(DynamicLayer):
         o = self.owner
         if not o.key_buffers:
             return torch.empty(0)
-        return o.key_buffers[self.index][: o.rows, :, : o.length + o.pending]
+        return o.key_buffers[self.index][o.window, :, : o.length + o.pending]
 
     @keys.setter
     def keys(self, value: Any) -> None:  # DynamicLayer.__init__ assigns None; the views are computed
@@ -127,7 +124,7 @@ class _BufferLayer(DynamicLayer):
         o = self.owner
         if not o.value_buffers:
             return torch.empty(0)
-        return o.value_buffers[self.index][: o.rows, :, : o.length + o.pending]
+        return o.value_buffers[self.index][o.window, :, : o.length + o.pending]
 
     @values.setter
     def values(self, value: Any) -> None:
@@ -141,8 +138,8 @@ class _BufferLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         o = self.owner
         start, end = o.length, o.length + key_states.shape[2]
-        o.key_buffers[self.index][: o.rows, :, start:end] = key_states
-        o.value_buffers[self.index][: o.rows, :, start:end] = value_states
+        o.key_buffers[self.index][o.window, :, start:end] = key_states
+        o.value_buffers[self.index][o.window, :, start:end] = value_states
         o.pending = end - o.length
         return self.keys, self.values
 
@@ -156,19 +153,24 @@ class _BufferLayer(DynamicLayer):
 class BatchKV:
     """The running batch's cache, as a transformers ``DynamicCache`` (``.cache``) over shared buffers.
 
-    The engine calls :meth:`decode_mask` before a decode forward and :meth:`commit` after it;
-    :meth:`append` adds prefilled rows, :meth:`remove` drops finished rows.
+    The engine calls :meth:`decode_mask` (or :meth:`step_mask`) before a decode forward and
+    :meth:`commit` after it; :meth:`append` adds prefilled rows, :meth:`remove` drops finished rows.
+    A decode forward may run for part of the rows (:meth:`rows_only`): the cache views the model sees
+    are then those rows', which is how a batch whose forward failed is retried in parts.
     """
 
     def __init__(self, num_layers: int, max_rows: int) -> None:
         self.num_layers = num_layers
         self.max_rows = max_rows
-        self.key_buffers: list[torch.Tensor] = []
-        self.value_buffers: list[torch.Tensor] = []
+        self.kv_buffers: list[torch.Tensor] = []  # per layer [2, rows, heads, cols, dim]: keys, values
+        self.key_buffers: list[torch.Tensor] = []  # views: kv_buffers[i][0]
+        self.value_buffers: list[torch.Tensor] = []  # views: kv_buffers[i][1]
         self.mask_buffer = torch.zeros(0, 0, dtype=torch.bool)
         self.rows = 0
         self.length = 0
         self.pending = 0  # columns written by the current forward, not yet committed
+        self._part: Optional[slice] = None  # rows the current forward runs for (None: all)
+        self._dense: Optional[bool] = None  # no running row has padding (None: not known since a change)
         self.cache = DynamicCache()
         self.cache.layers = [_BufferLayer(self, i) for i in range(num_layers)]
         self.cache.layer_class_to_replicate = None
@@ -203,20 +205,33 @@ class BatchKV:
         if not refs:
             raise ValueError("the first append needs a block to size the buffers")
         r, c = self.rows, self.length
-        new_keys, new_values = [], []
+        new_kv = []
         for i in range(self.num_layers):
-            shape = (new_rows, refs[i].shape[1], new_cols, refs[i].shape[3])
-            k = torch.empty(shape, dtype=refs[i].dtype, device=refs[i].device)
-            v = torch.empty(shape, dtype=refs[i].dtype, device=refs[i].device)
-            if self.key_buffers and r and c:
-                k[:r, :, :c] = self.key_buffers[i][:r, :, :c]
-                v[:r, :, :c] = self.value_buffers[i][:r, :, :c]
-            new_keys.append(k)
-            new_values.append(v)
-        self.key_buffers, self.value_buffers = new_keys, new_values
+            shape = (2, new_rows, refs[i].shape[1], new_cols, refs[i].shape[3])
+            kv = torch.empty(shape, dtype=refs[i].dtype, device=refs[i].device)
+            if self.kv_buffers and r and c:
+                kv[:, :r, :, :c] = self.kv_buffers[i][:, :r, :, :c]
+            new_kv.append(kv)
+        self.kv_buffers = new_kv
+        self.key_buffers = [kv[0] for kv in new_kv]
+        self.value_buffers = [kv[1] for kv in new_kv]
         mask = torch.zeros(new_rows, new_cols, dtype=torch.bool)
         mask[:r, :c] = self.mask_buffer[:r, :c]
         self.mask_buffer = mask
+
+    @property
+    def window(self) -> slice:
+        """The rows a forward runs for: all running rows, or the part :meth:`rows_only` set."""
+        return self._part if self._part is not None else slice(0, self.rows)
+
+    @contextlib.contextmanager
+    def rows_only(self, rows: slice) -> Iterator[None]:
+        """Within the block, the cache views (``.cache``) cover rows ``rows`` only."""
+        self._part = rows
+        try:
+            yield
+        finally:
+            self._part = None
 
     # ------------------------------------------------------------------ decode
 
@@ -226,14 +241,24 @@ class BatchKV:
         self.mask_buffer[: self.rows, self.length] = True
         return self.mask_buffer[: self.rows, None, None, : self.length + 1]
 
-    def commit(self) -> None:
-        """Accept the columns the last forward wrote."""
-        self.length += self.pending
+    def step_mask(self) -> Optional[torch.Tensor]:
+        """:meth:`decode_mask`, or None when no running row has padding: attention over every column is
+        then what the mask would say, and SDPA runs without one. Whether rows are padded changes only
+        when rows join or leave, so it is worked out once after such a change."""
+        mask = self.decode_mask()
+        if self._dense is None:
+            self._dense = bool(self.mask_buffer[: self.rows, : self.length].all())
+        return None if self._dense else mask
+
+    def commit(self, columns: Optional[int] = None) -> None:
+        """Accept the columns the last forward wrote (``columns``: written directly into the buffers)."""
+        self.length += self.pending if columns is None else columns
         self.pending = 0
 
     def clear(self) -> None:
         """Drop every row (buffers are kept for reuse)."""
         self.rows = self.length = self.pending = 0
+        self._dense = None
 
     # ------------------------------------------------------------------ join / leave
 
@@ -265,6 +290,7 @@ class BatchKV:
         self.mask_buffer[r0:r1, :pad] = False
         self.mask_buffer[r0:r1, pad:new_length] = mask[:, start:]
         self.rows, self.length = r1, new_length
+        self._dense = None
 
     def _shift_right(self, shift: int) -> None:
         r, c = self.rows, self.length
@@ -299,6 +325,7 @@ class BatchKV:
                     buf[dst, :, :c] = buf[src, :, :c]
             self.mask_buffer[dst, :c] = self.mask_buffer[src, :c]
         self.rows = keep
+        self._dense = None
         if keep == 0:
             self.length = 0
         else:

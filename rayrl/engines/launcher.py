@@ -79,6 +79,7 @@ def cpu_server_command(
         "--num-threads", str(cfg.num_threads),
         "--prefix-cache-mb", str(cfg.prefix_cache_mb),
         "--tp-size", str(cfg.tp_size),
+        "--weight-format", cfg.weight_format,
         "--weight-version", str(weight_version),
         *cfg.extra_args,
     ]  # fmt: skip

@@ -154,21 +154,29 @@ class PrefillMixin:
             mask[i, length - n :] = True
         positions = (mask.long().cumsum(1) - 1).clamp_(min=0)
         want_prompt_lps = any(h.wants_prompt_logprobs for h in group)
-        cache = DynamicCache()
-        out = self.model(
-            input_ids=ids,
-            # no padding (one prompt, or equal lengths): plain causal attention, SDPA's fastest path
-            attention_mask=None if bool(mask.all()) else prefill_mask(mask),
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=0 if want_prompt_lps else 1,
-        )
+        # no padding (one prompt, or equal lengths): plain causal attention, SDPA's fastest path
+        logits, keys, values = self._forward_prompt(
+            ids, positions, None if bool(mask.all()) else prefill_mask(mask), None, want_prompt_lps)
         if want_prompt_lps:
-            self._prompt_logprobs(group, ids, out.logits)
+            self._prompt_logprobs(group, ids, logits)
         for i, h in enumerate(group):
-            self._cache_prompt(h, cache, i, length)
-        return self._first_tokens(group, out.logits[:, -1], KVBlock.from_cache(cache, mask), mask.sum(1))
+            self._cache_prompt(h, keys, values, i, length)
+        return self._first_tokens(group, logits[:, -1], KVBlock(keys, values, mask), mask.sum(1))
+
+    def _forward_prompt(self, ids: torch.Tensor, positions: torch.Tensor, attention: Optional[torch.Tensor],
+                        past: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]], all_logits: bool):
+        """One prefill forward: logits (``[n, T, vocab]``, or the last column's ``[n, 1, vocab]``) and every
+        layer's keys and values ``[n, kv_heads, past + T, head_dim]``. ``attention``: 4-D boolean mask over
+        the past and new columns (None: plain causal, no past). Through the lean path where the engine has
+        one (the same weights as its decode steps), else through the transformers model."""
+        if self._lean is not None:
+            return self._lean.prefill(ids, positions, attention, past, all_logits)
+        cache = DynamicCache()
+        for layer, (k, v) in enumerate(zip(*past) if past is not None else ()):
+            cache.update(k, v, layer)
+        out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=0 if all_logits else 1)
+        return out.logits, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
 
     def _cached_groups(self, hits: list[tuple[RequestHandle, int, PrefixEntry]]):
         """Cache hits cut into batches by the length of their uncached rest: a batch runs as many new
@@ -204,28 +212,19 @@ class PrefillMixin:
             mask[i, total - n :] = True
             h.cached_tokens = c
             self._prefix.record_reuse(c)
-        cache = DynamicCache()
-        if past:
-            for layer, (k, v) in enumerate(zip(keys, values)):
-                cache.update(k, v, layer)
         columns = torch.arange(new).view(1, -1)
         positions = (columns + torch.tensor(lengths).view(-1, 1) - new).clamp_(min=0)
         query_at = (columns + past).view(1, 1, new, 1)  # each new column's place among all columns
         key_at = torch.arange(total).view(1, 1, 1, total)
         attention = ((key_at <= query_at) & mask.view(rows, 1, 1, total)) | (key_at == query_at)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attention,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        logits, keys, values = self._forward_prompt(ids, positions, attention, (keys, values) if past else None,
+                                                    False)
         for i, h in enumerate(handles):
-            self._cache_prompt(h, cache, i, total)
-        return self._first_tokens(handles, out.logits[:, -1], KVBlock.from_cache(cache, mask), mask.sum(1))
+            self._cache_prompt(h, keys, values, i, total)
+        return self._first_tokens(handles, logits[:, -1], KVBlock(keys, values, mask), mask.sum(1))
 
-    def _cache_prompt(self, h: RequestHandle, cache: DynamicCache, row: int, length: int) -> None:
+    def _cache_prompt(self, h: RequestHandle, keys: list[torch.Tensor], values: list[torch.Tensor], row: int,
+                      length: int) -> None:
         """Keep the prompt's KV (row ``row`` of a left-padded prefill of ``length`` columns)."""
         h.cache_epoch = self._cache_epoch
         n = len(h.prompt_ids)
@@ -233,8 +232,8 @@ class PrefillMixin:
             return
         self._prefix.insert(
             h.prompt_ids,
-            [layer.keys[row : row + 1, :, length - n : length].clone() for layer in cache.layers],
-            [layer.values[row : row + 1, :, length - n : length].clone() for layer in cache.layers],
+            [k[row : row + 1, :, length - n : length].clone() for k in keys],
+            [v[row : row + 1, :, length - n : length].clone() for v in values],
         )
 
     def _first_tokens(self, group: list[RequestHandle], logits: torch.Tensor, block: KVBlock,

@@ -49,7 +49,7 @@ CONTROL_PATHS = frozenset({
     "/update_weight_version", "/update_weights_from_disk", "/update_weights_from_tensor",
     "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
     "/release_memory_occupation", "/resume_memory_occupation", "/flush_cache", "/pause_generation",
-    "/continue_generation",
+    "/continue_generation", "/set_weight_format",
 })
 
 
@@ -127,6 +127,7 @@ class EngineServer(WeightEndpoints):
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/set_weight_format", self.set_weight_format)
         for path, handler in (
             ("/release_memory_occupation", self.release_memory),
             ("/resume_memory_occupation", self.resume_memory),

@@ -1,6 +1,7 @@
 """The engine server's weight routes, SGLang's API: from disk, from tensors (SGLang's serialized form),
 and from a trainer's process group (``/init_weights_update_group``, ``/update_weights_from_distributed``,
-``/destroy_weights_update_group``), plus ``/update_weight_version``.
+``/destroy_weights_update_group``), plus ``/update_weight_version``; and the CPU engine's own
+``/set_weight_format`` (how its decode path holds the weights: the pipeline's float32 fallback).
 
 A mixin of EngineServer (server.py), kept apart because weight transfer is its own concern: it uses the
 server's ``engine``, ``weight_groups`` and ``weight_group_timeout_s``. What travels on the wire and how it
@@ -48,6 +49,17 @@ class WeightEndpoints:
         return web.json_response(
             {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
         )
+
+    async def set_weight_format(self, request: web.Request) -> web.Response:
+        """``{"weight_format": "float32" | "fp16-packed"}``: repack the decode weights between steps."""
+        body = await read_json(request)
+        fmt = body.get("weight_format")
+        if not isinstance(fmt, str):
+            raise RequestError("weight_format must be a string")
+        previous = self.engine.weight_format
+        seconds = await asyncio.get_running_loop().run_in_executor(None, self.engine.set_weight_format, fmt)
+        return web.json_response({"success": True, "message": f"Decode weights are {fmt}.", "weight_format": fmt,
+                                  "previous_weight_format": previous, "pack_seconds": seconds})
 
     async def _apply_weights(self, body: dict[str, Any], load: Callable[[], int], what: str) -> web.Response:
         version = self._version_field(body)

@@ -90,7 +90,7 @@ async def serve(args: argparse.Namespace) -> None:
 
         dtype = args.dtype if args.dtype != "auto" else compute_dtype("auto", cuda=False,
                                                                       native_bf16=cpu_has_native_bf16())
-        engine = CPUEngine(path, dtype=dtype, context_length=context_length).start()
+        engine = CPUEngine(path, dtype=dtype, context_length=context_length, weight_format="auto").start()
         context_length = engine.context_length
         server = EngineServer(engine)
         urls = [await server.start()]

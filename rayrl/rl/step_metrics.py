@@ -26,8 +26,9 @@ class EngineWork:
     """What the engines report for one step.
 
     ``prompt_tokens`` and ``cached_prompt_tokens`` are cumulative since the engines started (summed over
-    engines); ``busy_s`` is forward-pass seconds by kind (``prefill_s``, ``decode_s``) summed over engines
-    since the previous reading, which was ``window_s`` seconds ago; ``engines`` is how many there are.
+    engines); ``busy_s`` is busy seconds by kind (``prefill_s`` and ``decode_s`` forward passes,
+    ``weight_pack_s`` rebuilding packed weights after updates) summed over engines since the previous
+    reading, which was ``window_s`` seconds ago; ``engines`` is how many there are.
     """
 
     prompt_tokens: int

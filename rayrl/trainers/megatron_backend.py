@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from rayrl.config import TrainerConfig
+from rayrl.rl.logprob_gap import GapMeter
 from rayrl.rl.shard import dp_rank_of
 from rayrl.trainers.losses import ppo_clip_token_loss
 from rayrl.trainers.memory_saver import MemorySaver, init_optimizer_state
@@ -96,6 +97,7 @@ class PackedBatch:
     advantages: torch.Tensor  # [1, T] float32
     cu_seqlens: torch.Tensor  # [n + 1] int32, padded segment boundaries
     max_seqlen: int
+    policy_versions: torch.Tensor  # [1, T] int64: the version that sampled each trained token (-1 elsewhere)
 
     @property
     def num_tokens(self) -> int:
@@ -118,7 +120,7 @@ def pack_samples(samples: Sequence[Sample], advantages: Sequence[float], align: 
     targets = torch.zeros(total, dtype=torch.long)
     mask = torch.zeros(total, dtype=torch.float32)
     rollout = torch.zeros(total, dtype=torch.float32)
-    adv = torch.zeros(total, dtype=torch.float32)
+    adv, versions = torch.zeros(total, dtype=torch.float32), torch.full((total,), -1, dtype=torch.long)
     start = 0
     for s, a, seg in zip(samples, advantages, seg_lengths):
         ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))
@@ -132,12 +134,13 @@ def pack_samples(samples: Sequence[Sample], advantages: Sequence[float], align: 
         mask[idx] = 1.0
         rollout[idx] = torch.from_numpy(np.asarray(s.rollout_logprobs, dtype=np.float32)[trained])
         adv[idx] = float(a)
+        versions[idx] = torch.from_numpy(np.asarray(s.policy_versions, dtype=np.int64)[trained])
         start += seg
     cu = torch.tensor([0, *np.cumsum(seg_lengths)], dtype=torch.int32)
     return PackedBatch(
         tokens=tokens[None], position_ids=positions[None], targets=targets[None], loss_mask=mask[None],
         rollout_logprobs=rollout[None], advantages=adv[None], cu_seqlens=cu, max_seqlen=max(seg_lengths),
-    )  # fmt: skip
+        policy_versions=versions[None])  # fmt: skip
 
 
 def empty_batch(align: int) -> PackedBatch:
@@ -145,7 +148,7 @@ def empty_batch(align: int) -> PackedBatch:
     z = torch.zeros((1, align), dtype=torch.long)
     f = torch.zeros((1, align), dtype=torch.float32)
     return PackedBatch(z, torch.arange(align)[None], z.clone(), f, f.clone(), f.clone(),
-                       torch.tensor([0, align], dtype=torch.int32), align)  # fmt: skip
+                       torch.tensor([0, align], dtype=torch.int32), align, z - 1)  # fmt: skip
 
 
 def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -177,7 +180,8 @@ def split_for_context_parallel(batch: PackedBatch, cp_size: int, cp_rank: int) -
     index = index.to(batch.tokens.device)
     picked = {
         name: getattr(batch, name).index_select(1, index)
-        for name in ("tokens", "position_ids", "targets", "loss_mask", "rollout_logprobs", "advantages")
+        for name in ("tokens", "position_ids", "targets", "loss_mask", "rollout_logprobs", "advantages",
+                     "policy_versions")
     }
     return PackedBatch(**picked, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
 
@@ -283,6 +287,7 @@ class MegatronTrainer:
         config.grad_scale_func = self.optimizer.scale_loss
         config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         self.policy_version = 0
+        self.gap = GapMeter()  # engine-trainer log-prob gap of each step (rayrl/rl/logprob_gap.py)
 
     # -- training ----------------------------------------------------------------------------------
 
@@ -319,6 +324,7 @@ class MegatronTrainer:
             tis_cap=self.cfg.tis_cap or 0.0,
             kl_coef=self.cfg.kl_coef,
         )
+        self.gap.add(logp, rollout, batch.policy_versions[keep] == self.policy_version)
         num_tokens = out.tokens.detach().to(torch.int)
         stats = torch.stack([
             out.loss.detach(), out.clip_fraction, out.approx_kl, out.tis_weight, out.tokens,
@@ -393,6 +399,7 @@ class MegatronTrainer:
             "micro_batches": len(batches),
             "train_time_s": time.monotonic() - started,
             "policy_version": self.policy_version,
+            **self.gap.stats(device=device),
         }
 
     @torch.no_grad()

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from rayrl.config import TrainerConfig
 from rayrl.config.resolve import compute_dtype as resolve_compute_dtype
 from rayrl.config.resolve import cpu_has_native_bf16
+from rayrl.rl.logprob_gap import GapMeter
 from rayrl.trainers.losses import ppo_clip_token_loss
 from rayrl.trainers.memory_saver import MemorySaver, init_optimizer_state
 from rayrl.weights.files import export_state_dict
@@ -153,6 +154,7 @@ class TorchTrainer:
                         p.grad = torch.zeros_like(p)
                 init_optimizer_state(self.optimizer)
         self.policy_version = 0
+        self.gap = GapMeter()  # engine-trainer log-prob gap of each step (rayrl/rl/logprob_gap.py)
 
     # -- training ----------------------------------------------------------------------------------
 
@@ -164,7 +166,7 @@ class TorchTrainer:
         n = len(samples)
         input_ids = torch.zeros((n, longest), dtype=torch.long)
         attention = torch.zeros((n, longest), dtype=torch.long)
-        rows, cols, rollout_lp, adv = [], [], [], []
+        rows, cols, rollout_lp, adv, versions = [], [], [], [], []
         for i, (s, a) in enumerate(zip(samples, advantages)):
             input_ids[i, : len(s.tokens)] = torch.from_numpy(s.tokens.astype(np.int64))
             attention[i, : len(s.tokens)] = 1
@@ -175,6 +177,7 @@ class TorchTrainer:
             rows.append(np.full(len(trained), i))
             cols.append(positions)
             rollout_lp.append(s.rollout_logprobs[trained])
+            versions.append(s.policy_versions[trained])
             adv.append(np.full(len(trained), a, dtype=np.float32))
         rows_t = torch.from_numpy(np.concatenate(rows).astype(np.int64))
         cols_t = torch.from_numpy(np.concatenate(cols).astype(np.int64))
@@ -186,6 +189,7 @@ class TorchTrainer:
             "targets": input_ids[rows_t, cols_t + 1].to(self.device),
             "rollout_logp": torch.from_numpy(np.concatenate(rollout_lp)).to(self.device),
             "advantages": torch.from_numpy(np.concatenate(adv)).to(self.device),
+            "versions": torch.from_numpy(np.concatenate(versions).astype(np.int64)).to(self.device),
             "prefix": torch.tensor(prefix),
         }
 
@@ -233,6 +237,7 @@ class TorchTrainer:
                 tis_cap=self.cfg.tis_cap or 0.0,
                 kl_coef=self.cfg.kl_coef,
             )
+            self.gap.add(logp, batch["rollout_logp"], batch["versions"] == self.policy_version)
             (out.loss / max(total, 1.0)).backward()
             sums["loss"] += float(out.loss.detach())
             sums["clip"] += float(out.clip_fraction)
@@ -258,6 +263,7 @@ class TorchTrainer:
             "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
             "staleness_max": int(staleness.max()) if len(staleness) else 0,
             "stale_token_fraction": float((staleness > 0).mean()) if len(staleness) else 0.0,
+            **self.gap.stats(device=self.device),
         }
 
     def _reduce_and_step(self) -> float:

@@ -94,3 +94,46 @@ def test_prefill_mask_rows_never_empty():
     assert bool(full.any(dim=-1).all())
     assert full[0, 0, 2].tolist() == [False, False, True]
     assert full[1, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+
+
+def test_step_mask_is_none_exactly_when_no_row_is_padded():
+    rng = random.Random(1)
+    kv = BatchKV(LAYERS, max_rows=8)
+    rows = 0
+    for event in range(60):
+        if rng.random() < 0.4 and rows < 8:
+            n = rng.randint(1, min(3, 8 - rows))
+            block, _ = make_block([rng.choice([4, 4, 7]) for _ in range(n)], event)
+            kv.append(block)
+            rows += n
+        elif rng.random() < 0.3 and rows:
+            kv.remove(sorted(rng.sample(range(rows), rng.randint(1, rows))))
+            rows = kv.rows
+        elif rows:
+            padded = not bool(kv.mask.all())
+            mask = kv.step_mask()
+            assert (mask is None) == (not padded)
+            if mask is not None:
+                assert mask.shape == (rows, 1, 1, kv.length + 1)
+            z = torch.zeros(rows, H, 1, D)
+            for layer in kv.cache.layers:
+                layer.update(z, z)
+            kv.commit()
+
+
+def test_a_forward_for_part_of_the_rows_sees_and_writes_only_those():
+    """rows_only: the cache views a model gets cover the part; a step run in two parts equals one step."""
+    torch.manual_seed(2)
+    block, real = make_block([3, 6, 2, 5], 0)
+    kv = BatchKV(LAYERS, max_rows=4)
+    kv.append(block)
+    kv.decode_mask()
+    new = torch.randn(4, H, 1, D)
+    for part in (slice(0, 1), slice(1, 4)):
+        with kv.rows_only(part):
+            for layer in kv.cache.layers:
+                keys, values = layer.update(new[part], new[part] * 2)
+                assert keys.shape[0] == part.stop - part.start and keys.shape[2] == kv.length + 1
+    kv.commit(1)
+    check(kv, [torch.cat([ref, new[i]], dim=1) for i, ref in enumerate(real)])
+    assert kv.window == slice(0, 4)

@@ -42,7 +42,8 @@ BUCKET = 1 << 20  # 1 MiB: the tiny model travels in several buckets
 
 @pytest.fixture(scope="module")
 def engine_proc(tiny_model, tmp_path_factory):
-    cfg = EngineConfig(dtype="float32", max_batch_size=4, context_length=256, num_threads=1, startup_timeout_s=180)
+    cfg = EngineConfig(dtype="float32", max_batch_size=4, context_length=256, num_threads=1, startup_timeout_s=180,
+                       weight_format="float32")  # exact numbers: the transfer, not the packing, is checked
     proc = EngineProcess(cfg, str(tiny_model), tmp_path_factory.mktemp("wt") / "engine.log")
     proc.start()
     yield proc

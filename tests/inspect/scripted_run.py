@@ -147,7 +147,9 @@ def build_run(run_dir: Path, model_dir: Path, harness: str = "scripted_agent") -
             batch = build_batch(episodes, True)
             write_episodes(run_dir, step, episodes, batch, harness, detail_episodes=DETAIL_EPISODES)
             write_inspection(run_dir, step, episodes, batch, DETAIL_EPISODES, tokenizer_text(str(model_dir)))
-            metrics = step_metrics(episodes, batch, version=step - 1, policy_version=step, train=None,
+            gap = {"train/engine_gap/mean_abs": 4e-4 * step, "train/engine_gap/max_abs": 3e-3 * step,
+                   "train/engine_gap/kl": 1e-6 * step}  # what a trainer step reports (rayrl/rl/logprob_gap.py)
+            metrics = step_metrics(episodes, batch, version=step - 1, policy_version=step, train=gap,
                                    pipeline_counts=Counter(), groups_in_flight=0, failures={},
                                    engines=EngineWork(0, 0, {}, 1.0, 1), extra={}, rollout_s=1.0, step_s=2.0,
                                    run_episodes=4 * step, run_s=2.0 * step)

@@ -75,7 +75,10 @@ def test_served_page_filters_and_shows_tokens_tree_drift_and_fork_merge(scripted
     served = serve(run_dir)
     page.goto(served.url)
     page.wait_for_selector("#episodes tbody tr")
-    assert len(_rows(page)) == 7 and page.locator("#charts figure.chart").count() == 5
+    assert len(_rows(page)) == 7 and page.locator("#charts figure.chart").count() == 8
+    for title in ("mean |Δ log-prob|", "max |Δ log-prob|", "KL(engine ‖ trainer)"):  # the engine-trainer gap
+        chart = page.locator(f'#charts figure.chart[data-title="engine-trainer gap: {title}"]')
+        assert chart.locator("circle.dot").count() == 2, title
     assert page.locator("#problems").is_hidden()
 
     # filtering and sorting

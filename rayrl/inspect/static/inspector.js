@@ -42,6 +42,10 @@ const CHARTS = [
   ["length (generated tokens / episode)", (m) => m["rollout/episodes"] ? m["rollout/generated_tokens"] / m["rollout/episodes"] : null],
   ["staleness (mean versions)", (m) => m["pipeline/staleness_mean"]],
   ["dropped samples (stale)", (m) => m["pipeline/dropped_stale_samples"] || 0],
+  // engine-trainer gap over fresh trained tokens (rayrl/rl/logprob_gap.py): engine numerics, not staleness
+  ["engine-trainer gap: mean |Δ log-prob|", (m) => m["train/engine_gap/mean_abs"]],
+  ["engine-trainer gap: max |Δ log-prob|", (m) => m["train/engine_gap/max_abs"]],
+  ["engine-trainer gap: KL(engine ‖ trainer)", (m) => m["train/engine_gap/kl"]],
 ];
 
 function chart(title, points) {

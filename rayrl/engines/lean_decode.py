@@ -1,0 +1,328 @@
+"""The CPU engine's own decode step for Llama-family models (Llama/SmolLM2, Qwen2, Qwen3).
+
+Why: at batch 1-32 a decode step of a small model is a few hundred microsecond-sized matmuls, and the
+transformers forward spends more time in Python and op dispatch (about 5,800 aten calls per step for
+SmolLM2-135M: masks, cache bookkeeping, repeated head splits) than llama.cpp spends on the whole token.
+This module is the same arithmetic in as few ops as the model allows:
+
+- q/k/v and gate/up are fused into one matmul each. In the ``float32`` weight format the fused matrices
+  ARE the model's parameters: :func:`fuse_projections` makes q/k/v (and gate/up) views into one buffer
+  per layer, so transformers' prefill, the weight updates (copied in place, weights/wire.py) and this
+  path all read the same memory. In ``fp16-packed`` the fused matrices are packed copies (weight_formats.py),
+  rebuilt by :meth:`LeanDecoder.repack` after every update, in parallel over matrices.
+- RoPE comes from a table computed once by the model's own rotary module (so every RoPE variant it
+  implements statically: default, linear, llama3, yarn), indexed by position: one gather per step.
+- Keys and values go straight into the running batch's cache buffers (kv_cache.BatchKV) at the step's
+  column; attention reads a view of them. Grouped-query heads reach SDPA as several queries of one KV
+  head, so the shared keys are never repeated. No mask is built when no running row has padding.
+- The head's output is the ``[rows, vocab]`` float32 logits the sampler takes as is.
+
+Prefill runs through the same weights (:meth:`LeanDecoder.prefill`: prompt columns in left-padded
+batches, or on top of cached prefixes, as prefill.py builds them), so a request's first token and the
+prompt's cached keys come from the format its decode steps use. The transformers model stays the
+reference (tests/engines/test_lean_decode.py holds this path's log-probs to it on the real SmolLM2).
+Models this path does not cover (another architecture, a dynamic RoPE, sliding-window attention) run
+through transformers as before (:func:`unsupported_reason` says why).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from rayrl.engines.kv_cache import BatchKV
+from rayrl.engines.weight_formats import Linear, make_linear
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+ROPE_CHUNK = 4096  # positions per call of the rotary module while the table is built
+
+
+def unsupported_reason(model: Any, device: torch.device) -> Optional[str]:
+    """Why the lean path cannot decode ``model`` here (None: it can)."""
+    cfg = model.config
+    if device.type != "cpu":
+        return f"the lean decode path runs on CPU (device {device.type})"
+    if cfg.model_type not in FAMILIES:
+        return f"model type {cfg.model_type!r} (the lean path covers {', '.join(FAMILIES)})"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r}"
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        return "sliding-window attention"
+    rope = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope not in STATIC_ROPE:
+        return f"RoPE type {rope!r} (its frequencies depend on the sequence length)"
+    if getattr(cfg, "mlp_bias", False):
+        return "MLP biases"
+    return None
+
+
+def fuse_projections(model: Any) -> None:
+    """Make each layer's q/k/v weights (and biases) views of one ``[q+k+v, hidden]`` buffer, and
+    gate/up of one ``[2 * intermediate, hidden]`` buffer. The parameters keep their names, shapes and
+    values; only where they live changes, so the fused matmul reads them without a copy."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            _share(attn.q_proj, attn.k_proj, attn.v_proj)
+            _share(mlp.gate_proj, mlp.up_proj)
+
+
+def _share(*linears: torch.nn.Linear) -> None:
+    for attr in ("weight", "bias"):
+        params = [getattr(lin, attr) for lin in linears]
+        if any(p is None for p in params):
+            continue
+        if _is_fused(params):
+            continue
+        fused = torch.cat([p.data for p in params])
+        start = 0
+        for p in params:
+            p.data = fused[start : start + p.shape[0]]
+            start += p.shape[0]
+
+
+def _is_fused(params: list[torch.Tensor]) -> bool:
+    """Whether ``params`` are already consecutive row blocks of one buffer."""
+    first = params[0]
+    if not first.is_contiguous():
+        return False
+    offset = first.data_ptr()
+    for p in params:
+        if p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or p.data_ptr() != offset:
+            return False
+        offset += p.numel() * p.element_size()
+    return True
+
+
+def _fused_view(params: list[torch.Tensor]) -> torch.Tensor:
+    """The buffer ``params`` (fused by :func:`fuse_projections`) are consecutive blocks of."""
+    first = params[0]
+    rows = sum(p.shape[0] for p in params)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
+@dataclass
+class _Layer:
+    """One decoder layer as the step uses it. Norm weights are the model's own (updated in place)."""
+
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: Optional[torch.Tensor]  # Qwen3 normalises each query/key head before RoPE
+    k_norm: Optional[torch.Tensor]
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+
+class LeanDecoder:
+    """One decode step for the running batch, over the model's weights in format ``weight_format``."""
+
+    def __init__(self, model: Any, weight_format: str, max_positions: int) -> None:
+        cfg = model.config
+        self.model = model
+        self.base = model.model
+        attn = self.base.layers[0].self_attn
+        self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = int(attn.head_dim)
+        self.group = self.q_heads // self.kv_heads
+        self.scale = float(attn.scaling)
+        self.hidden = int(cfg.hidden_size)
+        self.intermediate = int(cfg.intermediate_size)
+        self.eps = float(cfg.rms_norm_eps)
+        self.qk_width = (self.q_heads + self.kv_heads) * self.head_dim
+        fuse_projections(model)
+        self.cos, self.sin = self._rope_table(max_positions)
+        self.weight_format = ""
+        self.layers: list[_Layer] = []
+        self.head: Optional[Linear] = None
+        self.pack_seconds = 0.0  # the last (re)packing
+        self.pack(weight_format)
+
+    # ------------------------------------------------------------------ weights
+
+    def _rope_table(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin ``[positions, head_dim]`` from the model's rotary module: rotating
+        half the dimensions then becomes ``x * cos + roll(x, half) * sin``."""
+        rotary = self.base.rotary_emb
+        probe = torch.zeros(1, dtype=torch.float32)
+        cos, sin = [], []
+        for start in range(0, positions, ROPE_CHUNK):
+            ids = torch.arange(start, min(start + ROPE_CHUNK, positions)).view(1, -1)
+            c, s = rotary(probe, ids)
+            cos.append(c[0])
+            sin.append(s[0])
+        cos_t, sin_t = torch.cat(cos).float().contiguous(), torch.cat(sin).float().contiguous()
+        sin_t[:, : self.head_dim // 2] *= -1
+        return cos_t, sin_t
+
+    def pack(self, weight_format: str) -> float:
+        """(Re)build every layer and the head in ``weight_format``; returns the seconds it took."""
+        started = time.perf_counter()
+        layers = list(range(len(self.base.layers)))
+        built = self._build(layers, weight_format, head=True)
+        self.layers = [built[i] for i in layers]
+        self.weight_format = weight_format
+        self.pack_seconds = time.perf_counter() - started
+        return self.pack_seconds
+
+    def repack(self, names: Iterable[str]) -> float:
+        """After a weight update of ``names`` (HF names): rebuild what holds a copy of them. Dense
+        weights are the model's own, so only the packed format has work to do. Returns seconds."""
+        if self.weight_format == "float32":
+            self.pack_seconds = 0.0
+            return 0.0
+        started = time.perf_counter()
+        layers, head = self.touched(names)
+        built = self._build(sorted(layers), self.weight_format, head)
+        for i, layer in built.items():
+            if isinstance(i, int):
+                self.layers[i] = layer
+        self.pack_seconds = time.perf_counter() - started
+        return self.pack_seconds
+
+    def touched(self, names: Iterable[str]) -> tuple[set[int], bool]:
+        """Layers whose matmul weights ``names`` include, and whether the head's does."""
+        layers: set[int] = set()
+        head = False
+        for name in names:
+            parts = name.split(".")
+            if "layers" in parts:
+                at = parts.index("layers")
+                if at + 1 < len(parts) and parts[at + 1].isdigit() and name.endswith(("proj.weight", "proj.bias")):
+                    layers.add(int(parts[at + 1]))
+            elif name in ("lm_head.weight", "model.embed_tokens.weight"):
+                head = True
+        return layers, head
+
+    def _build(self, layers: list[int], fmt: str, head: bool) -> dict[Any, Any]:
+        """Layers ``layers`` (and the head) in format ``fmt``, packed in parallel over matrices."""
+        jobs: dict[tuple[Any, str], tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        for i in layers:
+            layer = self.base.layers[i]
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            bias = None if attn.q_proj.bias is None else _fused_view([m.bias for m in qkv])
+            jobs[(i, "qkv")] = (_fused_view([m.weight for m in qkv]), bias)
+            jobs[(i, "o")] = (attn.o_proj.weight, attn.o_proj.bias)
+            jobs[(i, "gate_up")] = (_fused_view([mlp.gate_proj.weight, mlp.up_proj.weight]), None)
+            jobs[(i, "down")] = (mlp.down_proj.weight, None)
+        if head:
+            jobs[("head", "head")] = (self.model.get_output_embeddings().weight, None)
+        keys = list(jobs)
+        workers = max(1, min(torch.get_num_threads(), len(keys)))
+        if fmt == "float32" or workers == 1:
+            made = [make_linear(fmt, *jobs[k]) for k in keys]
+        else:  # FBGEMM packs one matrix on one thread (and releases the GIL): one matrix per core
+            with ThreadPoolExecutor(workers, thread_name_prefix="rayrl-pack") as pool:
+                made = list(pool.map(lambda k: make_linear(fmt, *jobs[k]), keys))
+        linears = dict(zip(keys, made))
+        out: dict[Any, Any] = {}
+        for i in layers:
+            layer = self.base.layers[i]
+            attn = layer.self_attn
+            q_norm = getattr(attn, "q_norm", None)
+            k_norm = getattr(attn, "k_norm", None)
+            out[i] = _Layer(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
+                linears[(i, "qkv")], linears[(i, "o")], linears[(i, "gate_up")], linears[(i, "down")],
+            )
+        if head:
+            self.head = linears[("head", "head")]
+        return out
+
+    def packed_bytes(self) -> int:
+        """Bytes held beyond the model's own weights (the packed copies)."""
+        total = self.head.nbytes if self.head is not None else 0
+        for layer in self.layers:
+            total += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
+        return total
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor],
+                past: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]], all_logits: bool):
+        """Prompt tokens ``ids`` ``[n, T]`` at ``positions`` ``[n, T]``, over ``past`` keys/values per layer
+        (``[n, kv_heads, P, head_dim]``, or None). ``mask``: ``[n, 1, T, P + T]`` boolean (True = attend), or
+        None for plain causal attention without a past. Returns the logits (``[n, T, vocab]`` when
+        ``all_logits``, else the last column's ``[n, 1, vocab]``) and every layer's keys and values over the
+        past and new columns, as prefill.py's transformers forward does."""
+        n, t = ids.shape
+        heads, kv_heads, dim, half = self.q_heads, self.kv_heads, self.head_dim, self.head_dim // 2
+        eps, width, inter = self.eps, self.qk_width, self.intermediate
+        q_width, kv_width = heads * dim, kv_heads * dim
+        norm_shape, head_shape = (self.hidden,), (dim,)
+        cos = self.cos[positions].view(n, t, 1, dim)
+        sin = self.sin[positions].view(n, t, 1, dim)
+        x = F.embedding(ids, self.base.embed_tokens.weight)
+        keys_out: list[torch.Tensor] = []
+        values_out: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, norm_shape, layer.in_norm, eps)
+            qkv = layer.qkv(h)
+            qk = qkv[..., :width].view(n, t, heads + kv_heads, dim)
+            if layer.q_norm is not None:
+                qk[:, :, :heads] = F.rms_norm(qk[:, :, :heads], head_shape, layer.q_norm, eps)
+                qk[:, :, heads:] = F.rms_norm(qk[:, :, heads:], head_shape, layer.k_norm, eps)
+            torch.addcmul(qk * cos, qk.roll(half, -1), sin, out=qk)
+            q = qkv[..., :q_width].view(n, t, heads, dim).transpose(1, 2)
+            k = qkv[..., q_width : q_width + kv_width].view(n, t, kv_heads, dim).transpose(1, 2)
+            v = qkv[..., q_width + kv_width :].view(n, t, kv_heads, dim).transpose(1, 2)
+            if past is not None:
+                k, v = torch.cat([past[0][i], k], dim=2), torch.cat([past[1][i], v], dim=2)
+            keys_out.append(k)
+            values_out.append(v)
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
+                                                 scale=self.scale, enable_gqa=kv_heads != heads)
+            x = x + layer.o(att.transpose(1, 2).reshape(n, t, q_width))
+            h = F.rms_norm(x, norm_shape, layer.post_norm, eps)
+            gate_up = layer.gate_up(h)
+            x = x + layer.down(F.silu(gate_up[..., :inter]) * gate_up[..., inter:])
+        x = F.rms_norm(x if all_logits else x[:, -1:], norm_shape, self.base.norm.weight, eps)
+        assert self.head is not None
+        return self.head(x), keys_out, values_out
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, kv: BatchKV, rows: slice,
+             mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Logits ``[n, vocab]`` (float32) of the next token for cache rows ``rows`` (``n`` of them),
+        whose last tokens are ``ids`` ``[n]`` at ``positions`` ``[n]``. Writes their keys and values
+        at column ``kv.length``; ``mask`` ``[n, 1, 1, length + 1]`` (True = attend) or None (no padding).
+        Rows outside ``rows`` are not touched, so a step can be run for part of the batch."""
+        n = ids.shape[0]
+        col = kv.length
+        heads, kv_heads, dim, half = self.q_heads, self.kv_heads, self.head_dim, self.head_dim // 2
+        eps, width, inter, q_width = self.eps, self.qk_width, self.intermediate, self.q_heads * self.head_dim
+        norm_shape, head_shape = (self.hidden,), (dim,)
+        cos = self.cos.index_select(0, positions).view(n, 1, dim)
+        sin = self.sin.index_select(0, positions).view(n, 1, dim)
+        x = F.embedding(ids, self.base.embed_tokens.weight)
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, norm_shape, layer.in_norm, eps)
+            qkv = layer.qkv(h)
+            qk = qkv[:, :width].view(n, heads + kv_heads, dim)
+            if layer.q_norm is not None:
+                qk[:, :heads] = F.rms_norm(qk[:, :heads], head_shape, layer.q_norm, eps)
+                qk[:, heads:] = F.rms_norm(qk[:, heads:], head_shape, layer.k_norm, eps)
+            torch.addcmul(qk * cos, qk.roll(half, -1), sin, out=qk)  # RoPE, in place: qkv is [q, k, v] again
+            cache = kv.kv_buffers[i]
+            cache[:, rows, :, col] = qkv[:, q_width:].view(n, 2, kv_heads, dim).transpose(0, 1)
+            att = F.scaled_dot_product_attention(
+                qkv[:, :q_width].view(n, kv_heads, self.group, dim),
+                cache[0, rows, :, : col + 1], cache[1, rows, :, : col + 1], attn_mask=mask, scale=self.scale,
+            )
+            x = x + layer.o(att.view(n, q_width))
+            h = F.rms_norm(x, norm_shape, layer.post_norm, eps)
+            gate_up = layer.gate_up(h)
+            x = x + layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        x = F.rms_norm(x, norm_shape, self.base.norm.weight, eps)
+        assert self.head is not None
+        return self.head(x)
