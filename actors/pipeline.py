@@ -91,7 +91,7 @@ class Pipeline:
         # 3. the trainer, and the weight routes from its ranks to the engines
         print("[rayrl] starting trainer, trajectory managers, sandbox pool and rollout workers...", flush=True)
         self.trainer = TrainerGroup(cfg.trainer, self.model_path, seed=cfg.seed, name_prefix=name,
-                                    placement=self.placement)
+                                    placement=self.placement, algorithm=cfg.algorithm)
         self.weights = WeightSync(cfg, self.trainer, self.engines)
         routes = self.weights.connect()
         if self.placement is not None and routes is not None:
@@ -152,7 +152,7 @@ class Pipeline:
         self.checkpoints.untrained_taken = groups
         rollout_s = time.monotonic() - started
         episodes = [e for g in groups for e in g.ordered()]
-        batch = build_batch(episodes, cfg.trainer.normalize_advantage_std)
+        batch = build_batch(episodes, cfg.algorithm)
         self._record(episodes, batch)
         version = state.version  # the weights this batch trains against
         in_flight = self.dispatcher.groups_in_flight  # before the train phase (async: groups go on)

@@ -9,7 +9,8 @@ and then only calls :meth:`Schedule.collect` and :meth:`Schedule.train`. One ste
     1. queue ``prompts_per_step`` new tasks; wait until their groups complete (or the step deadline); a
        group where fewer than ``rollout.min_group_episodes`` episodes succeeded runs its task again (every
        schedule does this: failed episodes, mostly infrastructure, say nothing about the policy);
-    2. (pipeline) GRPO advantages per group over the episodes that succeeded;
+    2. (pipeline) advantages (``algorithm.advantage_estimator``, GRPO by default) over the episodes that
+       succeeded;
     3. one trainer step (nothing else runs);
     4. new weights to every engine with the next policy version.
 
@@ -225,7 +226,7 @@ class Schedule:
 
     def train_step(self, batch: Batch) -> dict[str, Any]:
         """The trainer's step (sync: nothing else is running)."""
-        return self.parts.trainer.train(batch.samples, batch.advantages)
+        return self.parts.trainer.train(batch.samples, batch.train_advantages())
 
     def state_dict(self) -> dict[str, Any]:
         return {"schedule": self.name, "group_seq": self.state.group_seq}
@@ -255,7 +256,7 @@ class AsyncSchedule(Schedule):
         return taken >= enough
 
     def train_step(self, batch: Batch) -> dict[str, Any]:
-        return self.while_dispatching(lambda: self.parts.trainer.train(batch.samples, batch.advantages))
+        return self.while_dispatching(lambda: self.parts.trainer.train(batch.samples, batch.train_advantages()))
 
 
 class ColocatedAsyncSchedule(AsyncSchedule):

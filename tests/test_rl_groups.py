@@ -40,7 +40,7 @@ def test_wrong_answers_count_as_successes():
 
 def test_failed_episodes_stay_out_of_the_baseline_and_the_batch():
     episodes = [_episode("g", 1.0), _episode("g", 0.0), _episode("g", 0.0, ENGINE_ERROR), _episode("g", 1.0, NO_TURNS)]
-    batch = build_batch(episodes, normalize_std=True)
+    batch = build_batch(episodes)
     assert batch.episodes_ok == 2 and batch.episodes_failed == 2 and len(batch.samples) == 2
     assert batch.advantages[0] == pytest.approx(1.0, abs=1e-4) and batch.advantages[1] == pytest.approx(-1.0, abs=1e-4)
 
@@ -63,7 +63,7 @@ def test_min_group_episodes_is_capped_at_the_group_size():
 
 
 def test_min_group_episodes_is_checked_at_load():
-    cfg = load_config(None, ["rollout.group_size=1", "trainer.loss=ppo"])  # the default 2 is capped, valid
+    cfg = load_config(None, ["rollout.group_size=1", "algorithm.advantage_estimator=reinforce_pp"])  # no group baseline; the default 2 is capped, valid
     assert cfg.rollout.min_group_episodes == 2
     with pytest.raises(ConfigError, match="rollout.min_group_episodes"):
         load_config(None, ["rollout.min_group_episodes=0"])

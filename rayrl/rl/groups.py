@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from rayrl.rl.staleness import sample_staleness
 from rayrl.types import Episode, Task
 
 
@@ -46,9 +47,8 @@ class Group:
     def staleness(self, version: int) -> int:
         """Policy versions between ``version`` (the weights about to train) and the oldest trained token
         of the group's successful episodes; 0 for a group with nothing to train."""
-        oldest = [v for e in self.episodes.values() if e.ok for s in e.samples
-                  if (v := s.oldest_version()) is not None]
-        return version - min(oldest) if oldest else 0
+        ages = sample_staleness([s for e in self.episodes.values() if e.ok for s in e.samples], version)
+        return max(ages, default=0)
 
 
 def split_stale(groups: list[Group], version: int, max_staleness: int) -> tuple[list[Group], list[Group]]:

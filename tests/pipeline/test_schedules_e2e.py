@@ -64,7 +64,7 @@ def test_async_two_steps_drops_stale_groups(ray_local, tiny_model_dir, tmp_path)
     # update hold version-0 tokens when step 2 (at version 1) takes them, so they must be dropped.
     cfg = pipeline_config(tmp_path, tiny_model_dir, "exp_id=async", "pipeline.schedule=async",
                           "pipeline.max_staleness=0", "pipeline.groups_in_flight=4")
-    assert resolve(cfg).trainer.tis_cap == 2.0  # off-policy correction on by default in the async schedules
+    assert resolve(cfg).algorithm.tis_cap == 2.0  # off-policy correction on by default in the async schedules
     pipeline = Pipeline(cfg)
     try:
         history = pipeline.run()
@@ -72,7 +72,7 @@ def test_async_two_steps_drops_stale_groups(ray_local, tiny_model_dir, tmp_path)
         assert all(_engine_version(u) == "2" for u in pipeline.engine_urls)
         assert history[1]["pipeline/dropped_stale_groups"] >= 1  # counted
         assert all(h["pipeline/staleness_max"] == 0 for h in history)  # nothing older was trained
-        assert all(h["train/staleness_mean"] == 0 for h in history)
+        assert all(h["pipeline/stale_token_fraction"] == 0 for h in history)
         for step in (1, 2):
             rows = _episodes(cfg, step)
             assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)
