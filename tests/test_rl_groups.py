@@ -67,3 +67,32 @@ def test_min_group_episodes_is_checked_at_load():
     assert cfg.rollout.min_group_episodes == 2
     with pytest.raises(ConfigError, match="rollout.min_group_episodes"):
         load_config(None, ["rollout.min_group_episodes=0"])
+
+
+def test_dynamic_sampling_drops_equal_groups_until_its_bound():
+    from collections import Counter
+
+    from actors.schedules import Schedule
+    from rayrl.config import resolve
+    from rayrl.rl.groups import equal_reward
+
+    flat0 = _group("z", _episode("z", 0.0), _episode("z", 0.0), _episode("z", 1.0, ENGINE_ERROR))  # failure ignored
+    flat1 = _group("o", _episode("o", 1.0), _episode("o", 1.0))
+    mixed = _group("m", _episode("m", 1.0), _episode("m", 0.0))
+    assert (equal_reward(flat0), equal_reward(flat1), equal_reward(mixed)) == (0.0, 1.0, None)
+    assert equal_reward(_group("f", _episode("f", 1.0, ENGINE_ERROR))) is None  # nothing succeeded: not "equal"
+
+    schedule = Schedule.__new__(Schedule)  # only the filter: no actors
+    schedule.cfg = resolve(load_config(None, ["algorithm.dynamic_sampling=true", "rollout.prompts_per_step=1",
+                                              "algorithm.dynamic_sampling_max_groups=4"]))
+    schedule.dropped = []
+    counts: Counter = Counter()
+    assert schedule.keep_varied([flat0, mixed, flat1], counts) == [mixed]
+    assert schedule.dropped == [flat0, flat1]
+    assert counts == {"dynamic_groups_drawn": 3, "dynamic_dropped_groups": 2, "dynamic_dropped_reward_0": 1,
+                      "dynamic_dropped_reward_1": 1}
+    # the fourth group drawn is the last that may be dropped; past the bound an equal group is kept
+    assert schedule.keep_varied([flat1, flat0], counts) == [flat0]
+    assert counts["dynamic_groups_drawn"] == 5 and counts["dynamic_kept_equal"] == 1
+    schedule.cfg = resolve(load_config(None, []))  # off (the default): every group is kept
+    assert schedule.keep_varied([flat0, flat1], Counter()) == [flat0, flat1]

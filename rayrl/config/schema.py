@@ -344,6 +344,7 @@ class PipelineConfig:
     checkpoint_interval: int = 0  # save every N steps (0: only at the end)
     checkpoint_dir: Optional[str] = None  # a directory or s3://bucket/prefix (boto3 config, e.g. AWS_ENDPOINT_URL_S3); default runs/<exp_id>/checkpoints
     keep_checkpoints: int = 0  # keep only the newest N complete checkpoints (0: keep all)
+    episode_budget: int = 0  # stop the run once its steps have taken this many episodes (those dynamic sampling dropped too), checked after each step; compares runs at equal rollout cost (0: trainer.steps alone)
     eval_interval: int = 0  # validate on data.val_path before step 1 and every N steps (0: never)
     eval_tasks: int = 64  # validation tasks per evaluation (0: the whole set)
     eval_max_concurrent: int = 16  # episodes in flight during validation
@@ -351,7 +352,8 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         positive(self, "pipeline.", "generation_wait_timeout_s", "weight_sync_timeout_s")
         non_negative(self, "pipeline.", "checkpoint_interval", "keep_checkpoints", "max_staleness",
-                     "groups_in_flight", "max_episode_retries", "max_group_reruns", "eval_interval", "eval_tasks")
+                     "groups_in_flight", "max_episode_retries", "max_group_reruns", "eval_interval", "eval_tasks",
+                     "episode_budget")
         at_least_one(self, "pipeline.", "eval_max_concurrent")
         self._check_checkpoint_dir()
 

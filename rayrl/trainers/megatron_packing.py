@@ -175,12 +175,11 @@ ReduceFn = Callable[[torch.Tensor], torch.Tensor]
 def sharded_entropy(logits: torch.Tensor, sum_over_shards: ReduceFn, max_over_shards: ReduceFn) -> torch.Tensor:
     """Entropy per position of a softmax whose vocabulary is split over tensor-parallel ranks, each
     holding ``logits`` [..., V/tp]: ``m + log(S) - Z / S`` with ``m`` the global max (a constant: the
-    entropy does not depend on it), ``S = sum exp(z - m)`` and ``Z = sum exp(z - m) z`` summed over the
-    shards by ``sum_over_shards`` (an all-reduce whose backward passes the gradient through, Megatron's
-    ``reduce_from_tensor_model_parallel_region``)."""
+    entropy does not depend on it), ``S = sum exp(z - m)`` and ``Z = sum exp(z - m) z``, both summed over
+    the shards in one call of ``sum_over_shards`` (stacked on a new first axis; an all-reduce whose
+    backward passes the gradient through, Megatron's ``reduce_from_tensor_model_parallel_region``)."""
     z = logits.float()
     m = max_over_shards(z.detach().max(dim=-1, keepdim=True).values)
     e = torch.exp(z - m)
-    s = sum_over_shards(e.sum(-1))
-    zsum = sum_over_shards((e * z).sum(-1))
+    s, zsum = sum_over_shards(torch.stack([e.sum(-1), (e * z).sum(-1)]))
     return m.squeeze(-1) + torch.log(s) - zsum / s

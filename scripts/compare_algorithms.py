@@ -1,0 +1,108 @@
+"""The learning comparison of docs/results/algorithms.md: whole training runs of examples/files, one per
+(side, seed), then curves and a table from their metrics.
+
+    python scripts/compare_algorithms.py run grpo 0        # one run: runs/algo-grpo-s0 (~12 min on 2 cores)
+    python scripts/compare_algorithms.py report            # PNGs + the table, from every finished run
+
+A side is a few config overrides (:data:`SIDES`); every side runs the committed examples/files config
+with the same seeds, the same tasks in the same order and the same budget (10 steps of 2 tasks x 8
+episodes; the dynamic-sampling side: the same 160 episodes, ``pipeline.episode_budget``). Runs are
+separate processes so that each can wait for a quiet machine; the checkpoint each run writes at its end
+is deleted (1.6 GB each, and nothing resumes from it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "files" / "config.yaml"
+OUT = ROOT / "docs" / "results"
+EPISODES = 160  # 10 steps x 2 tasks x 8 episodes: every side's budget
+
+SIDES: dict[str, list[str]] = {
+    "grpo": ["algorithm.advantage_estimator=grpo", "algorithm.policy_loss=ppo_clip"],
+    "dr_grpo": ["algorithm.advantage_estimator=dr_grpo", "algorithm.policy_loss=ppo_clip"],
+    "rloo": ["algorithm.advantage_estimator=rloo", "algorithm.policy_loss=ppo_clip"],
+    "gspo": ["algorithm.advantage_estimator=grpo", "algorithm.policy_loss=gspo"],
+    "grpo+dynamic_sampling": ["algorithm.advantage_estimator=grpo", "algorithm.dynamic_sampling=true",
+                              f"pipeline.episode_budget={EPISODES}", "trainer.steps=40"],
+}
+
+
+def exp_id(side: str, seed: int) -> str:
+    return f"algo-{side.replace('+', '-')}-s{seed}"
+
+
+def run(side: str, seed: int) -> int:
+    overrides = [f"exp_id={exp_id(side, seed)}", f"seed={seed}", "logging.inspect_episodes_per_step=0",
+                 *SIDES[side]]
+    code = subprocess.call([sys.executable, str(ROOT / "driver.py"), "--config", str(CONFIG), *overrides], cwd=ROOT)
+    shutil.rmtree(ROOT / "runs" / exp_id(side, seed) / "checkpoints", ignore_errors=True)
+    return code
+
+
+def load(side: str, seed: int) -> list[dict] | None:
+    path = ROOT / "runs" / exp_id(side, seed) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def curves(rows: list[dict]) -> dict[str, list]:
+    """Per training step: cumulative episodes, train reward, whether it trained; per evaluation: the
+    episodes consumed before it and the held-out success."""
+    steps = [r for r in rows if "rollout/episodes" in r]
+    evals = [r for r in rows if "eval/success_rate" in r]
+    episodes_at = {0: 0}
+    total = 0
+    for r in steps:
+        total += r["rollout/episodes"]
+        episodes_at[r["step"]] = total
+    return {
+        "episodes": [episodes_at[r["step"]] for r in steps],
+        "reward": [r["rollout/reward_mean"] for r in steps],
+        "trained": [r.get("train/trained_samples", 0) > 0 for r in steps],
+        "eval_episodes": [episodes_at.get(r["step"], total) for r in evals],
+        "eval_success": [r["eval/success_rate"] for r in evals],
+        "clip": [r.get("train/clip_fraction") for r in steps if r.get("train/trained_samples", 0) > 0],
+        "dropped": sum(r.get("pipeline/dynamic_dropped_groups", 0) for r in steps),
+    }
+
+
+def report() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found = {(side, seed): c for side in SIDES for seed in (0, 1) if (rows := load(side, seed)) and (c := curves(rows))}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    colours = dict(zip(SIDES, ("C0", "C1", "C2", "C3", "C4")))
+    for (side, seed), c in sorted(found.items()):
+        style = "-" if seed == 0 else "--"
+        axes[0].plot(c["eval_episodes"], c["eval_success"], style, marker="o", color=colours[side],
+                     label=f"{side} seed {seed}")
+        axes[1].plot(c["episodes"], c["reward"], style, color=colours[side], alpha=0.8, label=f"{side} seed {seed}")
+    axes[0].set(xlabel="training episodes", ylabel="held-out success (32 tasks)", title="held-out success")
+    axes[1].set(xlabel="training episodes", ylabel="mean reward of the step's episodes", title="train reward")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(OUT / "algorithms_curves.png", dpi=110)
+    print("| side | seed | held-out success at 0 / 80 / 160 episodes | steps that trained | mean clip fraction | groups dropped |")
+    print("|---|---|---|---|---|---|")
+    for (side, seed), c in sorted(found.items()):
+        evals = " / ".join(f"{s:.3f}" for s in c["eval_success"])
+        clip = sum(c["clip"]) / len(c["clip"]) if c["clip"] else 0.0
+        print(f"| {side} | {seed} | {evals} (at {', '.join(map(str, c['eval_episodes']))}) | "
+              f"{sum(c['trained'])} of {len(c['trained'])} | {clip:.3f} | {c['dropped']} |")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["run"]:
+        sys.exit(run(sys.argv[2], int(sys.argv[3])))
+    report()
