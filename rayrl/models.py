@@ -95,7 +95,7 @@ def resolve_model_path(name_or_path: str, field: str = "model.path") -> Path:
         return provision_smollm2()
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
-        return path
+        return path.resolve()  # absolute: engine and trainer processes may not share the driver's directory
     raise ModelNotFoundError(
         f"{field}: {name_or_path!r} is not a model directory (no config.json) "
         f"and not a built-in model name ({SMOLLM2_NAME})"

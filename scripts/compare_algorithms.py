@@ -2,7 +2,8 @@
 (side, seed), then curves and a table from their metrics.
 
     python scripts/compare_algorithms.py run grpo 0        # one run: runs/algo-grpo-s0 (~12 min on 2 cores)
-    python scripts/compare_algorithms.py report            # PNGs + the table, from every finished run
+    python scripts/compare_algorithms.py report            # PNGs + the tables, from every finished run
+                                                           # (and the distillation run's, runs/files-distill)
 
 A side is a few config overrides (:data:`SIDES`); every side runs the committed examples/files config
 with the same seeds, the same tasks in the same order and the same budget (10 steps of 2 tasks x 8
@@ -102,7 +103,35 @@ def report() -> None:
               f"{sum(c['trained'])} of {len(c['trained'])} | {clip:.3f} | {c['dropped']} |")
 
 
+def report_distillation() -> None:
+    """The distillation run (examples/distill/config.yaml): the sampled reverse KL to the teacher per step,
+    and held-out success, from runs/files-distill/metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = ROOT / "runs" / "files-distill" / "metrics.jsonl"
+    if not path.is_file():
+        return
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    steps = [r for r in rows if "distill/reverse_kl" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in steps], [r["distill/reverse_kl"] for r in steps], marker="o")
+    ax.set(xlabel="step (the student's samples of that step, scored before its update)",
+           ylabel="mean sampled reverse KL, nats/token", title="student -> teacher reverse KL")
+    fig.tight_layout()
+    fig.savefig(OUT / "algorithms_distill_kl.png", dpi=110)
+    print("| step | reverse KL | student log-prob | teacher log-prob | train reward |")
+    print("|---|---|---|---|---|")
+    for r in steps:
+        print(f"| {r['step']} | {r['distill/reverse_kl']:.3f} | {r['distill/student_logprob']:.3f} | "
+              f"{r['distill/teacher_logprob']:.3f} | {r['rollout/reward_mean']:.3f} |")
+    print("held-out:", [(r["step"], r["eval/success_rate"]) for r in rows if "eval/success_rate" in r])
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["run"]:
         sys.exit(run(sys.argv[2], int(sys.argv[3])))
     report()
+    report_distillation()
