@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from rayrl.config.algorithm import AlgorithmConfig
-from rayrl.rl.shard import dp_rank_of, dp_size, shard_batch
+from rayrl.rl.shard import rank_shards
 from rayrl.types import Sample
 
 
@@ -98,18 +98,13 @@ def plan_updates(
     :class:`UpdatePlan`. The ranks of one replica get the same (rayrl/rl/shard.py). A batch where nothing
     trains still gets one empty mini-batch, so every rank makes its one optimizer step."""
     keep = [i for i, (s, a) in enumerate(zip(samples, advantages)) if sample_trains(s, a, algo)]
-    replicas = dp_size(world_size, tp, pp, cp)
-    held: list[list[int]] = [[] for _ in range(replicas)]
-    steps: list[list[MiniBatch]] = [[] for _ in range(replicas)]
+    held: list[list[int]] = [[] for _ in range(world_size)]
+    steps: list[list[MiniBatch]] = [[] for _ in range(world_size)]
     for chunk in split_contiguous(keep, num_minibatches) if keep else [[]]:
         tokens = sum(samples[i].num_trained_tokens for i in chunk)
-        shards = shard_batch([len(samples[i].tokens) for i in chunk], replicas)
-        for r, shard in enumerate(shards):
-            start = len(held[r])
-            held[r] += [chunk[j] for j in shard]
-            steps[r].append(MiniBatch(tuple(range(start, len(held[r]))), tokens, len(chunk)))
-    out = []
-    for rank in range(world_size):
-        r = dp_rank_of(rank, world_size, tp, pp, cp)
-        out.append((list(held[r]), UpdatePlan(tuple(steps[r]), epochs)))
-    return out
+        shards = rank_shards([len(samples[i].tokens) for i in chunk], world_size, tp, pp, cp)
+        for rank, shard in enumerate(shards):
+            start = len(held[rank])
+            held[rank] += [chunk[j] for j in shard]
+            steps[rank].append(MiniBatch(tuple(range(start, len(held[rank]))), tokens, len(chunk)))
+    return [(held[rank], UpdatePlan(tuple(steps[rank]), epochs)) for rank in range(world_size)]
