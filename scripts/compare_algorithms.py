@@ -2,12 +2,13 @@
 (side, seed), then curves and a table from their metrics.
 
     python scripts/compare_algorithms.py run grpo 0        # one run: runs/algo-grpo-s0 (~12 min on 2 cores)
+    python scripts/compare_algorithms.py run grpo 0 5      # a reduced run: 5 steps, held-out eval at 0 and 5
     python scripts/compare_algorithms.py report            # PNGs + the tables, from every finished run
                                                            # (and the distillation run's, runs/files-distill)
 
 A side is a few config overrides (:data:`SIDES`); every side runs the committed examples/files config
-with the same seeds, the same tasks in the same order and the same budget (10 steps of 2 tasks x 8
-episodes; the dynamic-sampling side: the same 160 episodes, ``pipeline.episode_budget``). Runs are
+with the same seeds, the same tasks in the same order and the same budget (:data:`STEPS` steps of 2
+tasks x 8 episodes, or fewer; the dynamic-sampling side: the same episodes, ``pipeline.episode_budget``). Runs are
 separate processes so that each can wait for a quiet machine; the checkpoint each run writes at its end
 is deleted (1.6 GB each, and nothing resumes from it).
 """
@@ -23,15 +24,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "files" / "config.yaml"
 OUT = ROOT / "docs" / "results"
-EPISODES = 160  # 10 steps x 2 tasks x 8 episodes: every side's budget
+STEPS = 10  # the committed config's; a reduced run passes fewer and is evaluated at step 0 and its end only
+EPISODES_PER_STEP = 2 * 8  # 2 tasks x 8 episodes
 
 SIDES: dict[str, list[str]] = {
     "grpo": ["algorithm.advantage_estimator=grpo", "algorithm.policy_loss=ppo_clip"],
     "dr_grpo": ["algorithm.advantage_estimator=dr_grpo", "algorithm.policy_loss=ppo_clip"],
     "rloo": ["algorithm.advantage_estimator=rloo", "algorithm.policy_loss=ppo_clip"],
     "gspo": ["algorithm.advantage_estimator=grpo", "algorithm.policy_loss=gspo"],
-    "grpo+dynamic_sampling": ["algorithm.advantage_estimator=grpo", "algorithm.dynamic_sampling=true",
-                              f"pipeline.episode_budget={EPISODES}", "trainer.steps=40"],
+    "grpo+dynamic_sampling": ["algorithm.advantage_estimator=grpo", "algorithm.dynamic_sampling=true"],
 }
 
 
@@ -39,9 +40,14 @@ def exp_id(side: str, seed: int) -> str:
     return f"algo-{side.replace('+', '-')}-s{seed}"
 
 
-def run(side: str, seed: int) -> int:
-    overrides = [f"exp_id={exp_id(side, seed)}", f"seed={seed}", "logging.inspect_episodes_per_step=0",
-                 *SIDES[side]]
+def run(side: str, seed: int, steps: int = STEPS) -> int:
+    overrides = [f"exp_id={exp_id(side, seed)}", f"seed={seed}", "logging.inspect_episodes_per_step=0", *SIDES[side]]
+    if steps != STEPS:
+        overrides.append(f"pipeline.eval_interval={steps}")
+    if side.endswith("dynamic_sampling"):  # the same episodes as the others; the budget, not the steps, ends it
+        overrides += [f"pipeline.episode_budget={steps * EPISODES_PER_STEP}", f"trainer.steps={4 * steps}"]
+    else:
+        overrides.append(f"trainer.steps={steps}")
     code = subprocess.call([sys.executable, str(ROOT / "driver.py"), "--config", str(CONFIG), *overrides], cwd=ROOT)
     shutil.rmtree(ROOT / "runs" / exp_id(side, seed) / "checkpoints", ignore_errors=True)
     return code
@@ -94,7 +100,7 @@ def report() -> None:
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(OUT / "algorithms_curves.png", dpi=110)
-    print("| side | seed | held-out success at 0 / 80 / 160 episodes | steps that trained | mean clip fraction | groups dropped |")
+    print("| side | seed | held-out success | steps that trained | mean clip fraction | groups dropped |")
     print("|---|---|---|---|---|---|")
     for (side, seed), c in sorted(found.items()):
         evals = " / ".join(f"{s:.3f}" for s in c["eval_success"])
@@ -132,6 +138,6 @@ def report_distillation() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["run"]:
-        sys.exit(run(sys.argv[2], int(sys.argv[3])))
+        sys.exit(run(sys.argv[2], int(sys.argv[3]), *map(int, sys.argv[4:5])))
     report()
     report_distillation()
