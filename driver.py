@@ -15,6 +15,17 @@ import sys
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples", "calculator", "config.yaml")
 
 
+def model_paths(cfg) -> list[tuple[str, str]]:
+    """The other models a run loads, by config field: the reference (a KL is on) and a distillation teacher
+    given as a path."""
+    algo, out = cfg.algorithm, []
+    if algo.uses_reference and algo.reference_path:
+        out.append(("algorithm.reference_path", algo.reference_path))
+    if algo.distill_teacher and not algo.distill_teacher.startswith(("http://", "https://")):
+        out.append(("algorithm.distill_teacher", algo.distill_teacher))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train an LLM agent with RL on Ray.")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML run config (default: the calculator example)")
@@ -28,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         resolve_model_path(cfg.model.path)  # fail before starting Ray; provisions the built-in model once
+        for field, path in model_paths(cfg):
+            resolve_model_path(path, field)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

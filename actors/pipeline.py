@@ -4,7 +4,8 @@ Allocation, in order (each step names what it starts and where):
 
 1. the placement: one placement group of GPU bundles shared by trainer ranks and engines, over as
    many nodes as it takes (``placement.mode`` colocated or split; none: each part places itself);
-2. the engines: one EngineActor per engine on its own bundle(s), started in parallel;
+2. the engines: one EngineActor per engine on its own bundle(s), started in parallel (and, for on-policy
+   distillation, the teacher's engine when ``algorithm.distill_teacher`` is a model path);
 3. the trainer: TrainerGroup ranks on their bundles, joined by torch.distributed; the weight routes
    from the ranks to the engines are planned from where both landed (actors/weight_sync.py);
 4. the gateway: trajectory-manager shards that serve the agents' LLM calls and record every turn;
@@ -13,13 +14,15 @@ Allocation, in order (each step names what it starts and where):
    process tree on the pool's node, used directly by the worker that leased it);
 7. the schedule (sync, async or colocated_async; actors/schedules.py spells out each one's phases).
 
-Then the loop: each step collects its groups (the schedule), builds the batch (GRPO advantages,
-rayrl/rl/batch.py), trains and updates the engines (the schedule), and logs one line and its metrics
+Then the loop: each step collects its groups (the schedule), builds the batch (the configured
+advantage estimator, rayrl/rl/batch.py; a distillation teacher's per-token scores, rayrl/rl/distill.py),
+trains and updates the engines (the schedule), and logs one line and its metrics
 (rayrl/rl/step_metrics.py); checkpoints and validation when due.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -49,6 +52,7 @@ from rayrl.metrics import CounterDeltas, MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
 from rayrl.records import tokenizer_text, write_episodes, write_inspection
 from rayrl.rl.batch import Batch, build_batch
+from rayrl.rl.distill import TeacherScorer, distill_batch
 from rayrl.rl.failures import failure_kind
 from rayrl.rl.logprob_gap import gap_crossed
 from rayrl.rl.step_metrics import EngineWork, gateway_metrics, step_metrics
@@ -89,13 +93,14 @@ class Pipeline:
         seats = self.placement.engine_seats() if self.placement is not None else [None] * cfg.engine.num_engines
         self.engines = EngineFleet(cfg.engine, self.model_path, str((self.run_dir / "logs").resolve()), seats,
                                    name_prefix=name)
+        self.teacher, self.teacher_engine = self._start_teacher(name)  # on-policy distillation's (rayrl/rl/distill.py)
         # 3. the trainer, and the weight routes from its ranks to the engines (colocated: the engines release
         #    their memory while the trainer is built; the schedule gives it back once the trainer is offloaded)
         print("[rayrl] starting trainer, trajectory managers, sandbox pool and rollout workers...", flush=True)
         if cfg.pipeline.schedule == "colocated_async":
             self.engines.release_memory_occupation()
         self.trainer = TrainerGroup(cfg.trainer, self.model_path, seed=cfg.seed, name_prefix=name,
-                                    placement=self.placement)
+                                    placement=self.placement, algorithm=cfg.algorithm)
         self.weights = WeightSync(cfg, self.trainer, self.engines)
         routes = self.weights.connect()
         if self.placement is not None and routes is not None:
@@ -129,7 +134,7 @@ class Pipeline:
         eval_every, save_every = cfg.pipeline.eval_interval, cfg.pipeline.checkpoint_interval
         if eval_every and self.step == 0:
             self.metrics.log(0, self.evaluate(0))
-        while self.step < cfg.trainer.steps:
+        while self.step < cfg.trainer.steps and not self.budget_spent:
             try:
                 history.append(self.run_step())
             except TrainerFailure as failure:
@@ -137,7 +142,7 @@ class Pipeline:
                 raise
             if save_every and self.step % save_every == 0:
                 self.save_checkpoint()
-            if eval_every and (self.step % eval_every == 0 or self.step == cfg.trainer.steps):
+            if eval_every and (self.step % eval_every == 0 or self.step == cfg.trainer.steps or self.budget_spent):
                 self.metrics.log(self.step, self.evaluate(self.step))
         if history and not (save_every and self.step % save_every == 0):
             self.save_checkpoint()
@@ -157,8 +162,9 @@ class Pipeline:
         self.checkpoints.untrained_taken = groups
         rollout_s = time.monotonic() - started
         episodes = [e for g in groups for e in g.ordered()]
-        batch = build_batch(episodes, cfg.trainer.normalize_advantage_std)
-        self._record(episodes, batch)
+        batch = self.build_batch(episodes)
+        drawn = episodes + [e for g in self.schedule.dropped for e in g.ordered()]  # dynamic sampling's too
+        self._record(drawn, batch)
         version = state.version  # the weights this batch trains against
         in_flight = self.dispatcher.groups_in_flight  # before the train phase (async: groups go on)
         self.ray_sink.staleness(batch.staleness(version))
@@ -167,9 +173,9 @@ class Pipeline:
             logger.info("step %d: every group had equal rewards; no gradient step", state.step)
         self._check_engine_gap(train)
         self.checkpoints.untrained_taken = []  # trained (or nothing to learn: equal rewards in every group)
-        self._episodes_total += len(episodes)
+        self._episodes_total += len(drawn)
         metrics = step_metrics(
-            episodes, batch, version=version, policy_version=state.version, train=train,
+            drawn, batch, version=version, policy_version=state.version, train=train,
             pipeline_counts=counts, groups_in_flight=in_flight,
             failures={**state.failures, **self.dispatcher.counts}, engines=self._engine_work(),
             extra={**gateway_metrics(self.trajectories.stats()), **self._agentcore_metrics(),
@@ -180,9 +186,36 @@ class Pipeline:
         )
         self.metrics.log(state.step, metrics)
         print(summary_line(state.step, cfg.trainer.steps, metrics)
-              + f" | episodes {len(episodes)} | staleness {metrics['pipeline/staleness_mean']:.2f}"
+              + f" | episodes {len(drawn)} | staleness {metrics['pipeline/staleness_mean']:.2f}"
               + f" | dropped {counts['dropped_stale_groups']}", flush=True)
         return metrics
+
+    @property
+    def budget_spent(self) -> bool:
+        """``pipeline.episode_budget`` is set and the steps have taken that many episodes."""
+        budget = self.cfg.pipeline.episode_budget
+        return budget > 0 and self.state.episodes >= budget
+
+    def build_batch(self, episodes: list) -> Batch:
+        """The step's batch (rayrl/rl/batch.py); with a distillation teacher, its per-token advantages."""
+        batch = build_batch(episodes, self.cfg.algorithm)
+        if self.teacher is not None and batch.samples:
+            scores = self.schedule.while_dispatching(lambda: self.teacher.score(batch.samples))
+            batch = distill_batch(batch, scores, self.cfg.algorithm.distill_coef)
+        return batch
+
+    def _start_teacher(self, name: str) -> tuple[TeacherScorer | None, EngineFleet | None]:
+        """The scorer of ``algorithm.distill_teacher``: its URL, or an engine of its own serving its path."""
+        cfg = self.cfg
+        teacher = cfg.algorithm.distill_teacher
+        if not teacher:
+            return None, None
+        if teacher.startswith(("http://", "https://")):
+            return TeacherScorer(teacher.rstrip("/"), cfg.engine.request_timeout_s), None
+        fleet = EngineFleet(dataclasses.replace(cfg.engine, num_engines=1), str(resolve_model_path(teacher)),
+                            str((self.run_dir / "logs").resolve()), [None], name_prefix=f"{name}-teacher")
+        print(f"[rayrl] distillation teacher {teacher} at {fleet.urls[0]}", flush=True)
+        return TeacherScorer(fleet.urls[0], cfg.engine.request_timeout_s), fleet
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """One episode per validation task (``pipeline.eval_tasks`` of them, 0: all)."""
@@ -307,6 +340,8 @@ class Pipeline:
         except Exception as err:  # an actor that already died cannot be stopped politely
             logger.warning("graceful shutdown incomplete: %s", err)
         self.engines.shutdown()
+        if self.teacher_engine is not None:
+            self.teacher_engine.shutdown()
         for ref in self.dispatcher.running:  # episodes of groups the run did not need
             ray.cancel(ref)
         for handle in [*self.trajectories.handles, *self.workers, self.pool, *([launcher] if launcher else [])]:

@@ -91,6 +91,7 @@ class RunCheckpoints:
         self.sampler.load_state_dict(saved["sampler"])
         schedule = saved.get("schedule") or {}
         self.state.group_seq = int(schedule.get("group_seq", self.state.group_seq))
+        self.state.episodes = int(schedule.get("episodes", self.state.episodes))
         for row in schedule.get("untrained_groups", []):
             self.dispatcher.submit(GroupDispatcher.task_of(row), row["group_id"])
         print(f"[rayrl] resumed from {self.store.location_of(step)} at step {self.state.step}, "

@@ -8,8 +8,10 @@ and then only calls :meth:`Schedule.collect` and :meth:`Schedule.train`. One ste
 ``sync``
     1. queue ``prompts_per_step`` new tasks; wait until their groups complete (or the step deadline); a
        group where fewer than ``rollout.min_group_episodes`` episodes succeeded runs its task again (every
-       schedule does this: failed episodes, mostly infrastructure, say nothing about the policy);
-    2. (pipeline) GRPO advantages per group over the episodes that succeeded;
+       schedule does this: failed episodes, mostly infrastructure, say nothing about the policy); with
+       ``algorithm.dynamic_sampling`` a group whose rewards are all equal is dropped and another drawn;
+    2. (pipeline) advantages (``algorithm.advantage_estimator``, GRPO by default) over the episodes that
+       succeeded;
     3. one trainer step (nothing else runs);
     4. new weights to every engine with the next policy version.
 
@@ -66,7 +68,7 @@ from actors.weight_sync import WeightSync
 from rayrl.config import RunConfig
 from rayrl.data import TaskSampler
 from rayrl.rl.batch import Batch
-from rayrl.rl.groups import Group, split_short, split_stale
+from rayrl.rl.groups import Group, equal_reward, split_short, split_stale
 
 logger = logging.getLogger("rayrl.pipeline")
 
@@ -82,6 +84,7 @@ class RunState:
     version: int = 0
     group_seq: int = 0  # groups ever queued; part of each group id
     failures: Counter = field(default_factory=Counter)
+    episodes: int = 0  # episodes of every group the steps took, dropped ones too (pipeline.episode_budget)
 
 
 @dataclass
@@ -109,6 +112,7 @@ class Schedule:
         self.parts = parts
         self.cfg = parts.cfg
         self.state = parts.state
+        self.dropped: list[Group] = []  # this step's groups dynamic sampling dropped (recorded, not trained)
 
     # -- the dispatch loop ---------------------------------------------------------------------------
 
@@ -175,14 +179,19 @@ class Schedule:
         need = cfg.rollout.prompts_per_step
         if not self.runs_ahead:
             self.queue_new_groups(need)
+        self.dropped = []
         deadline = time.monotonic() + cfg.rollout.step_deadline_s if cfg.rollout.step_deadline_s > 0 else None
         enough = int(np.ceil(cfg.rollout.min_groups_fraction * need))
         taken: list[Group] = []
         with tqdm(total=need * cfg.rollout.group_size, desc=f"step {self.state.step} rollout", unit="ep",
                   leave=False, dynamic_ncols=True) as bar:
             while len(taken) < need:
+                if not self.runs_ahead:  # groups dynamic sampling dropped are replaced by new ones
+                    self.queue_new_groups(need - len(taken))
                 self.tick()
-                fresh = self.keep_fresh(self.keep_full(dispatcher.take(need - len(taken)), counts), counts)
+                got = dispatcher.take(need - len(taken))
+                self.state.episodes += sum(len(g.episodes) for g in got)
+                fresh = self.keep_varied(self.keep_fresh(self.keep_full(got, counts), counts), counts)
                 if fresh:
                     taken += fresh
                     bar.update(sum(g.size for g in fresh))
@@ -214,6 +223,29 @@ class Schedule:
         """The groups a step may train (sync: all; every group was started on the current weights)."""
         return groups
 
+    def keep_varied(self, groups: list[Group], counts: Counter) -> list[Group]:
+        """DAPO's dynamic sampling (``algorithm.dynamic_sampling``): drop groups whose rewards are all equal
+        (counted by reward, ``pipeline/dynamic_dropped_reward_<r>``); more groups are drawn in their place.
+        Once the step has drawn ``dynamic_sampling_max_groups`` groups, equal groups are kept
+        (``pipeline/dynamic_kept_equal``), so a step never waits for ever."""
+        algo = self.cfg.algorithm
+        if not algo.dynamic_sampling:
+            return groups
+        keep = []
+        for group in groups:
+            counts["dynamic_groups_drawn"] += 1
+            reward = equal_reward(group)
+            if reward is None:
+                keep.append(group)
+            elif counts["dynamic_groups_drawn"] > algo.dynamic_sampling_max_groups:
+                counts["dynamic_kept_equal"] += 1
+                keep.append(group)
+            else:
+                counts["dynamic_dropped_groups"] += 1
+                counts[f"dynamic_dropped_reward_{reward:g}"] += 1
+                self.dropped.append(group)
+        return keep
+
     def deadline_ends_step(self, taken: int, enough: int) -> bool:
         """Past the step deadline: sync stops waiting (the unfinished groups fail)."""
         return True
@@ -239,10 +271,10 @@ class Schedule:
 
     def train_step(self, batch: Batch) -> dict[str, Any]:
         """The trainer's step (sync: nothing else is running)."""
-        return self.parts.trainer.train(batch.samples, batch.advantages)
+        return self.parts.trainer.train(batch.samples, batch.train_advantages())
 
     def state_dict(self) -> dict[str, Any]:
-        return {"schedule": self.name, "group_seq": self.state.group_seq}
+        return {"schedule": self.name, "group_seq": self.state.group_seq, "episodes": self.state.episodes}
 
 
 class AsyncSchedule(Schedule):
@@ -269,7 +301,7 @@ class AsyncSchedule(Schedule):
         return taken >= enough
 
     def train_step(self, batch: Batch) -> dict[str, Any]:
-        return self.while_dispatching(lambda: self.parts.trainer.train(batch.samples, batch.advantages))
+        return self.while_dispatching(lambda: self.parts.trainer.train(batch.samples, batch.train_advantages()))
 
     def update_engines(self) -> None:
         """The new weights with nothing generating (step 4 in the module docstring): the gateway holds

@@ -1,10 +1,12 @@
 """TrainerGroup: trainer ranks in one placement group, joined by torch.distributed.
 
 Each rank is a Ray actor over ``rayrl.trainers.torch_backend.TorchTrainer`` (gloo on CPU, NCCL on GPU).
-The group splits a batch over the data-parallel replicas balanced by tokens and sends every rank its
-replica's shard (``rayrl.rl.shard.rank_shards``: with Megatron's tensor/pipeline/context parallelism the
-ranks of one replica train the same samples), so gradients are all-reduced over the whole batch and
-every replica ends each step with identical weights.
+The group plans a batch's updates once for every rank (``rayrl.rl.updates.plan_updates``: which samples
+train, cut into mini-batches, each sharded over the data-parallel replicas balanced by tokens, with the
+mini-batch's global sizes that the loss is normalised by; with Megatron's tensor/pipeline/context
+parallelism the ranks of one replica train the same samples) and sends every rank its part, so
+gradients are all-reduced over the whole mini-batch and every replica ends each step with identical
+weights.
 
 New weights reach the engines from the ranks that rayrl/weights/routes.py picks (``connect_weights``
 once, then ``push_weights`` after each step): every rank holds one sender or none, and never asks
@@ -26,8 +28,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayrl.checkpoint import CheckpointStore
-from rayrl.config import TrainerConfig
-from rayrl.rl.shard import rank_shards, replica_leads
+from rayrl.config import AlgorithmConfig, TrainerConfig
+from rayrl.rl.shard import replica_leads
+from rayrl.rl.updates import UpdatePlan, plan_updates
 from rayrl.trainers.memory_saver import preload_env
 from rayrl.types import Sample
 from rayrl.weights.routes import RankPlace, WeightRoutes, make_sender
@@ -54,8 +57,10 @@ class TrainerFailure(RuntimeError):
 class TrainerRank:
     """One rank of the trainer."""
 
-    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world_size: int, seed: int) -> None:
+    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world_size: int, seed: int,
+                 algorithm: Optional[AlgorithmConfig] = None) -> None:
         self.args = (model_path, cfg, rank, world_size, seed)
+        self.algorithm = algorithm
         self.trainer = None
         self.sender: Any = None  # this rank's weight sender (rayrl/weights/routes.py), or None
         self.world: Any = None  # rayrl.trainers.process_groups.TrainerWorld (several ranks, or Megatron)
@@ -88,13 +93,15 @@ class TrainerRank:
 
             os.environ.setdefault("MASTER_ADDR", master_addr)
             os.environ.setdefault("MASTER_PORT", str(master_port))
-            self.trainer = MegatronTrainer(model_path, cfg, rank=rank, world_size=world_size, seed=seed, local_rank=0)
+            self.trainer = MegatronTrainer(model_path, cfg, algorithm=self.algorithm, rank=rank, world_size=world_size,
+                                           seed=seed, local_rank=0)
             return rank
-        self.trainer = TorchTrainer(model_path, cfg, rank=rank, world_size=world_size, seed=seed)
+        self.trainer = TorchTrainer(model_path, cfg, algorithm=self.algorithm, rank=rank, world_size=world_size,
+                                    seed=seed)
         return rank
 
-    def train_step(self, samples: list[Sample], advantages: list[float], global_tokens: int) -> dict[str, Any]:
-        return self.trainer.train_step(samples, advantages, global_tokens)
+    def train_step(self, samples: list[Sample], advantages: list[Any], plan: UpdatePlan) -> dict[str, Any]:
+        return self.trainer.train_step(samples, advantages, plan)
 
     def export_weights(self, root: str, version: int, dtype: str) -> str:
         import torch
@@ -202,10 +209,13 @@ class TrainerGroup:
         seed: int = 0,
         name_prefix: str = "rayrl",
         placement: Any = None,
+        algorithm: Optional[AlgorithmConfig] = None,
     ) -> None:
         """``placement`` (actors.placement_group.SharedPlacement): ranks go to the bundles it plans (shared
-        with the engines when colocated); without it the group makes a placement group of its own."""
+        with the engines when colocated); without it the group makes a placement group of its own.
+        ``algorithm``: what the ranks optimise (default: GRPO's PPO-clip)."""
         self.cfg = cfg
+        self.algorithm = algorithm if algorithm is not None else AlgorithmConfig()
         self.shared_placement = placement
         self.bundles: list[int] = []  # rank -> bundle of the shared placement (none of its own group)
         if placement is not None:
@@ -232,27 +242,29 @@ class TrainerGroup:
                 opts["runtime_env"] = {"env_vars": preload}
         self.ranks = [
             TrainerRank.options(name=f"{name_prefix}-trainer-{r}", **options[r]).remote(
-                model_path, cfg, r, cfg.num_ranks, seed
+                model_path, cfg, r, cfg.num_ranks, seed, self.algorithm
             )
             for r in range(cfg.num_ranks)
         ]
         addr, port = ray.get(self.ranks[0].master_address.remote())
         ray.get([r.setup.remote(addr, port) for r in self.ranks])
 
-    def train(self, samples: list[Sample], advantages: Sequence[float]) -> dict[str, Any]:
-        """One optimizer step over the batch on all ranks; returns rank 0's metrics, with
-        ``trained_samples`` and ``trained_tokens`` summed over the replicas (one rank each) and
-        ``train_time_s`` the slowest rank's.
+    def train(self, samples: list[Sample], advantages: Sequence[Any]) -> dict[str, Any]:
+        """Train the batch on all ranks (its optimizer steps: rayrl/rl/updates.py); returns rank 0's
+        metrics, with ``trained_samples`` and ``trained_tokens`` summed over the replicas (one rank each)
+        and ``train_time_s`` the slowest rank's. ``advantages``: per sample, a float or an array over its
+        response tokens.
 
         Raises TrainerFailure when a rank dies or fails: the ranks still running get
         ``FAILURE_GRACE_S`` to notice (gloo/NCCL raise when a peer's connection drops) and are then killed.
         """
         layout = (len(self.ranks), self.cfg.tp_size, self.cfg.pp_size, self.cfg.cp_size)
-        shards = rank_shards([len(s.tokens) for s in samples], *layout)
-        global_tokens = sum(s.num_trained_tokens for s, a in zip(samples, advantages) if a != 0.0)
+        plans = plan_updates(samples, advantages, self.algorithm, world_size=layout[0], tp=layout[1], pp=layout[2],
+                             cp=layout[3], num_minibatches=self.cfg.num_steps_per_rollout,
+                             epochs=self.cfg.epochs_per_rollout)
         refs = [
-            rank.train_step.remote([samples[i] for i in idx], [float(advantages[i]) for i in idx], global_tokens)
-            for rank, idx in zip(self.ranks, shards)
+            rank.train_step.remote([samples[i] for i in idx], [advantages[i] for i in idx], plan)
+            for rank, (idx, plan) in zip(self.ranks, plans)
         ]
         results = self._gather(refs)
         metrics = dict(results[0])

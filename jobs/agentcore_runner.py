@@ -11,7 +11,7 @@
 
 The six required fields name the experiment; the optional ones cover the cluster, AgentCore and the
 toolkit's settings, the hyperparameters and wandb; ``extra_flags`` go to driver.py verbatim (dotted
-config overrides such as ``trainer.kl_coef=0.01``, or driver flags such as ``--resume``). Every field
+config overrides such as ``algorithm.kl_loss_coef=0.01``, or driver flags such as ``--resume``). Every field
 maps onto the run config (:meth:`AgentCoreRunner.overrides`, on top of ``config``, the AgentCore example's
 YAML by default), so :meth:`run_config` shows, and checks before anything is submitted, exactly the
 ``RunConfig`` the job will train with. docs/agentcore.md maps each toolkit field to its config key.

@@ -88,15 +88,16 @@ def provision_smollm2(target: Path | None = None) -> Path:
     return target
 
 
-def resolve_model_path(name_or_path: str) -> Path:
-    """A local HF directory for ``name_or_path`` (provisioning the built-in model when needed)."""
+def resolve_model_path(name_or_path: str, field: str = "model.path") -> Path:
+    """A local HF directory for ``name_or_path`` (provisioning the built-in model when needed); an error
+    names the config ``field`` the value came from."""
     if name_or_path == SMOLLM2_NAME:
         return provision_smollm2()
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
-        return path
+        return path.resolve()  # absolute: engine and trainer processes may not share the driver's directory
     raise ModelNotFoundError(
-        f"model.path: {name_or_path!r} is not a model directory (no config.json) "
+        f"{field}: {name_or_path!r} is not a model directory (no config.json) "
         f"and not a built-in model name ({SMOLLM2_NAME})"
     )
 

@@ -56,8 +56,8 @@ def episode_advantages(episodes: Sequence[Episode], batch: Batch | None) -> list
         return out
     offset = 0
     for i, e in enumerate(episodes):
-        if not e.ok or not e.samples:
-            continue
+        if not e.ok or not e.samples or offset >= len(batch.samples) or batch.samples[offset] is not e.samples[0]:
+            continue  # failed, or not trained (a group dynamic sampling dropped comes after the batch's)
         out[i] = float(batch.advantages[offset])
         offset += len(e.samples)
     return out

@@ -20,25 +20,30 @@ Unknown keys, wrong types and invalid values fail at load with the dotted name o
 Fields with a fixed set of values (written `a / b / c` below) are `Literal` types, so any other value
 fails at load too; ranges are checked by each section, rules across sections by `RunConfig`.
 Override any field on the command line: `python driver.py --config FILE trainer.steps=3 rollout.group_size=8`.
-This page is generated from the comments in rayrl/config/schema.py by scripts/gen_config_doc.py.
+This page is generated from the comments in rayrl/config/schema.py and rayrl/config/algorithm.py by
+scripts/gen_config_doc.py. Keys removed from an older rayrl (`trainer.loss`, `trainer.kl_coef`, ...) fail
+at load with what to write instead.
 
 **Resolve.** Values that mean "auto" (`0`, unset, `auto`) stay that way in the loaded config;
 `rayrl.config.resolve(cfg, machine)` turns all of them into concrete values in one place, for the
 machine's cores (its CPU affinity) and whether it has CUDA: `engine.backend`, `engine.num_threads`,
 `trainer.num_threads`, `pipeline.groups_in_flight` (in `sync` always `rollout.prompts_per_step`),
-`rollout.max_concurrent_episodes`, `trainer.tis_cap` and `model.tokenizer_path`. A run works on the
-resolved config and saves it as `<logging.output_dir>/<exp_id>/config.yaml`, so the file says what ran;
-loading it and resolving again changes nothing. Two exceptions: `pipeline.weight_transfer: auto`
-depends on where each engine is placed and is decided when the engines start, and
-`engine.weight_format: auto` depends on the model's family (whether the CPU engine's own decode path
-covers it) and is decided by each CPU engine when it loads the model (its `/get_server_info` says which).
+`rollout.max_concurrent_episodes`, `model.tokenizer_path` and, in `algorithm`, `tis_cap`, the clip
+ranges, `loss_agg`, `loss_agg_norm`, `dynamic_sampling_max_groups` and `reference_path`
+(docs/algorithms.md). A run works on the resolved config and saves it as
+`<logging.output_dir>/<exp_id>/config.yaml`, so the file says what ran; loading it and resolving again
+changes nothing. Two exceptions: `pipeline.weight_transfer: auto` depends on where each engine is
+placed and is decided when the engines start, and `engine.weight_format: auto` depends on the model's
+family (whether the CPU engine's own decode path covers it) and is decided by each CPU engine when it
+loads the model (its `/get_server_info` says which).
 """  # the page's opening paragraphs
 
 
 def field_comments() -> dict[str, dict[str, str]]:
     comments: dict[str, dict[str, str]] = {}
     cls = None
-    for line in (ROOT / "rayrl" / "config" / "schema.py").read_text().splitlines():
+    sources = [ROOT / "rayrl" / "config" / name for name in ("schema.py", "algorithm.py")]
+    for line in "\n".join(p.read_text() for p in sources).splitlines():
         if m := re.match(r"class (\w+)", line):
             cls = m.group(1)
             comments[cls] = {}

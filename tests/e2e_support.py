@@ -51,3 +51,11 @@ class FlakyAgent(PythonToolAgent):
         if task.task_id.endswith("first") and index == 2:
             shutil.rmtree(ctx.sandbox.paths.root)
         return super().run(task, ctx)
+
+
+def task_mixed_reward(task: Task, result: AgentResult) -> float:
+    """Every episode of a task whose id ends in 0, 1, 2 or 3 gets 1.0 (a group with nothing to learn, what
+    dynamic sampling drops); the others get ``index_parity_reward`` (both rewards in every group)."""
+    if task.task_id[-1] in "0123":
+        return 1.0
+    return index_parity_reward(task, result)

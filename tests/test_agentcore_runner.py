@@ -57,7 +57,7 @@ def test_wandb_is_forwarded_only_when_a_key_is_set(monkeypatch):
 
 
 def test_yaml_round_trip_and_unknown_fields(tmp_path):
-    r = runner(lr=3e-6, extra_flags=["trainer.kl_coef=0.01"], env_vars={"A": "1"}, num_gpus=8)
+    r = runner(lr=3e-6, extra_flags=["algorithm.kl_loss_coef=0.01"], env_vars={"A": "1"}, num_gpus=8)
     path = tmp_path / "exp.yaml"
     r.to_yaml(path)
     assert AgentCoreRunner.from_yaml(path) == r
@@ -90,11 +90,11 @@ def test_key_kwargs_reach_the_job_and_the_run_config(monkeypatch):
 
 
 def test_extra_flags_pass_through_verbatim_and_last():
-    flags = ["trainer.kl_coef=0.01", "rollout.group_size=2", "--resume"]
+    flags = ["algorithm.kl_loss_coef=0.01", "rollout.group_size=2", "--resume"]
     args = runner(extra_flags=flags).to_runner().driver_args()
     assert args[-3:] == flags
     cfg = runner(extra_flags=flags).run_config()
-    assert cfg.trainer.kl_coef == 0.01 and cfg.rollout.group_size == 2  # they win over the mapped fields
+    assert cfg.algorithm.kl_loss_coef == 0.01 and cfg.rollout.group_size == 2  # they win over the mapped fields
 
 
 def test_run_config_carries_the_agentcore_pointers(monkeypatch):

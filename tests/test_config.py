@@ -106,7 +106,7 @@ LITERAL_FIELDS = dict(_literal_fields())
 def test_choices_are_literal_types():
     assert LITERAL_FIELDS["pipeline.schedule"] == ("sync", "async", "colocated_async")
     assert LITERAL_FIELDS["engine.backend"] == ("auto", "cpu", "sglang")
-    assert {"engine.dtype", "trainer.loss", "trajectory.on_drift", "sandbox.isolation", "placement.mode",
+    assert {"engine.dtype", "algorithm.loss_agg", "trajectory.on_drift", "sandbox.isolation", "placement.mode",
             "pipeline.weight_transfer", "logging.log_level"} <= set(LITERAL_FIELDS)
 
 
@@ -134,7 +134,7 @@ def test_a_value_outside_a_literal_names_the_field(field):
         ("agentcore.acr_burst=0", "agentcore.acr_burst: must be > 0"),
         ("agentcore.max_retries=-1", "agentcore.max_retries: must be >= 0"),
         ("trainer.betas=[0.9]", "trainer.betas: need two values"),
-        ("trainer.tis_cap=-1", "trainer.tis_cap: must be >= 0"),
+        ("algorithm.tis_cap=-1", "algorithm.tis_cap: must be >= 0"),
         ("trainer.weight_bucket_mb=0", "trainer.weight_bucket_mb: must be >= 1"),
         ("placement.cpus_per_bundle=-1", "placement.cpus_per_bundle: must be >= 0"),
         ("pipeline.max_staleness=-1", "pipeline.max_staleness: must be >= 0"),
@@ -155,7 +155,7 @@ def test_out_of_range_values_name_the_field(override, message):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["rollout.group_size=1"], "rollout.group_size: GRPO needs at least 2"),
+        (["rollout.group_size=1"], "rollout.group_size: grpo measures each episode against its group"),
         (["engine.backend=sglang", "engine.weight_format=fp16-packed"], "engine.weight_format: fp16-packed is the CPU"),
         (["engine.dtype=bfloat16", "engine.weight_format=fp16-packed"], "engine.weight_format: fp16-packed packs float32"),
         (["pipeline.eval_interval=2"], "pipeline.eval_interval: set data.val_path"),

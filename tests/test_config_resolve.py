@@ -139,11 +139,11 @@ def test_dtypes_are_bf16_only_where_computed_natively():
 
 
 def test_tis_cap_is_on_where_samples_can_be_stale():
-    assert _resolved("pipeline.schedule=sync").trainer.tis_cap == 0.0
-    assert _resolved("pipeline.schedule=async").trainer.tis_cap == 2.0
-    assert _resolved("pipeline.schedule=colocated_async").trainer.tis_cap == 2.0
-    assert _resolved("pipeline.schedule=async", "trainer.tis_cap=0").trainer.tis_cap == 0.0
-    assert _cfg("pipeline.schedule=async").trainer.tis_cap is None  # load_config leaves it to resolve
+    assert _resolved("pipeline.schedule=sync").algorithm.tis_cap == 0.0
+    assert _resolved("pipeline.schedule=async").algorithm.tis_cap == 2.0
+    assert _resolved("pipeline.schedule=colocated_async").algorithm.tis_cap == 2.0
+    assert _resolved("pipeline.schedule=async", "algorithm.tis_cap=0").algorithm.tis_cap == 0.0
+    assert _cfg("pipeline.schedule=async").algorithm.tis_cap is None  # load_config leaves it to resolve
 
 
 def test_tokenizer_path_defaults_to_the_model_path():
@@ -159,7 +159,7 @@ def test_weight_transfer_is_left_for_the_pipeline():
     "overrides",
     [(), ("pipeline.schedule=async",), ("pipeline.schedule=colocated_async", "pipeline.eval_interval=1",
                                          "data.val_path=examples/calculator/data/val.jsonl"),
-     ("pipeline.schedule=async", "pipeline.groups_in_flight=5", "trainer.tis_cap=1.0", "engine.backend=cpu")],
+     ("pipeline.schedule=async", "pipeline.groups_in_flight=5", "algorithm.tis_cap=1.0", "engine.backend=cpu")],
 )
 def test_resolve_is_idempotent_and_what_the_run_records(overrides, tmp_path):
     once = _resolved(*overrides)

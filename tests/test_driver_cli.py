@@ -23,6 +23,13 @@ def run_driver(*args: str) -> subprocess.CompletedProcess:
         (["rollout.temperature=warm"], "config error: rollout.temperature"),
         (["--config", "/nope.yaml"], "config error: config file not found"),
         (["model.path=/no/such/model"], "model error: model.path: '/no/such/model' is not a model directory"),
+        (["trainer.loss=grpo"], "config error: trainer.loss: removed; it selected nothing; write "
+                                "algorithm.advantage_estimator"),
+        (["algorithm.policy_loss=gspo_typo"], "config error: algorithm.policy_loss: unknown 'gspo_typo'"),
+        (["algorithm.kl_loss_coef=0.1", "algorithm.reference_path=/no/ref"],
+         "model error: algorithm.reference_path: '/no/ref' is not a model directory"),
+        (["algorithm.distill_teacher=/no/teacher"],
+         "model error: algorithm.distill_teacher: '/no/teacher' is not a model directory"),
     ],
 )
 def test_bad_input_exits_2_with_message(args, message):

@@ -28,7 +28,7 @@ def test_config_loads_and_fits_8_gpus():
                           num_engines=cfg.engine.num_engines, tp_size=cfg.engine.tp_size)  # fmt: skip
     assert plan.trainer_bundles == tuple(range(8)) and len(plan.engine_bundles) == 8
     resolved = resolve(cfg, Machine(cores=16, cuda=True))
-    assert resolved.trainer.tis_cap == 2.0  # colocated_async: off-policy correction on by default
+    assert resolved.algorithm.tis_cap == 2.0  # colocated_async: off-policy correction on by default
     with pytest.raises(ConfigError, match="placement.num_gpus"):
         load_config(EXAMPLE / "config.yaml", ["engine.num_engines=4"])  # 4 engines cannot share 8 GPUs
 

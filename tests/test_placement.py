@@ -161,7 +161,7 @@ def test_trainer_group_uses_the_shared_placement(ray_with_8_logical_gpus, tiny_m
     assert placement.plan.trainer_bundles == (0, 1) and SharedPlacement.from_config(load_config(None)) is None
     group = None
     try:
-        group = TrainerGroup(TrainerConfig(num_ranks=2, num_threads=1, tis_cap=0.0), str(tiny_model_dir),
+        group = TrainerGroup(TrainerConfig(num_ranks=2, num_threads=1), str(tiny_model_dir),
                              placement=placement)  # fmt: skip
         seen = ray.get([r.__ray_call__.remote(lambda self: [str(int(g)) for g in ray.get_gpu_ids()])
                         for r in group.ranks])  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rayrl.config import AlgorithmConfig
 from rayrl.rl.batch import build_batch
 from rayrl.types import Episode, Sample
 
@@ -29,7 +30,7 @@ def test_samples_carry_their_episode_advantage():
         _episode("b", 0.5, [_sample([1, 1])]),
         _episode("b", 0.5, [_sample([1])]),
     ]
-    batch = build_batch(episodes, normalize_std=True)
+    batch = build_batch(episodes)
     assert batch.episodes_ok == 4 and batch.episodes_failed == 1
     assert len(batch.samples) == 5 and len(batch.advantages) == 5
     assert batch.samples[0] is episodes[0].samples[0] and batch.samples[2] is episodes[1].samples[0]
@@ -41,15 +42,16 @@ def test_samples_carry_their_episode_advantage():
 
 
 def test_without_std_and_nothing_to_learn():
-    batch = build_batch([_episode("a", 1.0, [_sample([0])]), _episode("a", 0.0, [_sample([0])])], False)
+    dr = AlgorithmConfig(advantage_estimator="dr_grpo")  # no std division
+    batch = build_batch([_episode("a", 1.0, [_sample([0])]), _episode("a", 0.0, [_sample([0])])], dr)
     assert batch.advantages == pytest.approx([0.5, -0.5])
-    flat = build_batch([_episode("a", 1.0, [_sample([0])]), _episode("a", 1.0, [_sample([0])])], True)
+    flat = build_batch([_episode("a", 1.0, [_sample([0])]), _episode("a", 1.0, [_sample([0])])])
     assert not flat.trains and flat.advantages == [0.0, 0.0]
-    empty = build_batch([_episode("a", 0.0, [], status="failed")], True)
+    empty = build_batch([_episode("a", 0.0, [], status="failed")])
     assert (empty.samples, empty.advantages, empty.episodes_ok, empty.episodes_failed) == ([], [], 0, 1)
     assert not empty.trains and empty.staleness(3) == []
 
 
 def test_staleness_counts_trained_tokens_only():
-    batch = build_batch([_episode("a", 1.0, [_sample([0, 5], mask=[0, 1]), _sample([0], mask=[0])])], True)
+    batch = build_batch([_episode("a", 1.0, [_sample([0, 5], mask=[0, 1]), _sample([0], mask=[0])])])
     assert batch.staleness(6) == [1]  # the untrained token (version 0) and the sample with none: ignored

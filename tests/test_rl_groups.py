@@ -40,7 +40,7 @@ def test_wrong_answers_count_as_successes():
 
 def test_failed_episodes_stay_out_of_the_baseline_and_the_batch():
     episodes = [_episode("g", 1.0), _episode("g", 0.0), _episode("g", 0.0, ENGINE_ERROR), _episode("g", 1.0, NO_TURNS)]
-    batch = build_batch(episodes, normalize_std=True)
+    batch = build_batch(episodes)
     assert batch.episodes_ok == 2 and batch.episodes_failed == 2 and len(batch.samples) == 2
     assert batch.advantages[0] == pytest.approx(1.0, abs=1e-4) and batch.advantages[1] == pytest.approx(-1.0, abs=1e-4)
 
@@ -63,7 +63,36 @@ def test_min_group_episodes_is_capped_at_the_group_size():
 
 
 def test_min_group_episodes_is_checked_at_load():
-    cfg = load_config(None, ["rollout.group_size=1", "trainer.loss=ppo"])  # the default 2 is capped, valid
+    cfg = load_config(None, ["rollout.group_size=1", "algorithm.advantage_estimator=reinforce_pp"])  # no group baseline; the default 2 is capped, valid
     assert cfg.rollout.min_group_episodes == 2
     with pytest.raises(ConfigError, match="rollout.min_group_episodes"):
         load_config(None, ["rollout.min_group_episodes=0"])
+
+
+def test_dynamic_sampling_drops_equal_groups_until_its_bound():
+    from collections import Counter
+
+    from actors.schedules import Schedule
+    from rayrl.config import resolve
+    from rayrl.rl.groups import equal_reward
+
+    flat0 = _group("z", _episode("z", 0.0), _episode("z", 0.0), _episode("z", 1.0, ENGINE_ERROR))  # failure ignored
+    flat1 = _group("o", _episode("o", 1.0), _episode("o", 1.0))
+    mixed = _group("m", _episode("m", 1.0), _episode("m", 0.0))
+    assert (equal_reward(flat0), equal_reward(flat1), equal_reward(mixed)) == (0.0, 1.0, None)
+    assert equal_reward(_group("f", _episode("f", 1.0, ENGINE_ERROR))) is None  # nothing succeeded: not "equal"
+
+    schedule = Schedule.__new__(Schedule)  # only the filter: no actors
+    schedule.cfg = resolve(load_config(None, ["algorithm.dynamic_sampling=true", "rollout.prompts_per_step=1",
+                                              "algorithm.dynamic_sampling_max_groups=4"]))
+    schedule.dropped = []
+    counts: Counter = Counter()
+    assert schedule.keep_varied([flat0, mixed, flat1], counts) == [mixed]
+    assert schedule.dropped == [flat0, flat1]
+    assert counts == {"dynamic_groups_drawn": 3, "dynamic_dropped_groups": 2, "dynamic_dropped_reward_0": 1,
+                      "dynamic_dropped_reward_1": 1}
+    # the fourth group drawn is the last that may be dropped; past the bound an equal group is kept
+    assert schedule.keep_varied([flat1, flat0], counts) == [flat0]
+    assert counts["dynamic_groups_drawn"] == 5 and counts["dynamic_kept_equal"] == 1
+    schedule.cfg = resolve(load_config(None, []))  # off (the default): every group is kept
+    assert schedule.keep_varied([flat0, flat1], Counter()) == [flat0, flat1]

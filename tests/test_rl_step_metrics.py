@@ -43,7 +43,7 @@ def _metrics(**kw) -> dict:
                 failures={"sandbox": 2, "episodes_requeued": 1}, engines=_engines(),
                 extra={"gateway/requests": 12.0, "agentcore/invocations": 3}, rollout_s=4.0, step_s=8.0,
                 run_episodes=30, run_s=60.0)
-    return step_metrics(episodes, build_batch(episodes, True), **{**args, **kw})
+    return step_metrics(episodes, build_batch(episodes), **{**args, **kw})
 
 
 def test_every_metric_by_hand():
@@ -61,6 +61,7 @@ def test_every_metric_by_hand():
         "rollout/tool_errors_mean": 0.5,
         "pipeline/staleness_mean": pytest.approx(4 / 3),  # samples oldest 4, 3, 4 against version 5
         "pipeline/staleness_max": 2,
+        "pipeline/stale_token_fraction": 1.0,  # every trained token (versions 4, 4, 4, 3, 4, 4) is older than 5
         "pipeline/groups_in_flight": 7,
         "time/rollout_s": 4.0,
         "pipeline/dropped_stale_groups": 1,
@@ -88,7 +89,7 @@ def test_every_metric_by_hand():
 def test_no_gradient_step_and_empty_step():
     m = _metrics(train=None, policy_version=5)
     assert m["train/trained_samples"] == 0 and m["train/policy_version"] == 5 and "train/loss" not in m
-    empty = step_metrics([], build_batch([], True), version=0, policy_version=0, train=None, pipeline_counts={},
+    empty = step_metrics([], build_batch([]), version=0, policy_version=0, train=None, pipeline_counts={},
                          groups_in_flight=0, failures={},
                          engines=_engines(prompt_tokens=0, cached_prompt_tokens=0, busy_s={}, window_s=0.0,
                                           engines=0),

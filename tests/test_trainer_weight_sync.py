@@ -171,7 +171,7 @@ def test_shared_prefix_gives_the_same_logprobs_and_gradients(tiny_model_dir):
         batch = trainer._micro_batch(samples, [1.0, -1.0, 0.5])
         assert int(batch["prefix"]) == (48 if share else 0)
         logp = trainer.token_logprobs(batch)
-        (logp * batch["advantages"]).sum().backward()
+        (logp * batch["tokens"].advantages).sum().backward()
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
         trainer.optimizer.zero_grad(set_to_none=True)
         metrics = trainer.train_step(samples, [1.0, -1.0, 0.5])

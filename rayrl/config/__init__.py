@@ -1,16 +1,18 @@
 """One typed run configuration: YAML -> ``RunConfig`` (dataclasses), validated at load, resolved once.
 
-- schema.py: the dataclasses. Every field's type, default and documentation (the comment beside it;
-  docs/config.md is generated from them); ``Literal`` types for fixed choices; each section checks its
-  own ranges, ``RunConfig`` the rules that span sections.
+- schema.py: the dataclasses (the ``algorithm`` section in algorithm.py). Every field's type, default
+  and documentation (the comment beside it; docs/config.md is generated from them); ``Literal`` types
+  for fixed choices; each section checks its own ranges, ``RunConfig`` the rules that span sections.
 - load.py: ``load_config`` (YAML + dotted overrides through OmegaConf) and ``to_yaml``.
 - resolve.py: ``resolve(cfg, machine)`` turns every "auto" value into a concrete one, in one place.
 - checks.py, host_rules.py: ``ConfigError`` with the range checks, and the ``sandbox.allowed_hosts`` parser.
 
 Every error is a :class:`ConfigError` whose message starts with the dotted field name. This package
-imports nothing else from rayrl, so any module can import it without an import cycle.
+imports nothing else from rayrl at import time, so any module can import it without an import cycle (the
+algorithm checks look the estimator and loss registries up when a config is built).
 """
 
+from rayrl.config.algorithm import AlgorithmConfig
 from rayrl.config.checks import ConfigError
 from rayrl.config.load import load_config, to_yaml
 from rayrl.config.resolve import Machine, capacity_warnings, resolve
@@ -36,6 +38,7 @@ from rayrl.config.schema import (
 
 __all__ = [
     "LAYOUT_MODES",
+    "AlgorithmConfig",
     "AgentCoreConfig",
     "ConfigError",
     "DataConfig",

@@ -22,6 +22,33 @@ from rayrl.config.checks import ConfigError
 from rayrl.config.schema import RunConfig
 
 
+# keys a config may still carry from an older rayrl, and what to write instead (checked before OmegaConf,
+# whose own message would only say the key is unknown)
+REMOVED_KEYS = {
+    "trainer.loss": "it selected nothing; write algorithm.advantage_estimator (grpo, dr_grpo, rloo, reinforce_pp, "
+                    "reinforce_pp_baseline) and algorithm.policy_loss (ppo_clip, gspo, cispo, sft)",
+    "trainer.clip_eps": "write algorithm.clip_eps",
+    "trainer.clip_eps_high": "write algorithm.clip_eps_high",
+    "trainer.tis_cap": "write algorithm.tis_cap",
+    "trainer.normalize_advantage_std": "write algorithm.advantage_estimator: grpo (true: divide by the group's "
+                                       "reward std) or dr_grpo (false)",
+    "trainer.kl_coef": "it penalised the distance to the rollout log-probs; for a KL to a frozen reference model "
+                       "write algorithm.kl_loss_coef (with algorithm.kl_loss_type: k3, the same estimator)",
+}
+
+
+def _check_removed(loaded: object, overrides: Sequence[str]) -> None:
+    """A ConfigError naming the first removed key in the YAML mapping or the overrides, with its successor."""
+    keys = [item.split("=", 1)[0].strip() for item in overrides]
+    if isinstance(loaded, DictConfig):
+        for section, body in loaded.items():
+            if isinstance(body, DictConfig):
+                keys += [f"{section}.{key}" for key in body.keys()]
+    for key in keys:
+        if key in REMOVED_KEYS:
+            raise ConfigError(f"{key}: removed; {REMOVED_KEYS[key]} (docs/algorithms.md)")
+
+
 def _describe(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None)
     msg = str(err).split("\n")[0]
@@ -37,6 +64,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     schema = OmegaConf.structured(RunConfig)
     try:
         merged = schema
+        loaded = None
         if path is not None:
             p = Path(path)
             if not p.is_file():
@@ -44,10 +72,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             loaded = OmegaConf.load(p)
             if not isinstance(loaded, DictConfig) and loaded is not None:
                 raise ConfigError(f"{p}: the top level must be a mapping")
-            merged = OmegaConf.merge(merged, loaded if loaded is not None else {})
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        _check_removed(loaded, overrides)
+        if loaded is not None:
+            merged = OmegaConf.merge(merged, loaded)
         if overrides:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
         cfg = OmegaConf.to_object(merged)  # the dataclasses' __post_init__ checks raise ConfigError here

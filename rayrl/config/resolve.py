@@ -17,8 +17,11 @@ config.yaml, so what ran is what the file says. Resolved here:
 - ``rollout.max_concurrent_episodes`` 0: a thread for every episode of those groups (a group counted as
   in flight but waiting for a thread ages against ``max_staleness`` without progress), plus
   ``pipeline.eval_max_concurrent`` when validation is on, spread over ``rollout.num_workers``.
-- ``trainer.tis_cap`` unset: 0 (off) for ``sync``, :data:`DEFAULT_ASYNC_TIS_CAP` for the async schedules,
-  where samples can be stale.
+- ``algorithm`` (:func:`resolve_algorithm`): ``tis_cap`` unset: 0 (off) for ``sync``,
+  :data:`DEFAULT_ASYNC_TIS_CAP` for the async schedules, where samples can be stale; the clip ranges and
+  ``loss_agg`` ``auto``: what the loss's (or the estimator's) paper uses (:data:`CLIP_DEFAULTS`);
+  ``loss_agg_norm`` 0: ``rollout.max_turns`` x ``rollout.max_tokens``; ``dynamic_sampling_max_groups``
+  0: 4 x ``rollout.prompts_per_step``; ``reference_path`` unset: ``model.path``.
 - ``model.tokenizer_path`` unset: ``model.path``.
 
 ``pipeline.weight_transfer`` stays as configured: its ``auto`` depends on where each engine is placed
@@ -36,9 +39,14 @@ import math
 import os
 from dataclasses import dataclass
 
+from rayrl.config.algorithm import AlgorithmConfig
 from rayrl.config.schema import EngineConfig, RunConfig
 
-DEFAULT_ASYNC_TIS_CAP = 2.0  # trainer.tis_cap when unset and the schedule is async or colocated_async
+DEFAULT_ASYNC_TIS_CAP = 2.0  # algorithm.tis_cap when unset and the schedule is async or colocated_async
+# (clip_eps, clip_eps_high) when unset, by policy loss: PPO with DAPO's clip-higher; GSPO's paper
+# (sequence-level ratios sit much closer to 1); CISPO with no lower bound and slime's wide upper bound
+CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.28), "gspo": (3e-4, 4e-4), "cispo": (1.0, 4.0)}
+DYNAMIC_SAMPLING_DRAWS = 4  # dynamic_sampling_max_groups when unset: this many x rollout.prompts_per_step
 EXCLUSIVE_SCHEDULES = ("sync", "colocated_async")  # rollout and training take the devices in turn
 
 
@@ -119,6 +127,40 @@ def _episodes_per_worker(cfg: RunConfig, groups: int) -> int:
     return max(1, math.ceil(episodes / cfg.rollout.num_workers))
 
 
+def loss_aggregation(algo: AlgorithmConfig) -> str:
+    """``loss_agg`` made concrete: as set, else what the loss's or the estimator's paper uses."""
+    if algo.loss_agg != "auto":
+        return algo.loss_agg
+    if algo.policy_loss == "gspo":
+        return "seq_mean_token_mean"
+    if algo.advantage_estimator == "dr_grpo":
+        return "seq_mean_token_sum_norm"
+    return "token_mean"
+
+
+def clip_range(algo: AlgorithmConfig) -> tuple[float, float]:
+    """``(clip_eps, clip_eps_high)``: as set, else :data:`CLIP_DEFAULTS` for the loss (a loss of your own
+    gets ppo_clip's)."""
+    low, high = CLIP_DEFAULTS.get(algo.policy_loss, CLIP_DEFAULTS["ppo_clip"])
+    return (low if algo.clip_eps is None else algo.clip_eps, high if algo.clip_eps_high is None else algo.clip_eps_high)
+
+
+def resolve_algorithm(cfg: RunConfig) -> AlgorithmConfig:
+    """``cfg.algorithm`` with every auto value concrete (module docstring)."""
+    algo = cfg.algorithm
+    tis_cap = algo.tis_cap
+    if tis_cap is None:
+        tis_cap = 0.0 if cfg.pipeline.schedule == "sync" else DEFAULT_ASYNC_TIS_CAP
+    low, high = clip_range(algo)
+    return dataclasses.replace(
+        algo, tis_cap=tis_cap, clip_eps=low, clip_eps_high=high, loss_agg=loss_aggregation(algo),
+        loss_agg_norm=algo.loss_agg_norm or cfg.rollout.max_turns * cfg.rollout.max_tokens,
+        dynamic_sampling_max_groups=algo.dynamic_sampling_max_groups
+        or DYNAMIC_SAMPLING_DRAWS * cfg.rollout.prompts_per_step,
+        reference_path=algo.reference_path or cfg.model.path,
+    )
+
+
 def resolve(cfg: RunConfig, machine: Machine | None = None) -> RunConfig:
     """A copy of ``cfg`` with every auto value concrete (the module docstring lists them) for ``machine``
     (default: :meth:`Machine.detect`); ``cfg`` itself is not changed."""
@@ -126,9 +168,6 @@ def resolve(cfg: RunConfig, machine: Machine | None = None) -> RunConfig:
     cfg = copy.deepcopy(cfg)
     engine_threads, trainer_threads = _cpu_threads(cfg, machine.cores)
     groups = _groups_in_flight(cfg)
-    tis_cap = cfg.trainer.tis_cap
-    if tis_cap is None:
-        tis_cap = 0.0 if cfg.pipeline.schedule == "sync" else DEFAULT_ASYNC_TIS_CAP
     backend = _engine_backend(cfg.engine, machine)
     replace = dataclasses.replace
     return replace(
@@ -136,8 +175,9 @@ def resolve(cfg: RunConfig, machine: Machine | None = None) -> RunConfig:
         model=replace(cfg.model, tokenizer_path=cfg.model.tokenizer_path or cfg.model.path),
         engine=replace(cfg.engine, backend=backend, num_threads=engine_threads,
                        dtype=compute_dtype(cfg.engine.dtype, backend == "sglang", machine.native_bf16)),
-        trainer=replace(cfg.trainer, num_threads=trainer_threads, tis_cap=tis_cap,
+        trainer=replace(cfg.trainer, num_threads=trainer_threads,
                         compute_dtype=compute_dtype(cfg.trainer.compute_dtype, machine.cuda, machine.native_bf16)),
+        algorithm=resolve_algorithm(cfg),
         pipeline=replace(cfg.pipeline, groups_in_flight=groups),
         rollout=replace(cfg.rollout, max_concurrent_episodes=_episodes_per_worker(cfg, groups)),
     )

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
+from rayrl.config.algorithm import AlgorithmConfig
 from rayrl.config.checks import ConfigError, at_least_one, non_negative, positive
 from rayrl.config.host_rules import parse_rules
 
@@ -237,12 +238,11 @@ class TrainerConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
     grad_clip: float = 1.0  # global gradient-norm clip
-    loss: Literal["grpo", "ppo"] = "grpo"  # grpo | ppo
-    clip_eps: float = 0.2  # PPO lower clip range
-    clip_eps_high: float = 0.28  # PPO upper clip range (asymmetric, "clip-higher")
-    normalize_advantage_std: bool = True  # GRPO: divide group-centred rewards by the group std
-    kl_coef: float = 0.0  # KL penalty against the rollout log-probs (0: off)
-    tis_cap: Optional[float] = None  # truncated importance sampling cap (0: off); unset: 0 for sync, 2.0 for the async schedules
+    num_steps_per_rollout: int = 1  # optimizer steps per rollout batch: the batch is split into this many mini-batches (the policy version advances once per batch)
+    epochs_per_rollout: int = 1  # passes over the rollout batch (each makes num_steps_per_rollout optimizer steps)
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # learning rate after warm-up: constant | cosine (decays to lr x lr_min_ratio at the last optimizer step of trainer.steps)
+    lr_warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
+    lr_min_ratio: float = 0.0  # cosine: the final learning rate as a fraction of lr
     micro_batch_tokens: int = 4096  # tokens per forward/backward micro-batch
     dtype: Literal["float32", "bfloat16"] = "float32"  # master weights dtype
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # torch backend: forward/backward under autocast (mixed precision; master weights stay trainer.dtype): auto | float32 | bfloat16 (auto: bfloat16 on CUDA or a CPU with native bf16, else float32)
@@ -260,12 +260,12 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         positive(self, "trainer.", "num_ranks", "lr", "micro_batch_tokens")
-        non_negative(self, "trainer.", "num_threads", "steps", "weight_decay", "grad_clip", "kl_coef",
-                     "clip_eps", "clip_eps_high")
+        non_negative(self, "trainer.", "num_threads", "steps", "weight_decay", "grad_clip", "lr_warmup_steps")
+        at_least_one(self, "trainer.", "num_steps_per_rollout", "epochs_per_rollout")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"trainer.betas: need two values in [0, 1), got {list(self.betas)}")
-        if self.tis_cap is not None and self.tis_cap < 0:
-            raise ConfigError(f"trainer.tis_cap: must be >= 0, got {self.tis_cap!r}")
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            raise ConfigError(f"trainer.lr_min_ratio: must be in [0, 1], got {self.lr_min_ratio!r}")
         at_least_one(self, "trainer.", "tp_size", "pp_size", "cp_size", "weight_bucket_mb")
         model_parallel = self.tp_size * self.pp_size * self.cp_size
         if self.memory_saver_standin and self.backend != "torch":
@@ -357,6 +357,7 @@ class PipelineConfig:
     checkpoint_interval: int = 0  # save every N steps (0: only at the end)
     checkpoint_dir: Optional[str] = None  # a directory or s3://bucket/prefix (boto3 config, e.g. AWS_ENDPOINT_URL_S3); default runs/<exp_id>/checkpoints
     keep_checkpoints: int = 0  # keep only the newest N complete checkpoints (0: keep all)
+    episode_budget: int = 0  # stop the run once its steps have taken this many episodes (those dynamic sampling dropped too), checked after each step; compares runs at equal rollout cost (0: trainer.steps alone)
     eval_interval: int = 0  # validate on data.val_path before step 1 and every N steps (0: never)
     eval_tasks: int = 64  # validation tasks per evaluation (0: the whole set)
     eval_max_concurrent: int = 16  # episodes in flight during validation
@@ -364,7 +365,8 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         positive(self, "pipeline.", "generation_wait_timeout_s", "weight_sync_timeout_s")
         non_negative(self, "pipeline.", "checkpoint_interval", "keep_checkpoints", "max_staleness",
-                     "groups_in_flight", "max_episode_retries", "max_group_reruns", "eval_interval", "eval_tasks")
+                     "groups_in_flight", "max_episode_retries", "max_group_reruns", "eval_interval", "eval_tasks",
+                     "episode_budget")
         at_least_one(self, "pipeline.", "eval_max_concurrent")
         self._check_checkpoint_dir()
 
@@ -426,6 +428,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     agentcore: AgentCoreConfig = field(default_factory=AgentCoreConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     data: DataConfig = field(default_factory=DataConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -442,8 +445,7 @@ class RunConfig:
             raise ConfigError(f"seed: must be >= 0, got {self.seed!r}")
         if not self.exp_id or "/" in self.exp_id or self.exp_id in (".", ".."):
             raise ConfigError(f"exp_id: must be a plain name, got {self.exp_id!r}")
-        if self.rollout.group_size < 2 and self.trainer.loss == "grpo":
-            raise ConfigError("rollout.group_size: GRPO needs at least 2 episodes per task")
+        self._check_algorithm()
         if self.pipeline.eval_interval and not self.data.val_path:
             raise ConfigError("pipeline.eval_interval: set data.val_path to validate")
         groups = self.pipeline.groups_in_flight
@@ -455,6 +457,22 @@ class RunConfig:
                          trainer_gpus=self.placement.trainer_gpus,
                          trainer_gpu_fraction=self.placement.trainer_gpu_fraction)
         self._check_agentcore()
+
+    def _check_algorithm(self) -> None:
+        """The algorithm's needs from the other sections."""
+        from rayrl.rl.advantages import GROUP_ESTIMATORS  # not at import: rayrl.config imports no rayrl module
+
+        algo = self.algorithm
+        if self.rollout.group_size < 2 and algo.advantage_estimator in GROUP_ESTIMATORS:
+            raise ConfigError(f"rollout.group_size: {algo.advantage_estimator} measures each episode against "
+                              "its group, so it needs at least 2 episodes per task")
+        if algo.policy_loss == "gspo" and self.trainer.cp_size > 1:
+            raise ConfigError("algorithm.policy_loss: gspo's sequence-level ratio needs whole sequences on a rank; "
+                              "trainer.cp_size > 1 splits them")
+        teacher = algo.distill_teacher
+        if teacher and not teacher.startswith(("http://", "https://")) and self.placement.mode != "none":
+            raise ConfigError("algorithm.distill_teacher: with a shared GPU placement the run does not place a "
+                              "teacher engine; serve the teacher yourself and give its http:// URL")
 
     def _check_agentcore(self) -> None:
         """A runtime ARN and a bucket when the agentcore harness runs outside local mode."""

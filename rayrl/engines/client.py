@@ -197,6 +197,23 @@ class EngineClient:
             raise EngineError(200, "/generate answered with an unexpected body", self.base_url)
         return parse_generate_response(body)
 
+    async def prompt_logprobs(self, input_ids: Sequence[int] | np.ndarray, start: int) -> np.ndarray:
+        """Log-probs of ``input_ids[start:]`` under the engine's model, each given the tokens before it
+        (SGLang's ``/generate`` with ``max_new_tokens`` 0, ``return_logprob`` and ``logprob_start_len``;
+        ``start`` >= 1). Used to score another model's samples (on-policy distillation's teacher)."""
+        ids = np.asarray(input_ids).astype(np.int64)
+        if not 1 <= start < len(ids):
+            raise ValueError(f"prompt_logprobs: start {start} outside [1, {len(ids)})")
+        payload = {"input_ids": ids.tolist(), "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+                   "return_logprob": True, "logprob_start_len": int(start)}
+        body = await self._request("POST", "/generate", payload)
+        entries = ((body or {}).get("meta_info") or {}).get("input_token_logprobs") or []
+        values = np.asarray([e[0] if e[0] is not None else np.nan for e in entries], dtype=np.float32)
+        if len(values) != len(ids) - start or not np.all(np.isfinite(values)):
+            raise EngineError(200, f"/generate gave {len(values)} prompt log-probs for {len(ids) - start} tokens",
+                              self.base_url)
+        return values
+
     async def _abort_quietly(self, rid: str) -> None:
         try:
             await self.abort(rid)

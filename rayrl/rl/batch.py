@@ -1,76 +1,79 @@
-"""One step's training batch: the samples of its successful episodes with their GRPO advantages.
+"""One step's training batch: the samples of its successful episodes with their advantages.
 
-GRPO needs no value model: an episode's advantage is its reward measured against the other episodes of
-its group (same task), :func:`grpo_advantages`. Every sample an episode produced (one per linearized
-trajectory branch) trains with its episode's advantage. Failed episodes are counted but never trained:
-their reward says nothing about the policy, and the group's baseline is taken over the episodes that
-succeeded. A batch where every advantage is zero (each group's rewards all equal) carries no gradient,
-and the pipeline skips the trainer step for it (``Batch.trains``).
+The advantage of an episode comes from the estimator ``algorithm.advantage_estimator`` names
+(rayrl/rl/advantages.py: GRPO and the others measure an episode's reward against its group, no value
+model), over the rewards after shaping (rayrl/rl/shaping.py). Every sample an episode produced (one per
+linearized trajectory branch) trains with its episode's advantage. Failed episodes are counted but never
+trained: their reward says nothing about the policy, and the group's baseline is taken over the episodes
+that succeeded. A per-token term (on-policy distillation, rayrl/rl/distill.py) turns a sample's
+advantage into one value per response token (``token_advantages``). A batch where no sample would
+train (every advantage zero and no other loss term on; rayrl/rl/updates.py ``sample_trains``) carries
+no gradient, and the pipeline skips the trainer step for it (``Batch.trains``).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import numpy as np
 
+from rayrl.config.algorithm import AlgorithmConfig
+from rayrl.rl.advantages import EstimatorInput, estimate
+from rayrl.rl.shaping import shaped_rewards
+from rayrl.rl.staleness import sample_staleness
+from rayrl.rl.updates import sample_trains
 from rayrl.types import Episode, Sample
-
-
-def grpo_advantages(
-    rewards: Sequence[float], group_ids: Sequence[str], normalize_std: bool = True, eps: float = 1e-6
-) -> np.ndarray:
-    """Group-normalised advantages: (r - mean(group)) / (std(group) + eps).
-
-    ``std`` is the population standard deviation of the group's rewards. A group whose rewards are all
-    equal gets zero advantages (it carries no learning signal under GRPO).
-    """
-    rewards_arr = np.asarray(rewards, dtype=np.float64)
-    out = np.zeros_like(rewards_arr)
-    groups: dict[str, list[int]] = defaultdict(list)
-    for i, gid in enumerate(group_ids):
-        groups[gid].append(i)
-    for idx in groups.values():
-        r = rewards_arr[idx]
-        centred = r - r.mean()
-        if normalize_std:
-            centred = centred / (r.std() + eps)
-        out[idx] = centred
-    return out.astype(np.float32)
 
 
 @dataclass
 class Batch:
     """``samples`` with ``advantages`` (one per sample, its episode's), in episode order, and how many
-    of the step's episodes went into it (``episodes_ok``) or were left out as failed."""
+    of the step's episodes went into it (``episodes_ok``) or were left out as failed.
+
+    ``token_advantages``: when a per-token term changed them, each sample's advantages per response
+    token (aligned with ``loss_mask``); the trainer then uses these instead of ``advantages``.
+    ``metrics``: what building the batch measured (reward shaping, distillation), already named.
+    """
 
     samples: list[Sample]
     advantages: list[float]
     episodes_ok: int
     episodes_failed: int
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    token_advantages: Optional[list[np.ndarray]] = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def train_advantages(self) -> list[float | np.ndarray]:
+        """What the trainer gets per sample: a float, or an array over the response tokens."""
+        if self.token_advantages is not None:
+            return list(self.token_advantages)
+        return list(self.advantages)
 
     @property
     def trains(self) -> bool:
-        """Whether a trainer step would learn anything: some advantage is not zero."""
-        return any(a != 0.0 for a in self.advantages)
+        """Whether a trainer step would learn anything: some sample trains (rayrl/rl/updates.py)."""
+        return any(sample_trains(s, a, self.algorithm) for s, a in zip(self.samples, self.train_advantages()))
 
     def staleness(self, version: int) -> list[int]:
         """Per sample with trained tokens: policy versions between ``version`` (the weights about to
         train) and its oldest trained token."""
-        return [version - v for s in self.samples if (v := s.oldest_version()) is not None]
+        return sample_staleness(self.samples, version)
 
 
-def build_batch(episodes: Sequence[Episode], normalize_std: bool) -> Batch:
-    """The batch of one step's episodes: GRPO advantages over each group's successful episodes
-    (``normalize_std``: divide by the group's reward std, ``trainer.normalize_advantage_std``)."""
+def build_batch(episodes: Sequence[Episode], algorithm: AlgorithmConfig | None = None) -> Batch:
+    """The batch of one step's episodes: rewards shaped, then advantages from the configured estimator
+    over the successful episodes (default: GRPO)."""
+    algo = algorithm if algorithm is not None else AlgorithmConfig()
     ok = [e for e in episodes if e.ok]
-    adv = grpo_advantages([e.reward for e in ok], [e.group_id for e in ok], normalize_std)
+    rewards, shaping = shaped_rewards(ok, algo)
+    tokens = [sum(s.num_trained_tokens for s in e.samples) for e in ok]
+    adv = estimate(algo.advantage_estimator, EstimatorInput.of(rewards, [e.group_id for e in ok], tokens))
     samples: list[Sample] = []
     advantages: list[float] = []
     for e, a in zip(ok, adv):
         for s in e.samples:
             samples.append(s)
             advantages.append(float(a))
-    return Batch(samples, advantages, episodes_ok=len(ok), episodes_failed=len(episodes) - len(ok))
+    return Batch(samples, advantages, episodes_ok=len(ok), episodes_failed=len(episodes) - len(ok),
+                 algorithm=algo, metrics=shaping)

@@ -5,7 +5,7 @@ against the other episodes of its group, so a group is the unit every schedule h
 whole or dropped whole, never split. ``Group`` holds the episodes as they come back (by index, so a
 re-run episode replaces rather than duplicates) and knows how stale its trained tokens are;
 :func:`split_stale` is the async schedules' filter, :func:`split_short` every schedule's filter for groups
-where too few episodes succeeded. A group that must run again keeps its task and gets a new id, so the
+where too few episodes succeeded, :func:`equal_reward` what DAPO's dynamic sampling looks at. A group that must run again keeps its task and gets a new id, so the
 task is neither lost nor trained twice. The dispatcher (actors/dispatch.py) fills groups; this module
 has no Ray so the rules are testable on hand-built episodes.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from rayrl.rl.staleness import sample_staleness
 from rayrl.types import Episode, Task
 
 
@@ -46,9 +47,8 @@ class Group:
     def staleness(self, version: int) -> int:
         """Policy versions between ``version`` (the weights about to train) and the oldest trained token
         of the group's successful episodes; 0 for a group with nothing to train."""
-        oldest = [v for e in self.episodes.values() if e.ok for s in e.samples
-                  if (v := s.oldest_version()) is not None]
-        return version - min(oldest) if oldest else 0
+        ages = sample_staleness([s for e in self.episodes.values() if e.ok for s in e.samples], version)
+        return max(ages, default=0)
 
 
 def split_stale(groups: list[Group], version: int, max_staleness: int) -> tuple[list[Group], list[Group]]:
@@ -70,3 +70,13 @@ def split_short(groups: list[Group], min_episodes: int, max_reruns: int) -> tupl
         short = group.succeeded < min(min_episodes, group.size) and group.reruns < max_reruns
         (rerun if short else keep).append(group)
     return keep, rerun
+
+
+def equal_reward(group: Group, tolerance: float = 1e-9) -> float | None:
+    """The reward every successful episode of ``group`` got, when they all got the same (a group-baseline
+    advantage is then zero for each: no learning signal); None when the rewards differ or none succeeded."""
+    rewards = [e.reward for e in group.episodes.values() if e.ok]
+    if not rewards or max(rewards) - min(rewards) > tolerance:
+        return None
+    return rewards[0]
+

@@ -5,8 +5,9 @@ and pipeline parallelism; the torch backend has tp = cp = pp = 1, so every rank 
 A batch is split over the *replicas*, not over the ranks: the ranks of one replica hold different
 parts of one model copy (or different parts of one sequence) and must run the same samples in the same
 order, or their collectives mix different data (Megatron's ``train_step`` would also disagree on the
-number of micro-batches between pipeline stages). So TrainerGroup computes :func:`rank_shards` once and
-sends every rank its replica's shard; the backends train what they are given.
+number of micro-batches between pipeline stages). So the driver computes :func:`rank_shards` once per
+mini-batch (rayrl/rl/updates.py, for TrainerGroup) and sends every rank its replica's shards; the
+backends train what they are given.
 
 Rank order. Megatron's ``parallel_state.initialize_model_parallel`` builds its groups with a
 ``RankGenerator`` over ``order="tp-cp-ep-dp-pp"`` (the default in megatron-core, e.g. commit 00caa53 of

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from rayrl.rl.batch import Batch
+from rayrl.rl.staleness import token_staleness
 from rayrl.types import Episode
 
 
@@ -76,6 +77,7 @@ def step_metrics(
     ok = [e for e in episodes if e.ok]
     generated = sum(e.generated_tokens for e in episodes)
     staleness = batch.staleness(version)
+    token_ages = token_staleness(batch.samples, version)
     metrics: dict[str, Any] = {
         "rollout/reward_mean": _mean([e.reward for e in episodes]),
         "rollout/success_rate": _mean([e.reward >= 1.0 for e in episodes]),
@@ -89,10 +91,12 @@ def step_metrics(
         "rollout/tool_errors_mean": _mean([e.info.get("tool_errors", 0) for e in ok]),
         "pipeline/staleness_mean": _mean(staleness),
         "pipeline/staleness_max": max(staleness, default=0),
+        "pipeline/stale_token_fraction": float((token_ages > 0).mean()) if len(token_ages) else 0.0,
         "pipeline/groups_in_flight": groups_in_flight,
         "time/rollout_s": rollout_s,
     }
     metrics.update({f"pipeline/{k}": v for k, v in pipeline_counts.items()})
+    metrics.update(batch.metrics)  # what building the batch measured: reward shaping, distillation
     metrics.update(train if train is not None else {"train/trained_samples": 0})
     metrics["train/policy_version"] = policy_version
     metrics.update(extra)

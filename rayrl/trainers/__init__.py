@@ -1,5 +1,7 @@
-"""Trainer backends (torch; megatron on GPU), the policy-gradient loss and weight export."""
+"""Trainer backends (torch; megatron on GPU), the one loss helper they share (objective.py), the policy
+losses (policy_losses.py), the learning-rate schedule and memory saving."""
 
-from rayrl.trainers.losses import ppo_clip_token_loss
+from rayrl.trainers.objective import Objective, TokenBatch
+from rayrl.trainers.policy_losses import POLICY_LOSSES, get_policy_loss
 
-__all__ = ["ppo_clip_token_loss"]
+__all__ = ["POLICY_LOSSES", "Objective", "TokenBatch", "get_policy_loss"]

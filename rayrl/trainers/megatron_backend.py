@@ -6,20 +6,26 @@ format: no padding between samples), the distributed optimizer, and torch_memory
 colocation: parameters, gradient buffers, fp32 main parameters and Adam's moments are all allocated
 inside the region when the trainer is made (the moments eagerly, by Megatron's own ``init_state_fn``:
 Adam would otherwise create them at the first step, outside the region, and ``offload`` would leave
-the largest block of trainer memory on the GPU). The loss is the same function as the torch
-backend's (rayrl.trainers.losses), and the semantics are the same: each trained token counts once,
-normalised by the trained-token count of the whole batch over all data-parallel ranks (Megatron's
-``calculate_per_token_loss``).
+the largest block of trainer memory on the GPU). The loss is the torch backend's: the same helper
+(rayrl/trainers/objective.py) through :func:`~rayrl.trainers.megatron_packing.packed_loss`, with the
+same aggregation over the whole mini-batch on every rank. Megatron's ``calculate_per_token_loss``
+divides the summed gradients by the summed trained-token count, which is the mini-batch's global count
+TrainerGroup planned (rayrl/rl/updates.py); ``packed_loss`` multiplies by it, so the objective's own
+normalisation is what remains. Several optimizer steps per batch, the proximal and reference
+log-probs (forward-only passes before the first update; the reference model is a second bridge model,
+inside the memory saver's region) and the learning-rate schedule work as in the torch backend.
 
-Data layout: each rank trains the samples it is given. TrainerGroup hands every rank of one
-data-parallel replica (its TP, PP and CP ranks) the same shard, balanced by tokens over the replicas
-(rayrl/rl/shard.py, which assumes Megatron's default rank order; the trainer checks that order at setup).
+Data layout: each rank trains the samples it is given, mini-batch by mini-batch as its UpdatePlan
+says. TrainerGroup hands every rank of one data-parallel replica (its TP, PP and CP ranks) the same
+samples, balanced by tokens over the replicas (rayrl/rl/shard.py, which assumes Megatron's default rank
+order; the trainer checks that order at setup). The packing (THD sequences, context-parallel split) is
+rayrl/trainers/megatron_packing.py.
 
 Weights for the engines leave through ``bridge.export_weights``: full HF-named tensors, gathered across
 TP/PP. Every rank must drain that generator (it runs collectives); rank 0 sends what it yields.
 
 Nothing here is imported unless ``trainer.backend`` is ``megatron``; :func:`require_megatron` names what
-is missing. The packing helpers at the top are plain torch and are tested on CPU
+is missing. The packing and the loss path are plain torch and are tested on CPU
 (tests/test_megatron_packing.py); the trainer itself runs only on CUDA (tests/gpu/).
 """
 
@@ -28,22 +34,30 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import math
 import os
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
-from rayrl.config import TrainerConfig
-from rayrl.rl.logprob_gap import GapMeter
+from rayrl.config import AlgorithmConfig, TrainerConfig
 from rayrl.rl.shard import dp_rank_of
-from rayrl.trainers.losses import ppo_clip_token_loss
+from rayrl.rl.updates import MiniBatch, UpdatePlan, plan_updates
+from rayrl.trainers.lr_schedule import lr_at, set_lr
+from rayrl.trainers.megatron_packing import (
+    PackedBatch,
+    empty_batch,
+    micro_batches_by_tokens,
+    pack_samples,
+    packed_loss,
+    sharded_entropy,
+    split_for_context_parallel,
+)
 from rayrl.trainers.memory_saver import MemorySaver, init_optimizer_state
+from rayrl.trainers.objective import STATS, Objective, step_metrics
 from rayrl.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -77,117 +91,32 @@ def require_megatron() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Packing (plain torch; CPU-testable)
-
-
-@dataclass
-class PackedBatch:
-    """Samples packed into one sequence (batch dimension 1), every per-position tensor aligned.
-
-    Position ``p`` of a sample predicts its token ``p + 1``: ``targets[p]`` is that token, and
-    ``loss_mask[p]`` is 1 where it is a trained response token, with its rollout log-prob and advantage.
-    Each sample is padded to a multiple of ``align`` (tensor/context parallel split sizes).
-    """
-
-    tokens: torch.Tensor  # [1, T] int64
-    position_ids: torch.Tensor  # [1, T] int64, restarting at 0 for each sample
-    targets: torch.Tensor  # [1, T] int64
-    loss_mask: torch.Tensor  # [1, T] float32
-    rollout_logprobs: torch.Tensor  # [1, T] float32
-    advantages: torch.Tensor  # [1, T] float32
-    cu_seqlens: torch.Tensor  # [n + 1] int32, padded segment boundaries
-    max_seqlen: int
-    policy_versions: torch.Tensor  # [1, T] int64: the version that sampled each trained token (-1 elsewhere)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
-    def to(self, device: torch.device) -> "PackedBatch":
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-                 for k, v in self.__dict__.items()}  # fmt: skip
-        return PackedBatch(**moved)
-
-
-def pack_samples(samples: Sequence[Sample], advantages: Sequence[float], align: int = 1) -> PackedBatch:
-    """One packed sequence from ``samples`` (see :class:`PackedBatch`)."""
-    if not samples:
-        raise ValueError("pack_samples needs at least one sample")
-    seg_lengths = [int(math.ceil(len(s.tokens) / align) * align) for s in samples]
-    total = sum(seg_lengths)
-    tokens = torch.zeros(total, dtype=torch.long)
-    positions = torch.zeros(total, dtype=torch.long)
-    targets = torch.zeros(total, dtype=torch.long)
-    mask = torch.zeros(total, dtype=torch.float32)
-    rollout = torch.zeros(total, dtype=torch.float32)
-    adv, versions = torch.zeros(total, dtype=torch.float32), torch.full((total,), -1, dtype=torch.long)
-    start = 0
-    for s, a, seg in zip(samples, advantages, seg_lengths):
-        ids = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64))
-        n = len(ids)
-        tokens[start : start + n] = ids
-        positions[start : start + seg] = torch.arange(seg)
-        targets[start : start + n - 1] = ids[1:]
-        trained = np.nonzero(np.asarray(s.loss_mask))[0]
-        where = start + s.prompt_length + trained - 1  # the position that predicts response token j
-        idx = torch.from_numpy(where.astype(np.int64))
-        mask[idx] = 1.0
-        rollout[idx] = torch.from_numpy(np.asarray(s.rollout_logprobs, dtype=np.float32)[trained])
-        adv[idx] = float(a)
-        versions[idx] = torch.from_numpy(np.asarray(s.policy_versions, dtype=np.int64)[trained])
-        start += seg
-    cu = torch.tensor([0, *np.cumsum(seg_lengths)], dtype=torch.int32)
-    return PackedBatch(
-        tokens=tokens[None], position_ids=positions[None], targets=targets[None], loss_mask=mask[None],
-        rollout_logprobs=rollout[None], advantages=adv[None], cu_seqlens=cu, max_seqlen=max(seg_lengths),
-        policy_versions=versions[None])  # fmt: skip
-
-
-def empty_batch(align: int) -> PackedBatch:
-    """A batch that trains nothing: a rank whose data-parallel shard is empty still joins the collectives."""
-    z = torch.zeros((1, align), dtype=torch.long)
-    f = torch.zeros((1, align), dtype=torch.float32)
-    return PackedBatch(z, torch.arange(align)[None], z.clone(), f, f.clone(), f.clone(),
-                       torch.tensor([0, align], dtype=torch.int32), align, z - 1)  # fmt: skip
-
-
-def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive groups whose summed length stays within ``max_tokens`` (packing has no padding cost;
-    a longer sample gets a group of its own)."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for i, n in enumerate(lengths):
-        if current and size + n > max_tokens:
-            groups.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += n
-    if current:
-        groups.append(current)
-    return groups
-
-
-def split_for_context_parallel(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
-    """This CP rank's share of a packed batch (each segment cut into 2*cp chunks, load-balanced for
-    causal attention, as Transformer Engine's THD context parallelism expects)."""
-    if cp_size == 1:
-        return batch
-    import transformer_engine_torch as tex
-
-    total = batch.tokens.shape[1]
-    index = tex.thd_get_partitioned_indices(batch.cu_seqlens.cuda(), total, cp_size, cp_rank)
-    index = index.to(batch.tokens.device)
-    picked = {
-        name: getattr(batch, name).index_select(1, index)
-        for name in ("tokens", "position_ids", "targets", "loss_mask", "rollout_logprobs", "advantages",
-                     "policy_versions")
-    }
-    return PackedBatch(**picked, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
-
-
-# --------------------------------------------------------------------------------------------------
 # The trainer (CUDA + megatron-core + mbridge + Transformer Engine)
+
+
+def logp_and_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                     entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-prob of every position's target from vocabulary-parallel ``logits`` (Megatron's
+    ``vocab_parallel_cross_entropy``, which works on its input in place: it gets a copy when the entropy
+    still needs the logits) and, on request, the entropy there (all-reduced over the tensor-parallel
+    group with the gradient passed through). Runs wherever megatron-core's parallel state is set up,
+    on CPU too (tests/test_megatron_packing.py)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    z = logits.float()
+    logp_all = -vocab_parallel_cross_entropy((z.clone() if entropy else z).contiguous(), targets)
+    if not entropy:
+        return logp_all, None
+
+    def max_over_shards(t: torch.Tensor) -> torch.Tensor:
+        if mpu.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
+        return t
+
+    return logp_all, sharded_entropy(z, reduce_from_tensor_model_parallel_region, max_over_shards)
 
 
 def _unwrap_for_sharding(module: Any) -> Any:
@@ -200,13 +129,14 @@ def _unwrap_for_sharding(module: Any) -> Any:
 
 
 class MegatronTrainer:
-    """GRPO/PPO on megatron-core; one instance per rank, all ranks in one torch.distributed world."""
+    """RL training on megatron-core; one instance per rank, all ranks in one torch.distributed world."""
 
     def __init__(
         self,
         model_path: str | Path,
         cfg: TrainerConfig,
         *,
+        algorithm: Optional[AlgorithmConfig] = None,
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
@@ -222,6 +152,8 @@ class MegatronTrainer:
         from megatron.core.utils import get_model_config
 
         self.cfg = cfg
+        self.algorithm = algorithm if algorithm is not None else AlgorithmConfig()
+        self.objective = Objective(self.algorithm)
         self.rank = rank
         self.world_size = world_size
         device = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", 0))
@@ -282,16 +214,30 @@ class MegatronTrainer:
             )
             if self.memory.active:  # Adam's moments now, inside the region, not at the first step
                 init_optimizer_state(self.optimizer)
+            self.reference = self._load_reference(model_path, dtype) if self.objective.uses_reference else None
         config = get_model_config(self.model[0])
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         self.policy_version = 0
-        self.gap = GapMeter()  # engine-trainer log-prob gap of each step (rayrl/rl/logprob_gap.py)
+        self.optimizer_steps = 0  # over the whole run: where the learning-rate schedule is
+
+    def _load_reference(self, model_path: str | Path, dtype: torch.dtype) -> list[Any]:
+        """The frozen reference policy (``algorithm.reference_path``, default the initial weights): the
+        same architecture through the same bridge, without DDP or an optimizer."""
+        from rayrl.models import resolve_model_path
+
+        path = self.algorithm.reference_path
+        source = str(model_path) if path is None else str(resolve_model_path(path))
+        chunks = self.bridge.get_model(weight_path=source, wrap_with_ddp=False, bf16=dtype is torch.bfloat16)
+        for chunk in chunks:
+            chunk.eval()
+            chunk.requires_grad_(False)
+        return chunks
 
     # -- training ----------------------------------------------------------------------------------
 
-    def _forward_step(self, data_iterator: Iterator[PackedBatch], model: Any) -> tuple[torch.Tensor, Any]:
+    def _forward_step(self, loss_fn: Any, data_iterator: Iterator[PackedBatch], model: Any) -> tuple[torch.Tensor, Any]:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         batch: PackedBatch = next(data_iterator)
@@ -305,101 +251,129 @@ class MegatronTrainer:
         output = model(
             input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None, packed_seq_params=packed
         )
-        return output, lambda logits: self._loss(batch, logits)
+        return output, lambda logits: loss_fn(batch, logits)
 
-    def _loss(self, batch: PackedBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    def _train_loss(self, global_tokens: int) -> Any:
+        def loss_fn(batch: PackedBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            logp_all, entropy_all = logp_and_entropy(logits, batch.targets, self.objective.uses_entropy)
+            return packed_loss(self.objective, batch, logp_all, global_tokens, entropy_all)
+        return loss_fn
 
-        logp_all = -vocab_parallel_cross_entropy(logits.float().contiguous(), batch.targets)
-        keep = batch.loss_mask.bool()
-        logp = logp_all[keep]  # only trained positions: padding and context never enter exp()
-        rollout = batch.rollout_logprobs[keep]
-        out = ppo_clip_token_loss(
-            logp,
-            rollout,
-            batch.advantages[keep],
-            torch.ones_like(logp),
-            clip_eps=self.cfg.clip_eps,
-            clip_eps_high=self.cfg.clip_eps_high,
-            tis_cap=self.cfg.tis_cap or 0.0,
-            kl_coef=self.cfg.kl_coef,
-        )
-        self.gap.add(logp, rollout, batch.policy_versions[keep] == self.policy_version)
-        num_tokens = out.tokens.detach().to(torch.int)
-        stats = torch.stack([
-            out.loss.detach(), out.clip_fraction, out.approx_kl, out.tis_weight, out.tokens,
-            (logp.detach() - rollout).abs().sum(),
-        ]).float()  # fmt: skip
-        return out.loss, num_tokens, {"stats": stats}
+    @staticmethod
+    def _collect_logp(batch: PackedBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        logp_all, _ = logp_and_entropy(logits, batch.targets, entropy=False)
+        keep = batch.loss_mask[0].bool()
+        return logp_all.sum() * 0.0, keep.sum().to(torch.int), {"logp": logp_all[0, keep].detach()}
 
-    def train_step(
-        self, samples: list[Sample], advantages: Sequence[float], global_tokens: Optional[int] = None
-    ) -> dict[str, Any]:
-        """One optimizer step on this rank's data-parallel shard (``samples``: every rank of one replica
-        gets the same samples in the same order, rayrl/rl/shard.py).
+    def _run(self, model: list[Any], batches: list[PackedBatch], loss_fn: Any, forward_only: bool) -> list[dict]:
+        """Megatron's forward(-backward) schedule over ``batches``; the loss functions' dicts (last stage)."""
+        from functools import partial
 
-        ``global_tokens`` is accepted for TrainerGroup's call shape; Megatron counts the tokens itself.
-        """
-        import torch.distributed as dist
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        started = time.monotonic()
-        keep = [i for i, s in enumerate(samples) if s.num_trained_tokens > 0 and advantages[i] != 0.0]
-        kept = [samples[i] for i in keep]
-        adv = [float(advantages[i]) for i in keep]
-        if self.cfg.sequence_packing:  # several samples per micro-batch, packed back to back
-            groups = micro_batches_by_tokens([len(s.tokens) for s in kept], self.cfg.micro_batch_tokens)
-        else:  # one sample per micro-batch
-            groups = [[i] for i in range(len(kept))]
-        device = torch.device("cuda", torch.cuda.current_device())
-        cp_size, cp_rank = self.mpu.get_context_parallel_world_size(), self.mpu.get_context_parallel_rank()
-        batches = [
-            split_for_context_parallel(
-                pack_samples([kept[i] for i in g], [adv[i] for i in g], self.align).to(device), cp_size, cp_rank
-            )
-            for g in groups
-        ] or [empty_batch(self.align).to(device)]
-        # pipeline stages of one replica must agree on the number of micro-batches: they hold the same shard
-        for m in self.model:
-            m.train()
-            m.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        reduced = get_forward_backward_func()(
-            forward_step_func=self._forward_step,
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, loss_fn),
             data_iterator=iter(batches),
-            model=self.model,
+            model=model,
             num_microbatches=len(batches),
             seq_length=max(b.tokens.shape[1] for b in batches),
             micro_batch_size=1,
-            forward_only=False,
-        )
-        update_ok, grad_norm, _ = self.optimizer.step()
+            forward_only=forward_only,
+        ) or []
+
+    @torch.no_grad()
+    def _no_grad_passes(self, steps: list[list[PackedBatch]], proximal: bool) -> None:
+        """Before any update: reference log-probs (a KL is on) and, with several optimizer steps, the
+        policy's own (proximal; the step's first forward), on the last pipeline stage where the loss is."""
+        last = self.mpu.is_pipeline_last_stage(ignore_virtual=True)
+        for batches in steps:
+            if self.reference is not None:
+                for b, out in zip(batches, self._run(self.reference, batches, self._collect_logp, True)):
+                    b.ref_logp = out["logp"] if last else None
+            if proximal:
+                for b, out in zip(batches, self._run(self.model, batches, self._collect_logp, True)):
+                    b.proximal = out["logp"] if last else None
+                    if last:
+                        self.objective.record(b.proximal, b.token_batch())
+        if proximal:
+            self.objective.close_first_forward()
+
+    def _pack_step(self, samples: list[Sample], advantages: Sequence[Any], mb: MiniBatch,
+                   device: torch.device) -> list[PackedBatch]:
+        """The micro-batches of one mini-batch, packed and cut for this CP rank (fixed for the step)."""
+        chosen = [samples[i] for i in mb.indices]
+        adv = [advantages[i] for i in mb.indices]
+        if self.cfg.sequence_packing:  # several samples per micro-batch, packed back to back
+            groups = micro_batches_by_tokens([len(s.tokens) for s in chosen], self.cfg.micro_batch_tokens)
+        else:  # one sample per micro-batch
+            groups = [[i] for i in range(len(chosen))]
+        cp_size, cp_rank = self.mpu.get_context_parallel_world_size(), self.mpu.get_context_parallel_rank()
+        out = []
+        for g in groups:
+            part = [chosen[i] for i in g]
+            fields = self.objective.token_fields(part, [adv[i] for i in g], mb)
+            out.append(split_for_context_parallel(pack_samples(part, fields, self.align).to(device), cp_size, cp_rank))
+        # pipeline stages of one replica must agree on the number of micro-batches: they hold the same samples
+        return out or [empty_batch(self.align).to(device)]
+
+    def train_step(
+        self, samples: list[Sample], advantages: Sequence[Any], plan: Optional[UpdatePlan] = None
+    ) -> dict[str, Any]:
+        """Train one rollout batch on this rank's samples (every rank of one replica gets the same, in the
+        same order, rayrl/rl/shard.py) as ``plan`` says; without a plan, what trains of ``samples`` in one
+        mini-batch counted locally (a single data-parallel replica)."""
+        import torch.distributed as dist
+
+        started = time.monotonic()
+        if plan is None:
+            (keep, plan), = plan_updates(samples, advantages, self.algorithm)
+            samples, advantages = [samples[i] for i in keep], [advantages[i] for i in keep]
+        device = torch.device("cuda", torch.cuda.current_device())
+        self.objective.begin_step(self.policy_version)
+        steps = [self._pack_step(samples, advantages, mb, device) for mb in plan.minibatches]
+        self._no_grad_passes(steps, self.objective.needs_prepass(plan))
+        stats = torch.zeros(len(STATS), device=device)
+        grad_norms, lr, updates_ok = [], self.cfg.lr, True
+        for _ in range(plan.epochs):
+            for batches, mb in zip(steps, plan.minibatches):
+                for m in self.model:
+                    m.train()
+                    m.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                reduced = self._run(self.model, batches, self._train_loss(mb.tokens), forward_only=False)
+                lr = lr_at(self.optimizer_steps, self.cfg)
+                set_lr(self.optimizer, lr)
+                update_ok, grad_norm, _ = self.optimizer.step()
+                self.optimizer_steps += 1
+                self.objective.close_first_forward()
+                updates_ok = updates_ok and bool(update_ok)
+                grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+                for item in reduced:
+                    stats += item["stats"]
         self.policy_version += 1
         # loss statistics live on the last pipeline stage: sum them over data-parallel ranks, then share
-        stats = torch.zeros(6, device=device)
         if self.mpu.is_pipeline_last_stage(ignore_virtual=True):
-            for item in reduced:
-                stats += item["stats"]
             dist.all_reduce(stats, group=self.mpu.get_data_parallel_group(with_context_parallel=True))
         if self.mpu.get_pipeline_model_parallel_world_size() > 1:
             last = self.mpu.get_pipeline_model_parallel_last_rank()
             dist.broadcast(stats, src=last, group=self.mpu.get_pipeline_model_parallel_group())
-        loss, clip, kl, tis, tokens, abs_diff = stats.tolist()  # summed over every data-parallel replica
-        n = max(tokens, 1.0)
+        sums = dict(zip(STATS, stats.tolist()))  # summed over every data-parallel replica
+        planned = sum(mb.tokens for mb in plan.minibatches) * plan.epochs
+        if int(round(sums["tokens"])) != planned:  # Megatron divided the gradients by a different count
+            logger.error("rank %d: the loss saw %d trained tokens over the replicas, the plan has %d: the "
+                         "gradient scale is off", self.rank, int(sums["tokens"]), planned)
         return {
-            "loss": loss / n,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "update_successful": bool(update_ok),
-            "clip_fraction": clip / n,
-            "approx_kl": kl / n,
-            "tis_weight_mean": tis / n,
-            "logprob_abs_diff": abs_diff / n,
-            "trained_tokens": sum(int(s.loss_mask.sum()) for s in kept),  # this replica's: summed per replica
-            "trained_samples": len(kept),
-            "micro_batches": len(batches),
+            **step_metrics(sums, plan.optimizer_steps),
+            "grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
+            "update_successful": updates_ok,
+            "lr": lr,
+            "optimizer_steps": plan.optimizer_steps,
+            "trained_tokens": sum(s.num_trained_tokens for s in samples),  # this replica's: summed per replica
+            "trained_samples": len(samples),
+            "micro_batches": sum(len(b) for b in steps),
             "train_time_s": time.monotonic() - started,
             "policy_version": self.policy_version,
-            **self.gap.stats(device=device),
+            **self.objective.gap_stats(device=device),
         }
 
     @torch.no_grad()
@@ -416,7 +390,7 @@ class MegatronTrainer:
                        loss_mask=np.ones(len(s.tokens) - s.prompt_length, np.int8),
                        rollout_logprobs=np.zeros(len(s.tokens) - s.prompt_length, np.float32),
                        policy_versions=np.zeros(len(s.tokens) - s.prompt_length, np.int32)) for s in samples]  # fmt: skip
-        batch = pack_samples(full, [1.0] * len(full), self.align).to(device)
+        batch = pack_samples(full, None, self.align).to(device)
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
                                  max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)  # fmt: skip
         for m in self.model:
@@ -474,7 +448,8 @@ class MegatronTrainer:
         }
         torch.save(extra, directory / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
-            (directory / "trainer_state.json").write_text(json.dumps({"policy_version": self.policy_version}))
+            (directory / "trainer_state.json").write_text(json.dumps({"policy_version": self.policy_version,
+                                                                     "optimizer_steps": self.optimizer_steps}))
         dist.barrier()
 
     def load_checkpoint(self, directory: str | Path) -> None:
@@ -486,7 +461,9 @@ class MegatronTrainer:
             _unwrap_for_sharding(m).load_state_dict(loaded[f"model{i}"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         self.memory.adopt_optimizer_state(self.optimizer)  # loaded state that landed outside the region
-        self.policy_version = int(json.loads((directory / "trainer_state.json").read_text())["policy_version"])
+        state = json.loads((directory / "trainer_state.json").read_text())
+        self.policy_version = int(state["policy_version"])
+        self.optimizer_steps = int(state.get("optimizer_steps", self.policy_version))  # older: one per version
         rng_file = directory / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             extra = torch.load(rng_file, weights_only=False)

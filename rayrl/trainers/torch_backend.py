@@ -1,9 +1,13 @@
-"""The torch trainer backend: a transformers causal LM trained with GRPO/PPO on CPU or one GPU per rank.
+"""The torch trainer backend: a transformers causal LM trained with RL on CPU or one GPU per rank.
 
-One ``train_step`` is one optimizer step over a rollout batch: samples are packed into micro-batches
-of at most ``micro_batch_tokens`` (padded) tokens, each micro-batch's summed token loss is divided by
-the global number of trained tokens (all ranks), gradients are all-reduced across ranks, clipped, and
-AdamW steps. Logits are computed only at trained positions, which saves most of the LM-head cost and
+One ``train_step`` trains one rollout batch: its :class:`~rayrl.rl.updates.UpdatePlan` (mini-batches,
+epochs) makes one or more optimizer steps; each mini-batch's samples are packed into micro-batches of
+at most ``micro_batch_tokens`` (padded) tokens, each micro-batch's loss comes from the one loss helper
+(:class:`~rayrl.trainers.objective.Objective`, which carries the aggregation's global normalisers),
+gradients are all-reduced across ranks, clipped, and AdamW steps at the learning rate of the schedule
+(rayrl/trainers/lr_schedule.py). With a KL to a reference model, a frozen copy of the reference is
+held beside the policy, inside the same memory-saver region, so it leaves the device with the rest
+when the trainer offloads. Logits are computed only at trained positions, which saves most of the LM-head cost and
 memory for tool-heavy episodes. The tokens every sample of a micro-batch starts with (the system prompt,
 tool schemas and few-shot turns all episodes share; a GRPO group's whole prompt) are run once and their
 keys/values repeated for each sample (``trainer.share_prefix``): the gradient is the same, since autograd
@@ -29,12 +33,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rayrl.config import TrainerConfig
+from rayrl.config import AlgorithmConfig, TrainerConfig
 from rayrl.config.resolve import compute_dtype as resolve_compute_dtype
 from rayrl.config.resolve import cpu_has_native_bf16
-from rayrl.rl.logprob_gap import GapMeter
-from rayrl.trainers.losses import ppo_clip_token_loss
+from rayrl.rl.updates import MiniBatch, UpdatePlan, plan_updates
+from rayrl.trainers.lr_schedule import lr_at, set_lr
 from rayrl.trainers.memory_saver import MemorySaver, init_optimizer_state
+from rayrl.trainers.objective import Objective, TokenBatch, step_metrics
+from rayrl.trainers.policy_losses import entropy_from_logits
 from rayrl.weights.files import export_state_dict
 from rayrl.types import Sample
 
@@ -98,31 +104,28 @@ def autocast_dtype(compute_dtype: str, device: torch.device) -> torch.dtype | No
     return torch.bfloat16 if concrete == "bfloat16" else None
 
 
-def token_staleness(samples: Sequence[Sample], current_version: int) -> np.ndarray:
-    """Per trained token: how many policy versions behind the weights being trained it was generated
-    (``current_version - policy_versions``); what the importance correction makes up for."""
-    parts = [current_version - s.policy_versions[s.loss_mask.astype(bool)] for s in samples]
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-
-
 class TorchTrainer:
-    """GRPO/PPO training of a transformers model; one instance per rank."""
+    """RL training of a transformers model; one instance per rank."""
 
     def __init__(
         self,
         model_path: str | Path,
         cfg: TrainerConfig,
         *,
+        algorithm: AlgorithmConfig | None = None,
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
         device: str | None = None,
         memory: MemorySaver | None = None,
     ) -> None:
-        """``memory``: the saver holding the trainer's GPU state (default: one from ``cfg.memory_saver``)."""
+        """``algorithm``: what the loss is (default: GRPO's PPO-clip); ``memory``: the saver holding the
+        trainer's GPU state (default: one from ``cfg.memory_saver``)."""
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
+        self.algorithm = algorithm if algorithm is not None else AlgorithmConfig()
+        self.objective = Objective(self.algorithm)
         self.rank = rank
         self.world_size = world_size
         if cfg.num_threads > 0:
@@ -140,6 +143,7 @@ class TorchTrainer:
         with self.memory.region():  # parameters (and buffers) land on the device inside the region
             model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[cfg.dtype])
             self.model = model.to(self.device)
+            self.reference = self._load_reference(model_path) if self.objective.uses_reference else None
         self.model.config.use_cache = False
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -154,11 +158,30 @@ class TorchTrainer:
                         p.grad = torch.zeros_like(p)
                 init_optimizer_state(self.optimizer)
         self.policy_version = 0
-        self.gap = GapMeter()  # engine-trainer log-prob gap of each step (rayrl/rl/logprob_gap.py)
+        self.optimizer_steps = 0  # over the whole run: where the learning-rate schedule is
+
+    def _load_reference(self, model_path: str | Path) -> torch.nn.Module:
+        """The frozen reference policy (``algorithm.reference_path``, default the initial weights)."""
+        from transformers import AutoModelForCausalLM
+
+        from rayrl.models import resolve_model_path
+
+        path = self.algorithm.reference_path
+        source = str(model_path) if path is None else str(resolve_model_path(path))
+        ref = AutoModelForCausalLM.from_pretrained(source, dtype=_DTYPES[self.cfg.dtype]).to(self.device)
+        ref.config.use_cache = False
+        ref.eval()
+        ref.requires_grad_(False)
+        return ref
 
     # -- training ----------------------------------------------------------------------------------
 
-    def _micro_batch(self, samples: list[Sample], advantages: list[float]) -> dict[str, torch.Tensor]:
+    def _micro_batch(self, samples: list[Sample], advantages: Sequence[float | np.ndarray],
+                     mb: MiniBatch | None = None) -> dict[str, Any]:
+        """Model inputs of ``samples`` (padded), the trained positions, and their :class:`TokenBatch`
+        (``mb``: the mini-batch they belong to, whose global sizes the aggregation needs; default: just
+        these samples)."""
+        mb = mb or UpdatePlan.single(samples).minibatches[0]
         # transformers drops the cache under gradient checkpointing: no shared prefix there
         share = self.cfg.share_prefix and not self.cfg.gradient_checkpointing
         prefix = shared_prefix_length(samples) if share else 0
@@ -166,45 +189,45 @@ class TorchTrainer:
         n = len(samples)
         input_ids = torch.zeros((n, longest), dtype=torch.long)
         attention = torch.zeros((n, longest), dtype=torch.long)
-        rows, cols, rollout_lp, adv, versions = [], [], [], [], []
-        for i, (s, a) in enumerate(zip(samples, advantages)):
+        rows, cols = [], []
+        for i, s in enumerate(samples):
             input_ids[i, : len(s.tokens)] = torch.from_numpy(s.tokens.astype(np.int64))
             attention[i, : len(s.tokens)] = 1
             trained = np.nonzero(s.loss_mask)[0]
             # the token at response position j sits at tokens[prompt_length + j] and is predicted
             # by the hidden state one position earlier
-            positions = s.prompt_length + trained - 1
             rows.append(np.full(len(trained), i))
-            cols.append(positions)
-            rollout_lp.append(s.rollout_logprobs[trained])
-            versions.append(s.policy_versions[trained])
-            adv.append(np.full(len(trained), a, dtype=np.float32))
+            cols.append(s.prompt_length + trained - 1)
         rows_t = torch.from_numpy(np.concatenate(rows).astype(np.int64))
         cols_t = torch.from_numpy(np.concatenate(cols).astype(np.int64))
+        fields = self.objective.token_fields(samples, advantages, mb)
         return {
             "input_ids": input_ids.to(self.device),
             "attention_mask": attention.to(self.device),
             "rows": rows_t.to(self.device),
             "cols": cols_t.to(self.device),
             "targets": input_ids[rows_t, cols_t + 1].to(self.device),
-            "rollout_logp": torch.from_numpy(np.concatenate(rollout_lp)).to(self.device),
-            "advantages": torch.from_numpy(np.concatenate(adv)).to(self.device),
-            "versions": torch.from_numpy(np.concatenate(versions).astype(np.int64)).to(self.device),
             "prefix": torch.tensor(prefix),
+            "tokens": TokenBatch.from_fields(fields, n, self.device),
         }
 
-    def token_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Log-probs of the target tokens at the selected positions only."""
+    def token_logprobs(self, batch: dict[str, Any], model: torch.nn.Module | None = None,
+                       with_entropy: bool = False) -> Any:
+        """Log-probs of the target tokens at the selected positions only (of ``model``, default the
+        policy); with ``with_entropy``, also the entropy of the distribution at each of them."""
+        model = model if model is not None else self.model
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            hidden = self._hidden_states(batch)
+            hidden = self._hidden_states(model, batch)
             selected = hidden[batch["rows"], batch["cols"] - int(batch["prefix"])]
-            logits = self.model.get_output_embeddings()(selected).float()
-        return torch.log_softmax(logits, dim=-1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+            logits = model.get_output_embeddings()(selected).float()
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+        return (logp, entropy_from_logits(logits)) if with_entropy else logp
 
-    def _hidden_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    @staticmethod
+    def _hidden_states(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """Last hidden states from position ``batch["prefix"]`` on; the shared prefix runs once."""
         ids, mask, prefix = batch["input_ids"], batch["attention_mask"], int(batch["prefix"])
-        base = self.model.base_model
+        base = model.base_model
         if prefix == 0:
             return base(input_ids=ids, attention_mask=mask).last_hidden_state
         cache = base(input_ids=ids[:1, :prefix], use_cache=True).past_key_values
@@ -213,58 +236,73 @@ class TorchTrainer:
                     use_cache=True).last_hidden_state
 
     def train_step(
-        self, samples: list[Sample], advantages: Sequence[float], global_tokens: int | None = None
+        self, samples: list[Sample], advantages: Sequence[float | np.ndarray], plan: UpdatePlan | None = None
     ) -> dict[str, Any]:
-        """One optimizer step; ``global_tokens`` is the trained-token count over all ranks."""
+        """Train one rollout batch: ``plan`` (from TrainerGroup: this rank's mini-batches with the global
+        sizes) says which of ``samples`` each optimizer step trains; without one, the samples that train
+        (rayrl/rl/updates.py) go in one mini-batch counted on this rank alone. ``advantages``: one float
+        per sample, or an array over its response tokens."""
         started = time.monotonic()
-        keep = [i for i, s in enumerate(samples) if s.num_trained_tokens > 0 and advantages[i] != 0.0]
-        samples = [samples[i] for i in keep]
-        advantages = [float(advantages[i]) for i in keep]
-        local_tokens = sum(s.num_trained_tokens for s in samples)
-        total = float(global_tokens if global_tokens is not None else local_tokens)
-        sums = {"loss": 0.0, "clip": 0.0, "kl": 0.0, "tis": 0.0, "tokens": 0.0, "abs_lp_diff": 0.0}
+        if plan is None:
+            (keep, plan), = plan_updates(samples, advantages, self.algorithm)
+            samples, advantages = [samples[i] for i in keep], [advantages[i] for i in keep]
+        objective = self.objective
+        objective.begin_step(self.policy_version)
+        steps = [self._mini_batch(samples, advantages, mb) for mb in plan.minibatches]
+        self._no_grad_passes([b for step in steps for b in step], objective.needs_prepass(plan))
+        sums: dict[str, float] = {}
+        grad_norms, lr = [], self.cfg.lr
         self._zero_grad()
-        for group in pack_micro_batches([len(s.tokens) for s in samples], self.cfg.micro_batch_tokens):
-            batch = self._micro_batch([samples[i] for i in group], [advantages[i] for i in group])
-            logp = self.token_logprobs(batch)
-            out = ppo_clip_token_loss(
-                logp,
-                batch["rollout_logp"],
-                batch["advantages"],
-                torch.ones_like(logp),
-                clip_eps=self.cfg.clip_eps,
-                clip_eps_high=self.cfg.clip_eps_high,
-                tis_cap=self.cfg.tis_cap or 0.0,
-                kl_coef=self.cfg.kl_coef,
-            )
-            self.gap.add(logp, batch["rollout_logp"], batch["versions"] == self.policy_version)
-            (out.loss / max(total, 1.0)).backward()
-            sums["loss"] += float(out.loss.detach())
-            sums["clip"] += float(out.clip_fraction)
-            sums["kl"] += float(out.approx_kl)
-            sums["tis"] += float(out.tis_weight)
-            sums["tokens"] += float(out.tokens)
-            sums["abs_lp_diff"] += float((logp.detach() - batch["rollout_logp"]).abs().sum())
-        staleness = token_staleness(samples, self.policy_version)
-        grad_norm = self._reduce_and_step()
+        for _ in range(plan.epochs):
+            for step in steps:
+                for batch in step:
+                    if objective.uses_entropy:
+                        logp, entropy = self.token_logprobs(batch, with_entropy=True)
+                    else:
+                        logp, entropy = self.token_logprobs(batch), None
+                    loss, stats = objective.loss(batch["tokens"], logp, entropy)
+                    loss.backward()
+                    for key, value in stats.items():
+                        sums[key] = sums.get(key, 0.0) + float(value)
+                lr = lr_at(self.optimizer_steps, self.cfg)
+                set_lr(self.optimizer, lr)
+                grad_norms.append(self._reduce_and_step())
+                self.optimizer_steps += 1
+                objective.close_first_forward()
         self.policy_version += 1
-        tokens = max(sums["tokens"], 1.0)
         return {
-            "loss": sums["loss"] / max(total, 1.0),
-            "grad_norm": grad_norm,
-            "clip_fraction": sums["clip"] / tokens,
-            "approx_kl": sums["kl"] / tokens,
-            "tis_weight_mean": sums["tis"] / tokens,
-            "logprob_abs_diff": sums["abs_lp_diff"] / tokens,
-            "trained_tokens": int(sums["tokens"]),
+            **step_metrics(sums, plan.optimizer_steps),
+            "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
+            "lr": lr,
+            "optimizer_steps": plan.optimizer_steps,
+            "trained_tokens": sum(s.num_trained_tokens for s in samples),
             "trained_samples": len(samples),
             "train_time_s": time.monotonic() - started,
             "policy_version": self.policy_version,
-            "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
-            "staleness_max": int(staleness.max()) if len(staleness) else 0,
-            "stale_token_fraction": float((staleness > 0).mean()) if len(staleness) else 0.0,
-            **self.gap.stats(device=self.device),
+            **objective.gap_stats(device=self.device),
         }
+
+    def _mini_batch(self, samples: list[Sample], advantages: Sequence[float | np.ndarray],
+                    mb: MiniBatch) -> list[dict[str, Any]]:
+        """The micro-batches of one mini-batch (fixed for the step: epochs reuse them)."""
+        chosen = [samples[i] for i in mb.indices]
+        adv = [advantages[i] for i in mb.indices]
+        groups = pack_micro_batches([len(s.tokens) for s in chosen], self.cfg.micro_batch_tokens) if chosen else []
+        return [self._micro_batch([chosen[i] for i in g], [adv[i] for i in g], mb) for g in groups]
+
+    @torch.no_grad()
+    def _no_grad_passes(self, batches: list[dict[str, Any]], proximal: bool) -> None:
+        """Before any update: the reference model's log-probs (a KL is on) and, with several optimizer
+        steps, the policy's own (the proximal log-probs, the step's first forward), for every micro-batch."""
+        for batch in batches:
+            tokens: TokenBatch = batch["tokens"]
+            if self.reference is not None:
+                tokens.ref_logp = self.token_logprobs(batch, self.reference)
+            if proximal:
+                tokens.proximal = self.token_logprobs(batch)
+                self.objective.record(tokens.proximal, tokens)
+        if proximal:
+            self.objective.close_first_forward()
 
     def _reduce_and_step(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -314,6 +352,7 @@ class TorchTrainer:
         state = {
             "optimizer": self.optimizer.state_dict(),
             "policy_version": self.policy_version,
+            "optimizer_steps": self.optimizer_steps,
             "torch_rng": torch.get_rng_state(),
             "numpy_rng": np.random.get_state(),
             "python_rng": random.getstate(),
@@ -334,6 +373,7 @@ class TorchTrainer:
         self.optimizer.load_state_dict(mine["optimizer"])
         self.memory.adopt_optimizer_state(self.optimizer)  # load_state_dict made new tensors, outside it
         self.policy_version = int(mine["policy_version"])
+        self.optimizer_steps = int(mine.get("optimizer_steps", self.policy_version))  # older checkpoints: one per version
         torch.set_rng_state(mine["torch_rng"])
         np.random.set_state(mine["numpy_rng"])
         random.setstate(mine["python_rng"])

@@ -11,19 +11,14 @@ SGLang writes.
 from __future__ import annotations
 
 import ast
-import asyncio
-import base64
 import importlib.metadata
 import importlib.util
-import io
 import json
-import pickle
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from aiohttp import web

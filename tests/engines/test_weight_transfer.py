@@ -52,7 +52,7 @@ def engine_proc(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer(tiny_model):
-    return TorchTrainer(tiny_model, TrainerConfig(lr=3e-2, micro_batch_tokens=256, tis_cap=0.0), seed=0, device="cpu")
+    return TorchTrainer(tiny_model, TrainerConfig(lr=3e-2, micro_batch_tokens=256), seed=0, device="cpu")
 
 
 def _train(trainer: TorchTrainer, seed: int) -> None:

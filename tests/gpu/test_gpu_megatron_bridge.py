@@ -24,7 +24,7 @@ def trainer(tiny_qwen2_dir):
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    cfg = TrainerConfig(backend="megatron", dtype="bfloat16", lr=1e-3, micro_batch_tokens=256, tis_cap=0.0,
+    cfg = TrainerConfig(backend="megatron", dtype="bfloat16", lr=1e-3, micro_batch_tokens=256, 
                         grad_clip=1.0)  # fmt: skip
     return MegatronTrainer(tiny_qwen2_dir, cfg, rank=0, world_size=1, seed=0, local_rank=0)
 
@@ -108,3 +108,46 @@ def test_checkpoint_round_trip(trainer, tmp_path):
     assert trainer.policy_version == saved_version
     for n, t in trainer.named_weights():
         assert torch.equal(t.detach().cpu(), saved[n]), n
+
+
+def test_several_updates_reference_entropy_and_the_same_loss_as_torch(tiny_qwen2_dir):
+    """Issue 30 on Megatron: a batch in 2 mini-batches x 2 epochs (proximal log-probs from a forward-only
+    pass), a reference model (a second bridge model) with a KL loss, the vocab-parallel entropy bonus
+    and the lr warm-up; and the first step's loss equals the torch backend's on the same batch and
+    weights (bf16 tolerance)."""
+    need("megatron.core", "mbridge", "transformer_engine.pytorch")
+    from rayrl.config import AlgorithmConfig
+    from rayrl.rl.updates import plan_updates
+    from rayrl.trainers.megatron_backend import MegatronTrainer
+    from rayrl.trainers.torch_backend import TorchTrainer
+
+    algo = AlgorithmConfig(kl_loss_coef=0.1, entropy_coef=0.01, tis_cap=2.0)
+    cfg = TrainerConfig(backend="megatron", dtype="bfloat16", lr=1e-3, micro_batch_tokens=128, grad_clip=1.0,
+                        num_steps_per_rollout=2, epochs_per_rollout=2, steps=2, lr_warmup_steps=2)
+    samples = _samples(4, seed=3)
+    for s, lp in zip(samples, _hf_logprobs(tiny_qwen2_dir, samples)):
+        s.rollout_logprobs = lp.astype(np.float32)
+    advantages = [1.0, -1.0, 0.5, -0.5]
+    single = TrainerConfig(backend="megatron", dtype="bfloat16", lr=1e-3, micro_batch_tokens=128, grad_clip=1.0)
+    mega = MegatronTrainer(tiny_qwen2_dir, single, algorithm=algo, rank=0, world_size=1, seed=0, local_rank=0)
+    torch_cfg = TrainerConfig(lr=1e-3, micro_batch_tokens=128, grad_clip=1.0, compute_dtype="bfloat16")
+    plain = TorchTrainer(tiny_qwen2_dir, torch_cfg, algorithm=algo, seed=0, device="cuda")
+    m_mega, m_torch = mega.train_step(samples, advantages), plain.train_step(samples, advantages)
+    record("megatron_vs_torch_loss", {k: (m_mega[k], m_torch[k]) for k in
+                                      ("loss", "pg_loss", "entropy_mean", "ref_kl_mean", "clip_fraction")})
+    assert m_mega["loss"] == pytest.approx(m_torch["loss"], rel=5e-2, abs=5e-3)
+    assert m_mega["entropy_mean"] == pytest.approx(m_torch["entropy_mean"], rel=2e-2)
+    assert abs(m_mega["ref_kl_mean"]) < 1e-2  # the reference is the initial weights
+    del mega, plain
+    torch.cuda.empty_cache()
+
+    trainer = MegatronTrainer(tiny_qwen2_dir, cfg, algorithm=algo, rank=0, world_size=1, seed=0, local_rank=0)
+    (keep, plan), = plan_updates(samples, advantages, algo, num_minibatches=2, epochs=2)
+    metrics = trainer.train_step([samples[i] for i in keep], [advantages[i] for i in keep], plan)
+    record("megatron_several_updates", {k: v for k, v in metrics.items() if isinstance(v, (int, float, bool))})
+    assert metrics["update_successful"] and metrics["optimizer_steps"] == 4 and trainer.optimizer_steps == 4
+    assert metrics["lr"] == pytest.approx(1e-3)  # past the 2 warm-up steps
+    first, rollout = trainer.objective.first_forward_logprobs()
+    assert len(first) == sum(s.num_trained_tokens for s in samples)
+    assert float((first - rollout).abs().mean()) < 2e-2  # the pre-pass is the trainer's pre-update policy
+    assert metrics["ref_kl_mean"] > 0 and metrics["entropy_mean"] > 0 and np.isfinite(metrics["loss"])

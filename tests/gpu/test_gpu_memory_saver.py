@@ -96,7 +96,7 @@ def test_megatron_trainer_offload_frees_what_it_holds(medium_qwen2_dir):
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    cfg = TrainerConfig(backend="megatron", dtype="bfloat16", memory_saver=True, tis_cap=0.0, lr=1e-5,
+    cfg = TrainerConfig(backend="megatron", dtype="bfloat16", memory_saver=True, lr=1e-5,
                         micro_batch_tokens=4096)  # fmt: skip
     trainer = MegatronTrainer(medium_qwen2_dir, cfg, rank=0, world_size=1, local_rank=0)
     metrics = trainer.train_step(_samples(8, seed=0), [1.0, -1.0] * 4)  # Adam's first step

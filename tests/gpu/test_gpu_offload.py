@@ -86,3 +86,36 @@ def test_torch_trainer_offload_frees_params_grads_and_adam_state(medium_qwen2_di
     assert restored
     assert cycles[1]["host_buffers_made"] == 1  # the second cycle reused the pinned host buffer
     assert np.isfinite(second["loss"]) and second["policy_version"] == 2
+
+
+def test_the_reference_model_leaves_the_gpu_with_the_trainer(medium_qwen2_dir):
+    """With a KL to a reference model (issue 30 point 4), the frozen reference is allocated inside the same
+    memory-saver region: offload frees its weights too, onload restores them bit for bit, and the KL to
+    it is 0 before the first update (reference = initial weights) and positive after."""
+    need("torch_memory_saver")
+    from rayrl.config import AlgorithmConfig
+    from rayrl.trainers.memory_saver import gpu_memory_used_bytes
+    from rayrl.trainers.torch_backend import TorchTrainer
+
+    cfg = TrainerConfig(memory_saver=True, lr=1e-4, micro_batch_tokens=4096, compute_dtype="bfloat16")
+    trainer = TorchTrainer(medium_qwen2_dir, cfg, algorithm=AlgorithmConfig(kl_loss_coef=0.1), device="cuda")
+    assert trainer.reference is not None
+    ref_params = list(trainer.reference.parameters())
+    first = trainer.train_step(_samples(8, seed=0, vocab=32000), [1.0, -1.0] * 4)
+    assert trainer.memory.bytes_outside(ref_params) == 0
+    ref_bytes = sum(p.nbytes for p in ref_params)
+    policy_bytes = sum(p.nbytes for p in trainer.model.parameters()) * 4  # params, grads, two Adam moments (fp32)
+    kept = _host_copy(ref_params)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    used = gpu_memory_used_bytes()
+    assert trainer.offload()
+    freed = used - gpu_memory_used_bytes()
+    assert trainer.onload()
+    record("torch_offload_reference", {"device": torch.cuda.get_device_name(), "reference_bytes": ref_bytes,
+                                       "policy_state_bytes": policy_bytes, "freed_bytes": freed,
+                                       "ref_kl_first": first["ref_kl_mean"]})
+    assert freed >= 0.98 * (policy_bytes + ref_bytes)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(ref_params, kept))
+    second = trainer.train_step(_samples(8, seed=1, vocab=32000), [1.0, -1.0] * 4)
+    assert abs(first["ref_kl_mean"]) < 1e-3 and second["ref_kl_mean"] > 0

@@ -144,7 +144,7 @@ def build_run(run_dir: Path, model_dir: Path, harness: str = "scripted_agent") -
             failed = Episode("", f"task-broken-{step}", f"g{step}-c", status="failed", failure=SANDBOX_FAILED,
                              error="sandbox_failed: SandboxError: the sandbox died")
             episodes.append(failed)
-            batch = build_batch(episodes, True)
+            batch = build_batch(episodes)
             write_episodes(run_dir, step, episodes, batch, harness, detail_episodes=DETAIL_EPISODES)
             write_inspection(run_dir, step, episodes, batch, DETAIL_EPISODES, tokenizer_text(str(model_dir)))
             gap = {"train/engine_gap/mean_abs": 4e-4 * step, "train/engine_gap/max_abs": 3e-3 * step,

@@ -30,7 +30,7 @@ def test_records_keep_rows_for_all_trees_for_all_tokens_for_the_first_n(scripted
     assert rows[3]["status"] == "failed" and rows[3]["advantage"] is None and rows[3]["tokens"] == 0
     assert rows[3]["failure"] == "sandbox_failed" and rows[0]["failure"] is None
     # the advantage each episode's samples train with, as the batch gives it
-    batch = build_batch(episodes, True)
+    batch = build_batch(episodes)
     assert [r["advantage"] for r in rows] == episode_advantages(episodes, batch)
     assert rows[1]["advantage"] == batch.advantages[len(episodes[0].samples)] < 0 < rows[2]["advantage"]
 

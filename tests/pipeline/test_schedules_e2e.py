@@ -82,7 +82,7 @@ def test_async_two_steps_drops_stale_groups(ray_local, tiny_model_dir, tmp_path)
     cfg = pipeline_config(tmp_path, tiny_model_dir, "exp_id=async", "pipeline.schedule=async",
                           "pipeline.max_staleness=0", "pipeline.groups_in_flight=4", STRICT,
                           "trainer.weight_bucket_mb=4")  # several buckets per update
-    assert resolve(cfg).trainer.tis_cap == 2.0  # off-policy correction on by default in the async schedules
+    assert resolve(cfg).algorithm.tis_cap == 2.0  # off-policy correction on by default in the async schedules
     pipeline = Pipeline(cfg)
     try:
         history = pipeline.run()
@@ -96,7 +96,7 @@ def test_async_two_steps_drops_stale_groups(ray_local, tiny_model_dir, tmp_path)
         assert calls == ["pause_generation", "update_weights_from_tensor", "continue_generation"] * 2, calls
         assert history[1]["pipeline/dropped_stale_groups"] >= 1  # counted
         assert all(h["pipeline/staleness_max"] == 0 for h in history)  # nothing older was trained
-        assert all(h["train/staleness_mean"] == 0 for h in history)
+        assert all(h["pipeline/stale_token_fraction"] == 0 for h in history)
         for step in (1, 2):
             rows = _episodes(cfg, step)
             assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)

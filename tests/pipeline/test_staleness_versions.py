@@ -9,7 +9,7 @@ from rayrl.config import ConfigError, Machine, load_config, resolve
 from rayrl.engines.client import GenerateOutput
 from rayrl.engines.outputs import join_parts
 from rayrl.rl.groups import Group, split_stale
-from rayrl.trainers.torch_backend import token_staleness
+from rayrl.rl.staleness import token_staleness
 from rayrl.trajectory import TrajectoryTree
 from rayrl.types import Episode, Sample, Task, TurnRecord
 
@@ -88,15 +88,15 @@ def test_per_token_versions_stay_aligned_through_linearization():
 
 def test_tis_on_by_default_in_async_schedules_only():
     def tis_cap(*overrides: str) -> float:
-        return resolve(load_config(None, list(overrides)), Machine(cores=2, cuda=False)).trainer.tis_cap
+        return resolve(load_config(None, list(overrides)), Machine(cores=2, cuda=False)).algorithm.tis_cap
 
     assert tis_cap("pipeline.schedule=sync") == 0.0
     assert tis_cap("pipeline.schedule=async") == 2.0
     assert tis_cap("pipeline.schedule=colocated_async") == 2.0
-    assert tis_cap("pipeline.schedule=async", "trainer.tis_cap=0") == 0.0  # explicit
-    assert tis_cap("trainer.tis_cap=1.5") == 1.5
-    with pytest.raises(ConfigError, match="trainer.tis_cap"):
-        load_config(None, ["trainer.tis_cap=-1"])
+    assert tis_cap("pipeline.schedule=async", "algorithm.tis_cap=0") == 0.0  # explicit
+    assert tis_cap("algorithm.tis_cap=1.5") == 1.5
+    with pytest.raises(ConfigError, match="algorithm.tis_cap"):
+        load_config(None, ["algorithm.tis_cap=-1"])
     with pytest.raises(ConfigError, match="pipeline.schedule"):
         load_config(None, ["pipeline.schedule=sometimes"])
     with pytest.raises(ConfigError, match="pipeline.max_staleness"):
