@@ -86,22 +86,27 @@ class StreamResponse:
         self.status = status
         self._chunked, self._left, self._keep_alive = chunked, length, keep_alive
         self.complete = False
+        self._raw = b""  # chunked: bytes received and not decoded yet
+        self._in_chunk = 0  # chunked: payload bytes of the current chunk still to come
+        self._crlf = False  # chunked: the CRLF after a chunk's payload is due
+        self._trailers = False  # chunked: the last chunk came; trailer lines until a blank one
 
     async def next_block(self) -> Optional[bytes]:
-        """The next piece of the body as it arrives; None at its end."""
+        """The next piece of the body as it arrives (everything decodable from one read); None at its end."""
         if self.complete:
             return None
         reader, conn = self._conn.reader, self._conn
         conn.deadline = asyncio.get_running_loop().time() + self._client.read_timeout_s
         try:
             if self._chunked:
-                size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
-                if size == 0:
-                    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, then the blank line
-                        pass
-                    self.complete = True
-                    return None
-                return (await reader.readexactly(size + 2))[:-2]
+                while True:
+                    block = self._dechunk()
+                    if block or self.complete:
+                        return block or None
+                    data = await reader.read(262144)
+                    if not data:
+                        raise asyncio.IncompleteReadError(self._raw, None)
+                    self._raw += data
             if self._left is not None:
                 if self._left <= 0:
                     self.complete = True
@@ -118,6 +123,44 @@ class StreamResponse:
             return block
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError, ValueError) as err:
             raise self._client.failure(conn, err) from None
+
+    def _dechunk(self) -> bytes:
+        """Decode as much of the chunked framing in ``_raw`` as has arrived; the payload bytes so far."""
+        raw, pos, out = self._raw, 0, []
+        while True:
+            if self._in_chunk:
+                take = raw[pos:pos + self._in_chunk]
+                out.append(take)
+                pos += len(take)
+                self._in_chunk -= len(take)
+                if self._in_chunk:
+                    break
+                self._crlf = True
+            if self._crlf:
+                if len(raw) - pos < 2:
+                    break
+                if raw[pos:pos + 2] != b"\r\n":
+                    raise ValueError("a chunk did not end with CRLF")
+                pos += 2
+                self._crlf = False
+            end = raw.find(b"\r\n", pos)
+            if end < 0:
+                if len(raw) - pos > _MAX_HEAD:
+                    raise ValueError("a chunk size line longer than 64 KiB")
+                break
+            line, pos = raw[pos:end], end + 2
+            if self._trailers:
+                if not line:
+                    self.complete = True
+                    break
+                continue
+            size = int(line.split(b";", 1)[0], 16)
+            if size == 0:
+                self._trailers = True
+            else:
+                self._in_chunk = size
+        self._raw = raw[pos:]
+        return b"".join(out)
 
     async def read(self) -> bytes:
         """The whole (rest of the) body."""

@@ -82,7 +82,7 @@ class PromptTokenizer:
                 group = sorted((t.content for t in tokens.values() if bool(t.normalized) == normalized),
                                key=len, reverse=True)
                 if group:
-                    self._patterns.append(re.compile("|".join(re.escape(t) for t in group)))
+                    self._patterns.append(re.compile("(" + "|".join(re.escape(t) for t in group) + ")"))
             if self._patterns and not self._probes_agree():
                 self._patterns = []
 
@@ -142,14 +142,12 @@ class PromptTokenizer:
         if level == len(self._patterns):
             parts.append(self._piece(text, cache))
             return
-        pos = 0
-        for m in self._patterns[level].finditer(text):
-            if m.start() > pos:
-                self._cut(text[pos:m.start()], level + 1, cache, parts)
-            parts.append(self._added[m.group()])
-            pos = m.end()
-        if pos < len(text):
-            self._cut(text[pos:], level + 1, cache, parts)
+        # the pattern has one group: split() alternates text between tokens (maybe empty) and a token
+        for i, part in enumerate(self._patterns[level].split(text)):
+            if i % 2:
+                parts.append(self._added[part])
+            elif part:
+                self._cut(part, level + 1, cache, parts)
 
     def _piece(self, piece: str, cache: bool) -> np.ndarray:
         if cache and len(piece) <= MAX_PIECE_CHARS:
