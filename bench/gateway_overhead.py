@@ -4,8 +4,9 @@ and through rllm-model-gateway (PyPI), all on loopback.
     python bench/gateway_overhead.py [--requests 100] [--seconds 2] [--concurrency 64] [--quick]
 
 The stub engine answers instantly with a fixed completion (8 token ids + log-probs): SGLang's
-``/generate`` for rayrl (which renders the chat with the model's template, tokenizes, sends token ids
-and records a TurnRecord per call) and vLLM's ``/v1/chat/completions`` with ``prompt_token_ids`` /
+``/generate`` for rayrl (which renders the chat with the model's template, tokenizes, sends token ids,
+reads the answer as SGLang's stream, one chunk per token, and records a TurnRecord per call; the stub's
+own figure is a plain ``/generate``, what a caller without a gateway would send) and vLLM's ``/v1/chat/completions`` with ``prompt_token_ids`` /
 ``token_ids`` / logprobs for rllm-model-gateway (a reverse proxy that stores one trace per call).
 rllm-model-gateway runs in its fastest documented configuration: its in-memory trace store
 (``store_worker="memory"``, ``--store memory`` on its command line; SQLite is its default), traces
@@ -55,9 +56,22 @@ STUB = textwrap.dedent('''
                      "token_ids": IDS, "logprobs": {"content": [{"token": "x", "logprob": -0.1, "bytes": [120],
                      "top_logprobs": []} for _ in IDS]}}],
         "usage": {"prompt_tokens": 30, "completion_tokens": len(IDS), "total_tokens": 38}}).encode()
+    # streaming (the gateway always streams from its engines): one cumulative chunk per token, as SGLang
+    # sends them by default, then [DONE]
+    CHUNKS = [b"data: " + json.dumps({"text": "Paris."[:k], "output_ids": IDS[:k], "meta_info": {
+        "id": "r", "finish_reason": {"type": "stop", "matched": 2} if k == len(IDS) else None,
+        "prompt_tokens": 30, "completion_tokens": k, "weight_version": "1",
+        "output_token_logprobs": [[-0.1, i, None] for i in IDS[:k]]}}).encode() + b"\\n\\n"
+        for k in range(1, len(IDS) + 1)] + [b"data: [DONE]\\n\\n"]
     async def gen(request):
-        await request.read()
-        return web.Response(body=GEN, content_type="application/json")
+        if not json.loads(await request.read()).get("stream"):
+            return web.Response(body=GEN, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in CHUNKS:
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
     async def chat(request):
         await request.read()
         return web.Response(body=CHAT, content_type="application/json")

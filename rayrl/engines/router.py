@@ -429,9 +429,12 @@ class Router:
                             fold(data)
                             if on_text is not None:
                                 await on_text(acc.text, acc.ids, acc.logprobs)
-            finally:
+            except StreamHTTPError:
                 if held is not None:
-                    fold(held)  # the last chunk received, also when the stream broke after it
+                    fold(held)  # the last chunk received before the stream broke: the tokens so far
+                raise
+            if held is not None:
+                fold(held)
             if not finished:
                 raise EngineUnavailable("the engine stream ended before the request finished", url,
                                         connection_lost=True, partial=acc.partial(url))
