@@ -34,7 +34,7 @@ import hashlib
 import json
 import logging
 import time
-import uuid
+import os
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -350,7 +350,7 @@ class Router:
             if budget is not None and parts:
                 rest["max_new_tokens"] = int(budget) - done
             if rid is None:
-                part_rid = uuid.uuid4().hex
+                part_rid = os.urandom(16).hex()  # a uuid4 hex, without building a UUID
             else:
                 part_rid = rid if not parts and not lost else f"{rid}-c{len(parts) + lost}"
             forward = _after_parts(parts, on_text) if on_text is not None and parts else on_text
