@@ -33,8 +33,8 @@ import asyncio
 import hashlib
 import json
 import logging
-import time
 import os
+import time
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
 import numpy as np
