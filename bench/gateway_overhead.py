@@ -98,6 +98,11 @@ RAYRL = textwrap.dedent('''
         gw = Gateway(GatewayConfig(tool_parser="hermes"), TrajectoryConfig(), AutoTokenizer.from_pretrained(tokenizer_dir),
                      router, model_name="stub", context_length=4096, admin_token="admin")
         await gw.start(port=port)
+        try:  # as the gateway's hosts do (a baseline checkout may predate it)
+            from rayrl.gateway.app import settle_heap
+            settle_heap()
+        except ImportError:
+            pass
         print("ready", flush=True)
         await asyncio.Event().wait()
     asyncio.run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
