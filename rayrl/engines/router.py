@@ -50,6 +50,7 @@ OnText = Callable[[str, list[int], list[float]], Awaitable[None]]
 logger = logging.getLogger(__name__)
 
 MAX_LOST_CONTINUATIONS = 1  # continuations of one generation after its engine died under it
+_MAX_RANKINGS = 65536  # sessions whose engine ranking is kept
 
 
 def _after_parts(parts: Sequence[GenerateOutput], on_text: OnText) -> OnText:
@@ -105,6 +106,7 @@ class Router:
         self._resumed: Optional[asyncio.Event] = None
         self._engine_added: Optional[asyncio.Event] = None  # set by add(); calls wait on it with no engines
         self._avoid: dict[str, float] = {}  # url -> loop time until which it is skipped (it broke or refused)
+        self._rankings: dict[str, list[str]] = {}  # session key -> ranking, while the set of engines holds
         self.waiting = 0  # calls queued here while paused (the gateway queue depth)
         self.routed = {"affinity": 0, "load_fallback": 0, "retried": 0, "reconnect_waits": 0, "lost_continued": 0,
                        "engine_waits": 0}
@@ -130,6 +132,7 @@ class Router:
         url = url.rstrip("/")
         if url not in self._clients:
             self._clients[url] = EngineClient(url, timeout_s=self.timeout_s)
+            self._rankings.clear()
             self._in_flight[url] = 0
         self._avoid.pop(url, None)
         if self._engine_added is not None:
@@ -140,6 +143,7 @@ class Router:
     def remove(self, url: str) -> None:
         """Stop routing new requests to ``url``; requests already there finish normally."""
         client = self._clients.pop(url.rstrip("/"), None)
+        self._rankings.clear()
         self._in_flight.pop(url.rstrip("/"), None)
         self._avoid.pop(url.rstrip("/"), None)
         if client is not None:
@@ -241,8 +245,15 @@ class Router:
     # -- routing -----------------------------------------------------------------------------------
 
     def ranking(self, session_key: str) -> list[str]:
-        """Engines in this session's rendezvous order (first = preferred)."""
-        return sorted(self._clients, key=lambda url: _score(url, session_key), reverse=True)
+        """Engines in this session's rendezvous order (first = preferred); kept per session until an engine
+        is added or removed (a session's calls hash the same URLs every time)."""
+        order = self._rankings.get(session_key)
+        if order is None:
+            if len(self._rankings) >= _MAX_RANKINGS:
+                self._rankings.clear()
+            order = sorted(self._clients, key=lambda url: _score(url, session_key), reverse=True)
+            self._rankings[session_key] = order
+        return order
 
     def pick(self, session_key: Optional[str], exclude: Sequence[str] = ()) -> str:
         """The engine for the next request of ``session_key`` (None: least loaded)."""
@@ -388,7 +399,7 @@ class Router:
         """One part of a generation, streamed from the engine at ``url``. A broken stream raises
         EngineUnavailable with the tokens received so far (``partial``); an unfinished one is aborted."""
         payload = {
-            "input_ids": np.asarray(input_ids).astype(np.int64).tolist(),
+            "input_ids": np.asarray(input_ids).tolist(),  # Python ints, whatever the array's dtype
             "sampling_params": dict(params),
             "rid": rid,
             "return_logprob": True,
