@@ -237,9 +237,10 @@ class TurnPipeline:
             else:
 
                 async def on_text(text: str, output_ids: Any = None, output_logprobs: Any = None) -> None:
-                    if progress is not None and output_ids is not None and output_logprobs is not None:
-                        progress.update(output_ids, output_logprobs)
-                    d_reasoning, d_content = tracker.feed(forced + text)
+                    async with self.cpu:  # a piece of work; the sends follow it (never wait on a client locked)
+                        if progress is not None and output_ids is not None and output_logprobs is not None:
+                            progress.update(output_ids, output_logprobs)
+                        d_reasoning, d_content = tracker.feed(forced + text)
                     if d_reasoning:
                         await sink.reasoning(d_reasoning)
                     if d_content:
