@@ -16,7 +16,7 @@ import ray
 from actors.runtime import on_driver_node
 from rayrl.config import RunConfig
 from rayrl.gateway.admin_trees import describe_session
-from rayrl.gateway.app import Gateway
+from rayrl.gateway.app import Gateway, settle_heap
 from rayrl.gateway.sessions import SessionInfo
 from rayrl.types import Sample
 
@@ -54,7 +54,9 @@ class TrajectoryManager:
 
     async def start(self) -> str:
         """Serve the gateway; bound to every interface, its URL names this node's address."""
-        return await self.gateway.start(advertise_host=ray.util.get_node_ip_address())
+        url = await self.gateway.start(advertise_host=ray.util.get_node_ip_address())
+        settle_heap()  # the actor hosts the gateway: full collections no longer walk its libraries
+        return url
 
     async def open_session(self, metadata: dict[str, Any] | None = None) -> SessionInfo:
         return self.gateway.open_session(metadata)

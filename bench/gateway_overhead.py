@@ -4,8 +4,9 @@ and through rllm-model-gateway (PyPI), all on loopback.
     python bench/gateway_overhead.py [--requests 100] [--seconds 2] [--concurrency 64] [--quick]
 
 The stub engine answers instantly with a fixed completion (8 token ids + log-probs): SGLang's
-``/generate`` for rayrl (which renders the chat with the model's template, tokenizes, sends token ids
-and records a TurnRecord per call) and vLLM's ``/v1/chat/completions`` with ``prompt_token_ids`` /
+``/generate`` for rayrl (which renders the chat with the model's template, tokenizes, sends token ids,
+reads the answer as SGLang's stream, one chunk per token, and records a TurnRecord per call; the stub's
+own figure is a plain ``/generate``, what a caller without a gateway would send) and vLLM's ``/v1/chat/completions`` with ``prompt_token_ids`` /
 ``token_ids`` / logprobs for rllm-model-gateway (a reverse proxy that stores one trace per call).
 rllm-model-gateway runs in its fastest documented configuration: its in-memory trace store
 (``store_worker="memory"``, ``--store memory`` on its command line; SQLite is its default), traces
@@ -17,7 +18,8 @@ Each round measures every endpoint once, the order rotating from round to round 
 load from ``--concurrency`` clients (requests/s). Reported: the median and spread of those per-round
 figures, rayrl's and rllm-model-gateway's added latency (gateway minus the stub endpoint it uses, per
 round) and the per-round throughput ratio. Targets: rayrl's added p50 < 1 ms; rayrl's throughput >= 5x
-rllm-model-gateway's.
+rllm-model-gateway's. ``--baseline DIR`` adds the gateway of another checkout (a git worktree of main,
+say) as one more endpoint, so a change is measured against what it replaces in the same alternation.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import aiohttp
 from measure import Record, Spread, add_common_args, alternate, paired_ratio
 
 REPO = Path(__file__).resolve().parents[1]
+BASELINE = "rayrl gateway (baseline)"
 OUTPUT_IDS = [28, 1530, 314, 253, 3526, 30, 2, 2]
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -55,9 +58,22 @@ STUB = textwrap.dedent('''
                      "token_ids": IDS, "logprobs": {"content": [{"token": "x", "logprob": -0.1, "bytes": [120],
                      "top_logprobs": []} for _ in IDS]}}],
         "usage": {"prompt_tokens": 30, "completion_tokens": len(IDS), "total_tokens": 38}}).encode()
+    # streaming (the gateway always streams from its engines): one cumulative chunk per token, as SGLang
+    # sends them by default, then [DONE]
+    CHUNKS = [b"data: " + json.dumps({"text": "Paris."[:k], "output_ids": IDS[:k], "meta_info": {
+        "id": "r", "finish_reason": {"type": "stop", "matched": 2} if k == len(IDS) else None,
+        "prompt_tokens": 30, "completion_tokens": k, "weight_version": "1",
+        "output_token_logprobs": [[-0.1, i, None] for i in IDS[:k]]}}).encode() + b"\\n\\n"
+        for k in range(1, len(IDS) + 1)] + [b"data: [DONE]\\n\\n"]
     async def gen(request):
-        await request.read()
-        return web.Response(body=GEN, content_type="application/json")
+        if not json.loads(await request.read()).get("stream"):
+            return web.Response(body=GEN, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in CHUNKS:
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
     async def chat(request):
         await request.read()
         return web.Response(body=CHAT, content_type="application/json")
@@ -82,6 +98,11 @@ RAYRL = textwrap.dedent('''
         gw = Gateway(GatewayConfig(tool_parser="hermes"), TrajectoryConfig(), AutoTokenizer.from_pretrained(tokenizer_dir),
                      router, model_name="stub", context_length=4096, admin_token="admin")
         await gw.start(port=port)
+        try:  # as the gateway's hosts do (a baseline checkout may predate it)
+            from rayrl.gateway.app import settle_heap
+            settle_heap()
+        except ImportError:
+            pass
         print("ready", flush=True)
         await asyncio.Event().wait()
     asyncio.run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
@@ -103,9 +124,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(code: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, stdout=subprocess.DEVNULL,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+def spawn(code: str, *args: str, tree: Path = REPO) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=tree, stdout=subprocess.DEVNULL,
+                            text=True, env={**os.environ, "PYTHONPATH": str(tree)})
 
 
 async def wait_up(url: str, timeout: float = 120.0) -> None:
@@ -171,12 +192,17 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def start_servers(procs: list[subprocess.Popen], ports: dict[str, int], tokenizer_dir: str) -> bool:
-    """Start the stub, rayrl's gateway and (when installed) rllm-model-gateway; True if rllm is up."""
+async def start_servers(procs: list[subprocess.Popen], ports: dict[str, int], tokenizer_dir: str,
+                        baseline: Path | None = None) -> bool:
+    """Start the stub, rayrl's gateway (and the baseline checkout's) and (when installed)
+    rllm-model-gateway; True if rllm is up."""
     stub_url = f"http://127.0.0.1:{ports['stub']}"
     procs.append(spawn(STUB, str(ports["stub"])))
     await wait_up(stub_url + "/health")
     procs.append(spawn(RAYRL, str(ports["rayrl"]), stub_url, tokenizer_dir))
+    if baseline is not None:
+        procs.append(spawn(RAYRL, str(ports["baseline"]), stub_url, tokenizer_dir, tree=baseline))
+        await wait_up(f"http://127.0.0.1:{ports['baseline']}/health")
     try:
         import rllm_model_gateway  # noqa: F401
     except ImportError as err:
@@ -191,25 +217,31 @@ async def start_servers(procs: list[subprocess.Popen], ports: dict[str, int], to
     return rllm_ok
 
 
+async def _gateway_target(name: str, root: str, clients: int, chat: dict) -> Target:
+    """Chat Completions on a rayrl gateway, one gateway session per client: what a training run looks like."""
+    async with aiohttp.ClientSession() as s:
+        tokens = []
+        for _ in range(max(clients, 1)):
+            async with s.post(root + "/rayrl/sessions", json={}, headers={"Authorization": "Bearer admin"}) as r:
+                tokens.append((await r.json())["token"])
+    return Target(name, root + "/v1/chat/completions", chat,
+                  headers_for=lambda i: {"Authorization": f"Bearer {tokens[i % len(tokens)]}"})
+
+
 async def make_targets(ports: dict[str, int], tokenizer_dir: str, clients: int, rllm_ok: bool) -> dict[str, Target]:
     from transformers import AutoTokenizer
 
     stub_url = f"http://127.0.0.1:{ports['stub']}"
-    rayrl_root = f"http://127.0.0.1:{ports['rayrl']}"
-    async with aiohttp.ClientSession() as s:  # one gateway session per client: what a training run looks like
-        tokens = []
-        for _ in range(max(clients, 1)):
-            async with s.post(rayrl_root + "/rayrl/sessions", json={}, headers={"Authorization": "Bearer admin"}) as r:
-                tokens.append((await r.json())["token"])
     chat = {"model": "stub", "messages": MESSAGES, "max_tokens": 16, "temperature": 1.0}
     ids = AutoTokenizer.from_pretrained(tokenizer_dir).apply_chat_template(MESSAGES, add_generation_prompt=True)
     targets = {
         "stub /generate": Target("stub /generate", stub_url + "/generate",
                                  {"input_ids": ids, "sampling_params": {"max_new_tokens": 16}, "return_logprob": True}),
-        "rayrl gateway": Target("rayrl gateway", rayrl_root + "/v1/chat/completions", chat,
-                                headers_for=lambda i: {"Authorization": f"Bearer {tokens[i % len(tokens)]}"}),
+        "rayrl gateway": await _gateway_target("rayrl gateway", f"http://127.0.0.1:{ports['rayrl']}", clients, chat),
         "stub /v1/chat": Target("stub /v1/chat", stub_url + "/v1/chat/completions", chat),
     }
+    if "baseline" in ports:
+        targets[BASELINE] = await _gateway_target(BASELINE, f"http://127.0.0.1:{ports['baseline']}", clients, chat)
     if rllm_ok:
         rllm_root = f"http://127.0.0.1:{ports['rllm']}"
         targets["rllm-model-gateway"] = Target(
@@ -222,6 +254,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=100, help="sequential requests per endpoint per round")
     ap.add_argument("--seconds", type=float, default=2.0, help="duration of each throughput block")
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="also run the gateway of another checkout (e.g. a git worktree of main), in alternation")
     add_common_args(ap)
     args = ap.parse_args()
     if args.quick:
@@ -232,11 +266,11 @@ def main() -> None:
     record = Record("gateway_overhead", "Gateway overhead: rayrl against rllm-model-gateway (memory store)",
                     quick=args.quick, record_dir=args.record_dir)
     tokenizer_dir = str(provision_smollm2())
-    ports = {k: free_port() for k in ("stub", "rayrl", "rllm")}
+    ports = {k: free_port() for k in ("stub", "rayrl", "rllm") + (("baseline",) if args.baseline else ())}
     procs: list[subprocess.Popen] = []
     loop = asyncio.new_event_loop()
     try:
-        rllm_ok = loop.run_until_complete(start_servers(procs, ports, tokenizer_dir))
+        rllm_ok = loop.run_until_complete(start_servers(procs, ports, tokenizer_dir, args.baseline))
         targets = loop.run_until_complete(make_targets(ports, tokenizer_dir, args.concurrency, rllm_ok))
 
         def side(target: Target):
@@ -256,8 +290,19 @@ def main() -> None:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+    if args.baseline:
+        record.note(f"baseline: the gateway of {args.baseline} ({baseline_commit(args.baseline)}), same stub")
     report(record, res, args.concurrency, args.requests, args.seconds)
     record.save()
+
+
+def baseline_commit(tree: Path) -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "commit unknown"
+    return out.stdout.strip()[:80] or "not a git checkout"
 
 
 def report(record: Record, res: dict, clients: int, requests: int, seconds: float) -> None:
@@ -276,12 +321,23 @@ def report(record: Record, res: dict, clients: int, requests: int, seconds: floa
                  paired_ratio(res["rayrl gateway"]["rps"], res["stub /generate"]["rps"]).fmt(3)])
     record.figure("rayrl_added_p50_ms", ours[0])
     verdicts = [f"rayrl added p50 < 1 ms: {'met' if ours[0].median < 1.0 else 'NOT met'}"]
+    if BASELINE in res:
+        base = added(BASELINE, "stub /generate")
+        rows.append([BASELINE, base[0].fmt(3), base[1].fmt(3),
+                     paired_ratio(res[BASELINE]["rps"], res["stub /generate"]["rps"]).fmt(3)])
+        record.figure("baseline_added_p50_ms", base[0])
+        record.figure("throughput_ratio_rayrl_over_baseline", paired_ratio(res["rayrl gateway"]["rps"],
+                                                                           res[BASELINE]["rps"]))
     if "rllm-model-gateway" in res:
         theirs = added("rllm-model-gateway", "stub /v1/chat")
         rows.append(["rllm-model-gateway (memory store)", theirs[0].fmt(3), theirs[1].fmt(3),
                      paired_ratio(res["rllm-model-gateway"]["rps"], res["stub /v1/chat"]["rps"]).fmt(3)])
         ratio = paired_ratio(res["rayrl gateway"]["rps"], res["rllm-model-gateway"]["rps"])
         record.figure("throughput_ratio_rayrl_over_rllm", ratio)
+        if BASELINE in res:
+            base_ratio = paired_ratio(res[BASELINE]["rps"], res["rllm-model-gateway"]["rps"])
+            record.figure("throughput_ratio_baseline_over_rllm", base_ratio)
+            record.note(f"baseline/rllm throughput at {clients} clients {base_ratio.fmt(2, 'x')}")
         verdicts.append(f"rayrl/rllm throughput at {clients} clients {ratio.fmt(2, 'x')} >= 5x: "
                         f"{'met' if ratio.median >= 5 else 'NOT met'}")
     record.table("added by the gateway (gateway minus the stub endpoint it calls, per round) and throughput as a "

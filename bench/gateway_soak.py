@@ -15,12 +15,16 @@ Once a session's turns are done it is finished (``POST /rayrl/sessions/{id}/fini
 come back and the generated (loss-masked) text is searched for each turn's answer: a turn answered
 200 whose answer is not in the samples exactly once is lost or duplicated.
 
-Printed: turns sent, turns answered 200, turns recorded, lost (must be 0), duplicated (0), failed
-calls, p50/p99 latency added by the gateway (with every session at once, which is mostly queueing on
-a small machine, and one call at a time before the soak), /health p50/p99 during the soak and while one
-``--big-body-mb`` body is processed, the gateway's peak RSS, and its open file descriptors before the
-sessions, at the peak, and after every session finished and the client closed its connections (the
-growth must be 0).
+Printed: the date and the machine's load average at start and end, turns sent, turns answered 200,
+turns recorded, lost (must be 0), duplicated (0), failed calls, p50/p99 latency added by the gateway
+(with every session at once, which is mostly queueing on a small machine, and one call at a time before
+the soak), /health p50/p99 during the soak and while one ``--big-body-mb`` body is processed, the
+gateway's peak RSS, and its open file descriptors before the sessions, at the peak, and after every
+session finished and the client closed its connections (the growth must be 0).
+
+``/health`` is polled from a process of its own (``gateway_soak.py health URL``), on its own
+connection: polled from the load generator, its latency would include the load generator's own event
+loop, busy with a thousand sessions, instead of the gateway's alone.
 """
 
 from __future__ import annotations
@@ -222,6 +226,36 @@ async def poll_health(http: aiohttp.ClientSession, root: str, stop: asyncio.Even
         await asyncio.sleep(0.02)
 
 
+def serve_health_poller(root: str) -> None:
+    """The /health poller process: polls until a line arrives on stdin, then prints the latencies (JSON)."""
+
+    async def main() -> None:
+        out: list[float] = []
+        stop = asyncio.Event()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
+            poller = asyncio.create_task(poll_health(http, root, stop, out))
+            print("ready", flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            stop.set()
+            await poller
+        print(json.dumps(out), flush=True)
+
+    asyncio.run(main())
+
+
+class HealthPoller:
+    """``/health`` polled by a process of its own while a phase runs; ``stop()`` returns the latencies."""
+
+    def __init__(self, root: str, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "health", root], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
+
+    def stop(self) -> list[float]:
+        out, _ = self.proc.communicate("stop\n", timeout=120)
+        return json.loads(out.strip().splitlines()[-1])
+
+
 def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -264,6 +298,12 @@ async def run(args: argparse.Namespace) -> None:
 
     from rayrl.models import build_tiny_model
 
+    from measure import machine as machine_info
+
+    info = machine_info()
+    machine = f"{info['cpu']}, {info['cores']} cores"
+    started_at = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    load_start = os.getloadavg()
     model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="soak-model-")))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -291,20 +331,17 @@ async def run(args: argparse.Namespace) -> None:
         await asyncio.sleep(0.5)
         fds_before = fds(gateway.pid)
         fds_peak = fds_before
-        health: list[float] = []
-        stop = asyncio.Event()
         timeout = aiohttp.ClientTimeout(total=600)
+        poller = HealthPoller(root, env)
         started = time.perf_counter()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
-            poller = asyncio.create_task(poll_health(http, root, stop, health))
             work = asyncio.gather(*(session(http, root, i, args.turns, calls, tokenizer) for i in range(args.sessions)))
             while not work.done():
                 fds_peak = max(fds_peak, fds(gateway.pid))
                 await asyncio.sleep(0.1)
             await work
-            stop.set()
-            await poller
         soak_s = time.perf_counter() - started
+        health = poller.stop()
         big_status, big_health = await big_body(root, args.big_body_mb) if args.big_body_mb > 0 else (0, [])
         settle = time.perf_counter()
         while fds(gateway.pid) > fds_before and time.perf_counter() - settle < 30:
@@ -320,11 +357,14 @@ async def run(args: argparse.Namespace) -> None:
                 proc.terminate()
                 proc.wait(30)
 
+    load_end = os.getloadavg()
     answered = set(calls.ok)
     lost = sorted(tag for tag in answered if calls.found.get(tag, 0) == 0)
     duplicated = sorted(tag for tag, n in calls.found.items() if n > 1 or tag not in answered)
     added = [calls.ok[tag] - engine_times[tag] for tag in answered if tag in engine_times]
     one_at_a_time = [alone.ok[tag] - engine_times[tag] for tag in alone.ok if tag in engine_times]
+    print(f"{started_at}; {machine}; load average {' / '.join(f'{x:.2f}' for x in load_start)} at start, "
+          f"{' / '.join(f'{x:.2f}' for x in load_end)} at end (1/5/15 min)")
     print(f"sessions {args.sessions} x {args.turns} turns, all at once ({', '.join(APIS)}; streaming and not), "
           f"{soak_s:.1f} s")
     print(f"turns sent {calls.sent}, answered 200 {len(answered)}, failed {len(calls.failed)}, "
@@ -349,6 +389,9 @@ async def run(args: argparse.Namespace) -> None:
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "engine":
         serve_engine(sys.argv[2])
+        return
+    if len(sys.argv) == 3 and sys.argv[1] == "health":
+        serve_health_poller(sys.argv[2])
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", type=int, default=1000)

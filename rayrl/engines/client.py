@@ -153,7 +153,7 @@ class EngineClient:
             async with session.request(method, url, **kwargs) as resp:
                 raw = await resp.read()
                 if resp.status >= 300:
-                    raise EngineError(resp.status, _error_message(raw), self.base_url)
+                    raise EngineError(resp.status, error_message(raw), self.base_url)
         except asyncio.TimeoutError:
             raise EngineUnavailable(f"no answer from {path} within the timeout", self.base_url) from None
         except aiohttp.ClientError as err:
@@ -385,7 +385,7 @@ class EngineClient:
         )
 
 
-def _error_message(raw: bytes) -> str:
+def error_message(raw: bytes) -> str:
     """The message of an SGLang error body (either error shape), else the raw text."""
     text = raw.decode("utf-8", "replace")
     try:

@@ -50,13 +50,19 @@ def join_parts(parts: Sequence[GenerateOutput]) -> GenerateOutput:
 
 
 class StreamAccumulator:
-    """Folds SGLang stream chunks (cumulative or incremental ids/log-probs) into one finished output."""
+    """Folds SGLang stream chunks (cumulative or incremental ids/log-probs) into one finished output.
+
+    ``cumulative`` says what the stream is, once a chunk has followed one with tokens: True when each chunk
+    holds every token so far (SGLang's default, and the CPU engine's), so the last one alone makes the
+    output; None until then.
+    """
 
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.text = ""
         self.meta: dict[str, Any] = {}
+        self.cumulative: bool | None = None
 
     def add(self, chunk: Mapping[str, Any]) -> None:
         ids = list(chunk.get("output_ids") or [])
@@ -64,7 +70,13 @@ class StreamAccumulator:
         entries = meta.get("output_token_logprobs") or []
         lps = [float(e[0]) if e and e[0] is not None else float("nan") for e in entries]
         n = len(self.ids)
-        cumulative = len(ids) >= n and ids[:n] == self.ids
+        total = meta.get("completion_tokens")
+        if isinstance(total, int) and not isinstance(total, bool) and total >= len(ids):
+            cumulative = len(ids) == total  # the engine's count of tokens so far says which
+        else:
+            cumulative = len(ids) >= n and ids[:n] == self.ids
+        if ids and n:  # a first chunk looks the same either way: the second one tells
+            self.cumulative = cumulative
         if cumulative:
             new_total = len(ids)
             self.ids = ids

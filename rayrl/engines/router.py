@@ -11,11 +11,13 @@ Routing runs in the caller's process: one EngineClient per URL, no extra hop. En
 (:meth:`Router.add` / :meth:`Router.remove`, called as the pipeline replaces engines that died); with no
 engine at all, calls wait here for one to be added, up to ``wait_timeout_s``.
 
-An engine that dies mid-request: the connection breaks before the answer is complete, so nothing of a
-plain request reached the agent, and a stream delivered only its tokens so far. The generation is then
-continued once on another engine from the prompt plus those tokens (as after a pause, below), and the
-broken engine is avoided for ``reconnect_s``. A second loss in the same generation fails it: a request
-that brings engines down must not take the whole fleet with it.
+Every generation is streamed from its engine (SGLang's streaming ``/generate``), whether or not the agent
+streams: the router always knows the tokens (and log-probs) received so far. An engine that dies
+mid-request breaks the connection before the answer is complete; the generation is then continued once
+on another engine from the prompt plus every token already received (as after a pause, below), so what
+was generated is kept, sent to the agent or not, and each token keeps the policy version that made it.
+The broken engine is avoided for ``reconnect_s``. A second loss in the same generation fails it: a
+request that brings engines down must not take the whole fleet with it.
 
 Pausing (the colocated schedule): while the engines give their devices to the trainer, :meth:`Router.pause`
 makes new calls wait here, in the gateway, instead of at an engine that may have released its memory;
@@ -31,15 +33,15 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import time
-import uuid
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
-import aiohttp
 import numpy as np
 
-from rayrl.engines.client import EngineClient, EngineError, EngineUnavailable, GenerateOutput, is_connection_lost
+from rayrl.engines.client import EngineClient, EngineError, EngineUnavailable, GenerateOutput, error_message
 from rayrl.engines.outputs import StreamAccumulator, join_parts
+from rayrl.engines.stream_http import StreamHTTPError, StreamingHTTP
 
 # on_text(text so far, output ids so far, their log-probs): streaming callers can emit each chunk's
 # log-probs with the chunk
@@ -48,6 +50,29 @@ OnText = Callable[[str, list[int], list[float]], Awaitable[None]]
 logger = logging.getLogger(__name__)
 
 MAX_LOST_CONTINUATIONS = 1  # continuations of one generation after its engine died under it
+_MAX_RANKINGS = 65536  # sessions whose engine ranking is kept
+
+
+def _after_parts(parts: Sequence[GenerateOutput], on_text: OnText) -> OnText:
+    """``on_text`` for a continued generation: what the parts before this one generated comes first."""
+    text = "".join(p.text for p in parts)
+    ids = [int(t) for p in parts for t in p.output_ids]
+    lps = [float(x) for p in parts for x in p.output_logprobs]
+
+    async def forward(part_text: str, part_ids: list[int], part_lps: list[float]) -> None:
+        await on_text(text + part_text, ids + part_ids, lps + part_lps)
+
+    return forward
+
+
+def _sse_data(block: bytes, rest: bytes) -> tuple[list[bytes], bytes]:
+    """The ``data:`` payloads of the complete lines in ``rest + block``, and the incomplete line left over.
+    A server-sent event stream is read as the bytes arrive, not line by line: its chunks often come several
+    to a read. (A plain function, not an async generator: one left unfinished would cost a thread-safe wakeup
+    of the event loop when it is collected.)"""
+    lines = (rest + block).split(b"\n")
+    rest = lines.pop()
+    return [line[5:].strip() for line in lines if line.startswith(b"data:")], rest
 
 
 def _score(url: str, key: str) -> int:
@@ -76,11 +101,12 @@ class Router:
         self._clients: dict[str, EngineClient] = {}
         self._in_flight: dict[str, int] = {}
         self._retired: list[EngineClient] = []
-        self._stream_http: Optional[aiohttp.ClientSession] = None
+        self._stream_http: Optional[StreamingHTTP] = None  # the /generate streams (stream_http.py)
         self._paused = False
         self._resumed: Optional[asyncio.Event] = None
         self._engine_added: Optional[asyncio.Event] = None  # set by add(); calls wait on it with no engines
         self._avoid: dict[str, float] = {}  # url -> loop time until which it is skipped (it broke or refused)
+        self._rankings: dict[str, list[str]] = {}  # session key -> ranking, while the set of engines holds
         self.waiting = 0  # calls queued here while paused (the gateway queue depth)
         self.routed = {"affinity": 0, "load_fallback": 0, "retried": 0, "reconnect_waits": 0, "lost_continued": 0,
                        "engine_waits": 0}
@@ -106,6 +132,7 @@ class Router:
         url = url.rstrip("/")
         if url not in self._clients:
             self._clients[url] = EngineClient(url, timeout_s=self.timeout_s)
+            self._rankings.clear()
             self._in_flight[url] = 0
         self._avoid.pop(url, None)
         if self._engine_added is not None:
@@ -116,6 +143,7 @@ class Router:
     def remove(self, url: str) -> None:
         """Stop routing new requests to ``url``; requests already there finish normally."""
         client = self._clients.pop(url.rstrip("/"), None)
+        self._rankings.clear()
         self._in_flight.pop(url.rstrip("/"), None)
         self._avoid.pop(url.rstrip("/"), None)
         if client is not None:
@@ -217,8 +245,15 @@ class Router:
     # -- routing -----------------------------------------------------------------------------------
 
     def ranking(self, session_key: str) -> list[str]:
-        """Engines in this session's rendezvous order (first = preferred)."""
-        return sorted(self._clients, key=lambda url: _score(url, session_key), reverse=True)
+        """Engines in this session's rendezvous order (first = preferred); kept per session until an engine
+        is added or removed (a session's calls hash the same URLs every time)."""
+        order = self._rankings.get(session_key)
+        if order is None:
+            if len(self._rankings) >= _MAX_RANKINGS:
+                self._rankings.clear()
+            order = sorted(self._clients, key=lambda url: _score(url, session_key), reverse=True)
+            self._rankings[session_key] = order
+        return order
 
     def pick(self, session_key: Optional[str], exclude: Sequence[str] = ()) -> str:
         """The engine for the next request of ``session_key`` (None: least loaded)."""
@@ -245,19 +280,15 @@ class Router:
         input_ids: Sequence[int] | np.ndarray,
         sampling_params: Optional[Mapping[str, Any]] = None,
         rid: Optional[str] = None,
-        return_logprob: bool = True,
+        on_text: Optional[OnText] = None,
     ) -> GenerateOutput:
-        """Generate on the engine chosen for ``session_key``. When the engine cannot even be connected
-        to (so nothing ran there), retry once on another engine; other failures propagate. Waits while
-        paused; a generation aborted by a pause is continued after it (see the module docstring)."""
-
-        async def one_part(ids: np.ndarray, params: dict[str, Any], part_rid: Optional[str]) -> GenerateOutput:
-            async def call(url: str) -> GenerateOutput:
-                return await self._clients[url].generate(ids, params, rid=part_rid, return_logprob=return_logprob)
-
-            return await self._routed(session_key, call)
-
-        return await self._generate_parts(input_ids, sampling_params, rid, one_part)
+        """Generate on the engine chosen for ``session_key``, always over SGLang's streaming ``/generate``
+        (whether or not the caller streams), so the tokens received so far are known at every moment: a
+        generation whose engine dies is continued from all of them (see the module docstring).
+        ``on_text``, when given, gets the cumulative text, ids and log-probs after every chunk. When the
+        engine cannot even be connected to (so nothing ran there), retry once on another engine; other
+        failures propagate. Waits while paused; a generation aborted by a pause is continued after it."""
+        return await self._generate_parts(session_key, input_ids, sampling_params, rid, on_text)
 
     async def generate_stream(
         self,
@@ -266,35 +297,10 @@ class Router:
         sampling_params: Optional[Mapping[str, Any]],
         on_text: OnText,
     ) -> GenerateOutput:
-        """Like :meth:`generate`, over SGLang's streaming ``/generate``: ``on_text`` gets the cumulative
-        text after every chunk. A stream that ends without finishing (client gone, engine broken) is
-        aborted on its engine so it never keeps a batch slot busy."""
-        prefix = ""  # text of the parts before a pause, when the generation was continued
-        prefix_ids: list[int] = []
-        prefix_lps: list[float] = []
-
-        async def one_part(ids: np.ndarray, params: dict[str, Any], _: Optional[str]) -> GenerateOutput:
-            nonlocal prefix, prefix_ids, prefix_lps
-
-            async def on_part_text(text: str, out_ids: list[int], out_lps: list[float]) -> None:
-                await on_text(prefix + text, prefix_ids + out_ids, prefix_lps + out_lps)
-
-            def keep(out: GenerateOutput) -> None:
-                nonlocal prefix, prefix_ids, prefix_lps
-                prefix += out.text
-                prefix_ids = prefix_ids + [int(t) for t in out.output_ids]
-                prefix_lps = prefix_lps + [float(x) for x in out.output_logprobs]
-
-            try:
-                out = await self._routed(session_key, lambda url: self._stream_on(url, ids, params, on_part_text))
-            except EngineUnavailable as err:
-                if err.partial is not None:  # what the agent already saw stays: the continuation follows it
-                    keep(err.partial)
-                raise
-            keep(out)
-            return out
-
-        return await self._generate_parts(input_ids, sampling_params, None, one_part)
+        """:meth:`generate` for a streaming caller: ``on_text`` gets the cumulative text after every chunk.
+        A stream that ends without finishing (client gone, engine broken) is aborted on its engine so it
+        never keeps a batch slot busy."""
+        return await self._generate_parts(session_key, input_ids, sampling_params, None, on_text)
 
     async def _routed(self, session_key: Optional[str], call: Callable[[str], Awaitable[GenerateOutput]]) -> GenerateOutput:
         """``call(url)`` on the engine picked for the session, counted in flight. With no engine routed to,
@@ -335,10 +341,11 @@ class Router:
 
     async def _generate_parts(
         self,
+        session_key: Optional[str],
         input_ids: Sequence[int] | np.ndarray,
         sampling_params: Optional[Mapping[str, Any]],
         rid: Optional[str],
-        one_part: Callable[[np.ndarray, dict[str, Any], Optional[str]], Awaitable[GenerateOutput]],
+        on_text: Optional[OnText],
     ) -> GenerateOutput:
         """Run a generation; while the engines abort it for a pause, or once if its engine died under it,
         continue it from the tokens so far (see the module docstring)."""
@@ -353,10 +360,15 @@ class Router:
             rest = dict(params)
             if budget is not None and parts:
                 rest["max_new_tokens"] = int(budget) - done
-            part_rid = None if rid is None else (rid if not parts and not lost else f"{rid}-c{len(parts) + lost}")
+            if rid is None:
+                part_rid = os.urandom(16).hex()  # a uuid4 hex, without building a UUID
+            else:
+                part_rid = rid if not parts and not lost else f"{rid}-c{len(parts) + lost}"
+            forward = _after_parts(parts, on_text) if on_text is not None and parts else on_text
             pauses = self.pause_stats["pauses"]
             try:
-                out = await one_part(ids, rest, part_rid)
+                out = await self._routed(session_key,
+                                         lambda url: self._stream_on(url, ids, rest, part_rid, forward))
             except EngineUnavailable as err:
                 if not err.connection_lost or lost >= MAX_LOST_CONTINUATIONS:
                     raise
@@ -376,20 +388,18 @@ class Router:
             self.pause_stats["continued"] += 1
         return join_parts(parts) if len(parts) > 1 else parts[0]
 
-    def _http(self) -> aiohttp.ClientSession:
-        if self._stream_http is None or self._stream_http.closed:
-            self._stream_http = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_read=self.timeout_s, sock_connect=30),
-                connector=aiohttp.TCPConnector(limit=0),
-            )
+    def _http(self) -> StreamingHTTP:
+        if self._stream_http is None:
+            self._stream_http = StreamingHTTP(read_timeout_s=self.timeout_s)
         return self._stream_http
 
     async def _stream_on(
-        self, url: str, input_ids: np.ndarray, params: Mapping[str, Any], on_text: OnText
+        self, url: str, input_ids: np.ndarray, params: Mapping[str, Any], rid: str, on_text: Optional[OnText]
     ) -> GenerateOutput:
-        rid = uuid.uuid4().hex
+        """One part of a generation, streamed from the engine at ``url``. A broken stream raises
+        EngineUnavailable with the tokens received so far (``partial``); an unfinished one is aborted."""
         payload = {
-            "input_ids": np.asarray(input_ids).astype(np.int64).tolist(),
+            "input_ids": np.asarray(input_ids).tolist(),  # Python ints, whatever the array's dtype
             "sampling_params": dict(params),
             "rid": rid,
             "return_logprob": True,
@@ -397,39 +407,57 @@ class Router:
         }
         acc = StreamAccumulator()
         finished = False
+        held: Optional[bytes] = None  # the latest chunk, not parsed yet (a cumulative stream, no on_text)
+
+        def fold(data: bytes) -> None:
+            nonlocal finished
+            chunk = json.loads(data)
+            if isinstance(chunk, dict) and "error" in chunk:
+                err = chunk["error"]
+                raise EngineError(500, str(err.get("message") if isinstance(err, dict) else err), url)
+            acc.add(chunk)
+            finished = (acc.meta.get("finish_reason") or None) is not None
+
         try:
-            async with self._http().post(url + "/generate", data=json.dumps(payload),
-                                         headers={"Content-Type": "application/json"}) as resp:
-                if resp.status >= 300:
-                    raw = await resp.read()
-                    raise EngineError(resp.status, raw.decode("utf-8", "replace")[:1000], url)
-                async for line in resp.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if isinstance(chunk, dict) and "error" in chunk:
-                        err = chunk["error"]
-                        message = err.get("message") if isinstance(err, dict) else str(err)
-                        raise EngineError(500, str(message), url)
-                    acc.add(chunk)
-                    if (acc.meta.get("finish_reason") or None) is not None:
-                        finished = True
-                    await on_text(acc.text, acc.ids, acc.logprobs)
+            try:
+                async with self._http().post(url, "/generate", json.dumps(payload).encode()) as resp:
+                    if resp.status >= 300:
+                        raise EngineError(resp.status, error_message(await resp.read()), url)
+                    rest, done = b"", False
+                    while (block := await resp.next_block()) is not None:
+                        if done:
+                            continue  # read to the body's end, so the connection can be reused
+                        events, rest = _sse_data(block, rest)
+                        for data in events:
+                            if data == b"[DONE]":
+                                done = True
+                                break
+                            if on_text is None and acc.cumulative:
+                                # each chunk holds all tokens so far: only the last one needs reading
+                                # (parsing every chunk of a long generation costs the square of its length)
+                                held = data
+                                continue
+                            fold(data)
+                            if on_text is not None:
+                                await on_text(acc.text, acc.ids, acc.logprobs)
+            except StreamHTTPError:
+                if held is not None:
+                    fold(held)  # the last chunk received before the stream broke: the tokens so far
+                raise
+            if held is not None:
+                fold(held)
             if not finished:
                 raise EngineUnavailable("the engine stream ended before the request finished", url,
                                         connection_lost=True, partial=acc.partial(url))
             return acc.output(url)
-        except asyncio.TimeoutError:
-            raise EngineUnavailable("no answer from /generate within the timeout", url) from None
-        except aiohttp.ClientConnectorError as err:
-            raise EngineUnavailable(f"{type(err).__name__}: {err}", url, connect_failed=True) from None
-        except aiohttp.ClientError as err:
-            lost = is_connection_lost(err)
-            raise EngineUnavailable(f"{type(err).__name__}: {err}", url, connection_lost=lost,
-                                    partial=acc.partial(url) if lost else None) from None
+        except StreamHTTPError as err:
+            if err.connect_failed:
+                raise EngineUnavailable(str(err), url, connect_failed=True) from None
+            if finished:  # the last chunk had arrived: only the end of the stream was lost
+                return acc.output(url)
+            if err.timed_out:
+                raise EngineUnavailable(f"no answer from /generate: {err}", url) from None
+            raise EngineUnavailable(str(err), url, connection_lost=True, partial=acc.partial(url)) from None
         finally:
             if not finished:
                 await asyncio.shield(self._abort_quietly(url, rid))

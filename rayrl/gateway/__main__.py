@@ -75,7 +75,7 @@ async def serve(args: argparse.Namespace) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from rayrl.engines.router import Router
-    from rayrl.gateway.app import Gateway
+    from rayrl.gateway.app import Gateway, settle_heap
     from rayrl.models import resolve_model_path
 
     path = resolve_model_path(args.model)
@@ -108,6 +108,7 @@ async def serve(args: argparse.Namespace) -> None:
         model_type=getattr(model_config, "model_type", ""),
     )
     base_url = await gateway.start()
+    settle_heap()
     print(f"rayrl gateway at {base_url} (engines: {', '.join(urls)}; context length {context_length})", flush=True)
     print(f"admin token: {gateway.admin_token}", flush=True)
     stop = asyncio.Event()

@@ -22,6 +22,7 @@ import numpy as np
 
 from rayrl.gateway.errors import RequestError
 from rayrl.gateway.parsers import ToolParser
+from rayrl.gateway.prompt_tokens import PromptTokenizer
 from rayrl.types import TurnRecord
 
 _ROLES = {"system", "user", "assistant", "tool"}
@@ -178,6 +179,8 @@ class ChatRenderer:
         self.supports_tool_calls = "tool_calls" in source
         self._assistant_tail = self._probe_assistant_tail()
         self._end_ids = self._end_token_ids()
+        self._direct = self._direct_template()
+        self._tokens = PromptTokenizer(tokenizer)
 
     # -- rendering ---------------------------------------------------------------------------------
 
@@ -200,29 +203,72 @@ class ChatRenderer:
                     out.insert(0, {"role": "system", "content": block.lstrip()})
         return out
 
-    def render_text(self, messages: list[dict[str, Any]], tools: list | None, add_generation_prompt: bool) -> str:
+    def _apply_template(self, messages: list[dict[str, Any]], tools: list | None, add_generation_prompt: bool) -> str:
+        """``tokenizer.apply_chat_template(..., tokenize=False)``; through :attr:`_direct` when it renders
+        the same (it skips the per-call work around the template: the special-tokens map is rebuilt on
+        every call there, a third of a short prompt's render time)."""
+        if self._direct is not None:
+            return self._direct(messages, tools, add_generation_prompt)
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
         if self.chat_template:
             kwargs["chat_template"] = self.chat_template
-        if tools and self.supports_tools:
+        if tools:
             kwargs["tools"] = tools
-        templated = self._template_messages(messages, tools)
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def _direct_template(self) -> Any:
+        """A function that renders as ``apply_chat_template(tokenize=False)`` does (the same compiled
+        template, variables and special tokens), or None when transformers' template compiler cannot
+        be reached or a probe renders differently."""
         try:
-            return self.tokenizer.apply_chat_template(templated, **kwargs)
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+        except ImportError:
+            return None
+        tokenizer, chosen = self.tokenizer, self.chat_template
+        try:
+            special = dict(tokenizer.special_tokens_map)
+        except Exception:
+            return None
+
+        def render(messages: list[dict[str, Any]], tools: list | None, add_generation_prompt: bool) -> str:
+            template = tokenizer.get_chat_template(chosen, tools or None)
+            return _compile_jinja_template(template).render(
+                messages=messages, tools=tools or None, documents=None, add_generation_prompt=add_generation_prompt,
+                **special)
+
+        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                 {"role": "assistant", "content": "a"}, {"role": "user", "content": _PROBE}]
+        for generation_prompt in (True, False):
+            kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": generation_prompt}
+            if chosen:
+                kwargs["chat_template"] = chosen
+            try:
+                same = render(probe, None, generation_prompt) == tokenizer.apply_chat_template(probe, **kwargs)
+            except Exception:
+                return None
+            if not same:
+                return None
+        return render
+
+    def render_text(self, messages: list[dict[str, Any]], tools: list | None, add_generation_prompt: bool) -> str:
+        templated = self._template_messages(messages, tools)
+        schemas = tools if tools and self.supports_tools else None
+        try:
+            return self._apply_template(templated, schemas, add_generation_prompt)
         except Exception as err:  # template errors are the request's fault (e.g. role order)
             folded = fold_late_system_messages(templated)
             if folded is not templated:
                 # Claude Code puts a system message in the middle of `messages`; templates that insist
                 # on one leading system message get its text appended to that message instead.
                 try:
-                    return self.tokenizer.apply_chat_template(folded, **kwargs)
+                    return self._apply_template(folded, schemas, add_generation_prompt)
                 except Exception:
                     pass
             raise RequestError(f"the chat template rejected these messages: {err}") from None
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str) -> np.ndarray:
         try:
-            return self.tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+            return self._tokens.encode(text)
         except Exception as err:  # e.g. a lone surrogate (valid JSON, not valid text)
             raise RequestError(f"the request text cannot be tokenized: {type(err).__name__}") from None
 

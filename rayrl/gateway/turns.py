@@ -103,8 +103,12 @@ class TurnPipeline:
         upstream: StreamingUpstream,
         context_length: int,
         counters: dict[str, int],
+        cpu: asyncio.Lock | None = None,
     ) -> None:
+        """``cpu``: the gateway's lock for pieces of request work (app.py); parsing and recording an
+        answer is one such piece."""
         self.cfg = cfg
+        self.cpu = cpu or asyncio.Lock()
         self.renderer = renderer
         self.vocab_size = len(renderer.tokenizer)  # once: len() of a fast tokenizer costs tens of ms
         self.tool_parser = tool_parser
@@ -229,13 +233,14 @@ class TurnPipeline:
         tracker = DeltaTracker(self.tool_parser, self.reasoning_parser) if sink is not None else None
         try:
             if sink is None:
-                out = await self.router.generate(session.session_id, prompt_ids, params, return_logprob=True)
+                out = await self.router.generate(session.session_id, prompt_ids, params)
             else:
 
                 async def on_text(text: str, output_ids: Any = None, output_logprobs: Any = None) -> None:
-                    if progress is not None and output_ids is not None and output_logprobs is not None:
-                        progress.update(output_ids, output_logprobs)
-                    d_reasoning, d_content = tracker.feed(forced + text)
+                    async with self.cpu:  # a piece of work; the sends follow it (never wait on a client locked)
+                        if progress is not None and output_ids is not None and output_logprobs is not None:
+                            progress.update(output_ids, output_logprobs)
+                        d_reasoning, d_content = tracker.feed(forced + text)
                     if d_reasoning:
                         await sink.reasoning(d_reasoning)
                     if d_content:
@@ -258,7 +263,8 @@ class TurnPipeline:
                                        f"the engine aborted the generation: {reason.get('message') or 'aborted'}",
                                        str(reason.get("message")))
 
-        result = self._finish(session, spec, prompt_ids, out, forced)
+        async with self.cpu:
+            result = self._finish(session, spec, prompt_ids, out, forced)
         if progress is not None:
             progress.update(out.output_ids.tolist(), out.output_logprobs.tolist())
         if tracker is not None:

@@ -1,9 +1,11 @@
 """The router when engines die or are missing: two real CPU engine server processes (tiny model).
 
 An engine SIGKILLed in the middle of a generation breaks its connection; the router continues the
-generation on the other engine, once: a plain request starts again (nothing of it reached the caller)
-and gives exactly the tokens a run on the surviving engine gives; a stream keeps the text it already
-delivered and goes on from its tokens. With no engine at all, a call waits until one is added.
+generation on the other engine, once, from every token received so far: the router streams from the
+engines whether or not its caller streams, so a plain call keeps its tokens as a stream does (and a
+stream keeps the text it already delivered). The two engines hold different weight versions, so the
+per-token versions of the result show which engine made each token. With no engine at all, a call
+waits until one is added.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from rayrl.config import EngineConfig
 from rayrl.engines.client import EngineUnavailable
 from rayrl.engines.launcher import EngineProcess
 from rayrl.engines.router import Router
+from tests.engine_kill import kept_and_continued, kill_after_tokens
 
 LONG = {"temperature": 0.0, "max_new_tokens": 1000, "ignore_eos": True}
 N = LONG["max_new_tokens"]
@@ -28,7 +31,8 @@ PROMPT = [5, 17, 42, 99, 7, 3]
 def engine_processes(tiny_model, tmp_path_factory):
     cfg = EngineConfig(dtype="float32", max_batch_size=4, context_length=4096, num_threads=1, startup_timeout_s=180)
     logs = tmp_path_factory.mktemp("router-loss")
-    procs = [EngineProcess(cfg, str(tiny_model), logs / f"engine-{i}.log") for i in range(2)]
+    procs = [EngineProcess(cfg, str(tiny_model), logs / f"engine-{i}.log", weight_version=str(i + 1))
+             for i in range(2)]
     yield procs
     for p in procs:
         p.stop()
@@ -53,20 +57,23 @@ async def _kill_when_generating(proc: EngineProcess, router: Router) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_plain_generation_continues_on_another_engine(two_processes):
+def test_plain_generation_keeps_its_tokens_on_another_engine(two_processes):
     victim, survivor = two_processes
     router = Router([p.url for p in two_processes])
 
     async def run():
         key = _key_for(router, victim.url)
-        killer = asyncio.create_task(_kill_when_generating(victim, router))
+        killer = asyncio.create_task(kill_after_tokens(victim))
         out = await router.generate(key, PROMPT, LONG)
         await killer
         assert router.routed["lost_continued"] == 1
         assert len(out.output_ids) == N and len(out.output_logprobs) == N
-        # nothing of the broken request reached us: the result is the surviving engine's own greedy run
-        alone = await router.generate(_key_for(router, survivor.url), PROMPT, LONG)
-        assert out.output_ids.tolist() == alone.output_ids.tolist()
+        assert out.meta_info.get("continued_parts") == 2
+        # the tokens received before the kill are kept (made by the killed engine), the rest continued
+        kept = kept_and_continued(out.versions.tolist(), victim, survivor)
+        assert 24 <= kept < N
+        alone = await router.generate(_key_for(router, survivor.url), PROMPT, LONG)  # same weights, greedy
+        assert out.output_ids.tolist()[:kept] == alone.output_ids.tolist()[:kept]
         # the dead engine is avoided for a while: its sessions go to the survivor without another loss
         again = await router.generate(key, PROMPT, {**LONG, "max_new_tokens": 4})
         assert len(again.output_ids) == 4 and router.routed["lost_continued"] == 1
@@ -85,13 +92,15 @@ def test_stream_keeps_what_it_delivered_and_goes_on(two_processes):
         async def on_text(text: str, ids: list[int], lps: list[float]) -> None:
             seen.append(list(ids))
 
-        killer = asyncio.create_task(_kill_when_generating(victim, router))
+        killer = asyncio.create_task(kill_after_tokens(victim))
         out = await router.generate_stream(_key_for(router, victim.url), PROMPT, LONG, on_text)
         await killer
         assert router.routed["lost_continued"] == 1
         assert len(out.output_ids) == N and len(out.output_logprobs) == N
-        delivered = max((s for s in seen if len(s) < N), key=len)  # the longest prefix before the loss
-        assert 0 < len(delivered) < N and out.output_ids.tolist()[: len(delivered)] == delivered
+        kept = kept_and_continued(out.versions.tolist(), victim, survivor)
+        # what the stream delivered before the loss is exactly what was kept, and the stream went on from it
+        delivered = next(s for s in reversed(seen) if len(s) <= kept)
+        assert 24 <= kept < N and delivered == out.output_ids.tolist()[:kept]
         assert all(b[: len(a)] == a for a, b in zip(seen, seen[1:]))  # the stream only ever grew
         assert out.meta_info.get("continued_parts") == 2
         await router.close()

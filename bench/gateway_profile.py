@@ -1,0 +1,177 @@
+"""Where the gateway's time goes: its hot path under py-spy or cProfile, with the overhead bench's stub
+and load.
+
+    python bench/gateway_profile.py [--sampler py-spy|cprofile] [--clients 64] [--seconds 10] [--top 30]
+
+bench/gateway_overhead.py says how much the gateway adds; this says where. The stub engine is the one
+gateway_overhead.py uses (instant fixed answers, streaming too), in its own process; the load (Chat
+Completions at ``--clients`` concurrent clients, one gateway session each) comes from a second process;
+the gateway runs in this process, so the profile holds the gateway's work and nothing else.
+
+``--sampler py-spy`` (the default; the py-spy tool must be on PATH or beside this Python) samples this
+process 1,000 times a second from outside without slowing it, and prints the share of samples in which
+each function was running (self) and was on the stack (total), the event loop's idle wait included as
+``select``. ``--sampler cprofile`` counts every call (slowing Python code several times, most for small
+calls) and prints pstats' tottime and cumtime lists; the profile is saved for ``python -m pstats``.
+Either way these are shares of the time, not latencies: the added latency is gateway_overhead.py's to
+measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import os
+import pstats
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gateway_overhead import MESSAGES, REPO, STUB, free_port, spawn, wait_up  # noqa: E402
+
+LOAD = """
+import asyncio, json, sys, time, aiohttp
+url, tokens, seconds = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+body = json.dumps({"model": "stub", "messages": %r, "max_tokens": 16, "temperature": 1.0}).encode()
+async def main():
+    done = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def client(tok, stop):
+            nonlocal done
+            while time.perf_counter() < stop:
+                async with s.post(url, data=body, headers={"Authorization": "Bearer " + tok,
+                                                           "Content-Type": "application/json"}) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+                done += 1
+        await asyncio.gather(*(client(t, 0) for t in tokens))
+        print("ready", flush=True)
+        sys.stdin.readline()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(t, t0 + seconds) for t in tokens))
+        print(json.dumps({"requests": done, "seconds": time.perf_counter() - t0}), flush=True)
+asyncio.run(main())
+""" % (MESSAGES,)
+
+
+async def profile(args: argparse.Namespace) -> tuple[pstats.Stats, dict]:
+    from transformers import AutoTokenizer
+
+    from rayrl.config import GatewayConfig, TrajectoryConfig
+    from rayrl.engines.router import Router
+    from rayrl.gateway.app import Gateway
+    from rayrl.models import provision_smollm2
+
+    tokenizer_dir = str(provision_smollm2())
+    stub_port = free_port()
+    stub = spawn(STUB, str(stub_port))
+    load = None
+    try:
+        stub_url = f"http://127.0.0.1:{stub_port}"
+        await wait_up(stub_url + "/health")
+        router = Router([stub_url])
+        gateway = Gateway(GatewayConfig(tool_parser="hermes"), TrajectoryConfig(),
+                          AutoTokenizer.from_pretrained(tokenizer_dir), router, model_name="stub",
+                          context_length=4096, admin_token="admin")
+        base = await gateway.start(host="127.0.0.1", port=0)
+        tokens = [gateway.open_session().token for _ in range(args.clients)]
+        load = subprocess.Popen([sys.executable, "-c", LOAD, base + "/chat/completions", json.dumps(tokens),
+                                 str(args.seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        loop = asyncio.get_running_loop()
+        assert (await loop.run_in_executor(None, load.stdout.readline)).strip() == "ready"  # warmed up
+        profiler = cProfile.Profile() if args.sampler == "cprofile" else None
+        if profiler is not None:
+            profiler.enable()
+        else:
+            sampler = subprocess.Popen([py_spy(), "record", "--pid", str(os.getpid()), "--rate", "1000",
+                                        "--duration", str(int(args.seconds)), "--format", "raw", "--nonblocking",
+                                        "--output", str(args.out)], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL)
+        cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+        load.stdin.write("go\n")
+        load.stdin.flush()
+        result = json.loads(await loop.run_in_executor(None, load.stdout.readline))
+        cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+        result["user_s"] = cpu_after.ru_utime - cpu_before.ru_utime
+        result["system_s"] = cpu_after.ru_stime - cpu_before.ru_stime
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(str(args.out))
+        else:
+            await loop.run_in_executor(None, sampler.wait)
+        await gateway.stop()
+        await router.close()
+    finally:
+        for proc in (load, stub):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+    return result
+
+
+def py_spy() -> str:
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.exists() else "py-spy"
+
+
+def summarize_raw(path: Path, top: int) -> str:
+    """Self and total shares per function from py-spy's raw (collapsed) stacks."""
+    own: dict[str, int] = {}
+    total: dict[str, int] = {}
+    samples = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        samples += n
+        frames = [f.split(" (", 1)[0] + " (" + f.split(" (", 1)[1].rsplit(":", 1)[0].rsplit("/", 1)[-1] + ")"
+                  if " (" in f else f for f in stack.split(";")]
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for name in set(frames):
+            total[name] = total.get(name, 0) + n
+    lines = [f"{samples} samples"]
+    for title, table in (("self (running in the function itself)", own), ("total (on the stack)", total)):
+        lines.append(f"\n{title}:")
+        for name, n in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"  {100 * n / samples:5.1f}%  {name}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sampler", choices=["py-spy", "cprofile"], default="py-spy")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--out", type=Path, default=None, help="the profile (default runs/bench/gateway.<sampler>)")
+    args = ap.parse_args()
+    args.out = args.out or REPO / "runs" / "bench" / f"gateway.{args.sampler}"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    load_start = os.getloadavg()
+    result = asyncio.run(profile(args))
+    rate = result["requests"] / result["seconds"]
+    print(f"{started}; load average {load_start[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end; "
+          f"{result['requests']} requests in {result['seconds']:.1f} s at {args.clients} clients "
+          f"({rate:.0f}/s under {args.sampler}); gateway CPU per request {1e3 * result['user_s'] / result['requests']:.3f} "
+          f"ms user + {1e3 * result['system_s'] / result['requests']:.3f} ms system; profile: {args.out}")
+    if args.sampler == "py-spy":
+        print(summarize_raw(args.out, args.top))
+        return
+    for key in ("tottime", "cumtime"):
+        out = io.StringIO()
+        pstats.Stats(str(args.out), stream=out).strip_dirs().sort_stats(key).print_stats(args.top)
+        print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The router's lean HTTP/1.1 client (rayrl/engines/stream_http.py) against real servers on loopback.
+
+An aiohttp server (what the CPU engine is) answers with chunked server-sent events, Content-Length
+bodies and errors; raw asyncio servers play what aiohttp will not: a body that ends when the server
+closes, a server that closes an idle keep-alive connection, one that stalls, one that dies mid-body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from aiohttp import web
+
+from rayrl.engines.stream_http import StreamHTTPError, StreamingHTTP
+
+EVENTS = [b'data: {"n": %d}\n\n' % i for i in range(5)] + [b"data: [DONE]\n\n"]
+
+
+async def _aiohttp_server() -> tuple[web.AppRunner, str, list]:
+    peers: list = []
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername"))
+        assert await request.json() == {"q": 1}
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in EVENTS:
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+    async def fixed(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername"))
+        return web.json_response({"ok": True, "pad": "x" * 100000})
+
+    async def error(request: web.Request) -> web.Response:
+        return web.json_response({"message": "bad request"}, status=400)
+
+    app = web.Application()
+    app.router.add_post("/sse", sse)
+    app.router.add_post("/fixed", fixed)
+    app.router.add_post("/error", error)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}", peers
+
+
+async def _raw_server(answer) -> tuple[asyncio.AbstractServer, str, list]:
+    """A server that reads one request head + body per connection and lets ``answer(writer)`` reply."""
+    connections: list = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+            await reader.readexactly(length)
+            await answer(writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}", connections
+
+
+def test_chunked_events_and_reused_connections():
+    async def run():
+        runner, url, peers = await _aiohttp_server()
+        http = StreamingHTTP(read_timeout_s=10)
+        try:
+            for _ in range(3):
+                async with http.post(url, "/sse", b'{"q": 1}') as resp:
+                    assert resp.status == 200
+                    assert await resp.read() == b"".join(EVENTS)
+            async with http.post(url, "/fixed", b'{"q": 1}') as resp:  # a Content-Length body
+                assert resp.status == 200 and len(await resp.read()) > 100000
+            assert len(set(peers)) == 1  # one keep-alive connection served all four
+            async with http.post(url, "/error", b"{}") as resp:
+                assert resp.status == 400 and b"bad request" in await resp.read()
+        finally:
+            await http.close()
+            await runner.cleanup()
+
+    asyncio.run(run())
+
+
+def test_a_body_that_ends_when_the_server_closes():
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\ndata: a\n\ndata: b\n\n")
+        await writer.drain()
+        writer.close()
+
+    async def run():
+        server, url, _ = await _raw_server(answer)
+        http = StreamingHTTP(read_timeout_s=10)
+        try:
+            async with http.post(url, "/x", b"{}") as resp:
+                assert await resp.read() == b"data: a\n\ndata: b\n\n"
+            assert not http._idle.get(("127.0.0.1", int(url.rsplit(":", 1)[1])))  # not kept: it was closed
+        finally:
+            await http.close()
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_chunked_framing_split_anywhere():
+    """Chunk sizes with extensions, trailers, and every byte in a TCP segment of its own."""
+    body = [b"data: first\n\n", b"data: " + b"x" * 300 + b"\n\n", b"data: [DONE]\n\n"]
+    wire = b"".join(b"%x;ext=1\r\n" % len(c) + c + b"\r\n" for c in body) + b"0\r\nX-Trailer: t\r\n\r\n"
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(len(wire)):
+            writer.write(wire[i:i + 1])
+            await writer.drain()
+            await asyncio.sleep(0)
+
+    async def run():
+        server, url, connections = await _raw_server(answer)
+        http = StreamingHTTP(read_timeout_s=10)
+        try:
+            async with http.post(url, "/x", b"{}") as resp:
+                assert await resp.read() == b"".join(body) and resp.complete
+        finally:
+            await http.close()
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_reused():
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()  # keep-alive by its headers, closed soon after (uvicorn's idle timeout does this)
+
+    async def run():
+        server, url, connections = await _raw_server(answer)
+        http = StreamingHTTP(read_timeout_s=10)
+        try:
+            for _ in range(2):
+                async with http.post(url, "/x", b"{}") as resp:
+                    assert await resp.read() == b"ok"
+                await asyncio.sleep(0.3)
+            assert len(connections) == 2  # the closed connection was dropped, a new one made
+        finally:
+            await http.close()
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_a_stalled_stream_times_out_and_a_broken_one_is_lost():
+    async def stall(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: a\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    async def die(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: a\n\n\r\n20\r\ndata: cut")
+        await writer.drain()
+        writer.transport.abort()
+
+    async def run():
+        for answer, timed_out in ((stall, True), (die, False)):
+            server, url, _ = await _raw_server(answer)
+            http = StreamingHTTP(read_timeout_s=0.5)
+            try:
+                received = []
+                async with http.post(url, "/x", b"{}") as resp:
+                    with pytest.raises(StreamHTTPError) as info:
+                        while True:
+                            received.append(await resp.next_block())
+                assert info.value.timed_out == timed_out and not info.value.connect_failed
+                assert b"".join(received).startswith(b"data: a\n\n")  # what came before the failure
+            finally:
+                await http.close()
+                server.close()
+
+    asyncio.run(run())
+
+
+def test_a_refused_connection_says_nothing_ran():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+
+    async def run():
+        http = StreamingHTTP(read_timeout_s=5)
+        with pytest.raises(StreamHTTPError) as info:
+            async with http.post(f"http://127.0.0.1:{port}", "/x", b"{}"):
+                pass
+        assert info.value.connect_failed
+        await http.close()
+
+    asyncio.run(run())
+
+
+def test_idle_connections_are_closed():
+    async def run():
+        runner, url, _ = await _aiohttp_server()
+        http = StreamingHTTP(read_timeout_s=10, idle_s=0.2)
+        try:
+            async with http.post(url, "/sse", b'{"q": 1}') as resp:
+                await resp.read()
+            (conn,) = http._idle[("127.0.0.1", int(url.rsplit(":", 1)[1]))]
+            await asyncio.sleep(0.6)
+            assert conn.writer.is_closing() and not any(http._idle.values())
+        finally:
+            await http.close()
+            await runner.cleanup()
+
+    asyncio.run(run())
