@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from pathlib import Path
 from typing import Any, Awaitable
@@ -10,6 +11,10 @@ from typing import Any, Awaitable
 import pytest
 
 from rayrl.models import build_tiny_model, provision_smollm2
+
+# Every Ray a test starts without an address is a fresh local one, never a cluster that happens to run on this
+# machine (another checkout's `ray start`, a multinode test's head): ray.init() would join that one otherwise.
+os.environ.setdefault("RAY_ADDRESS", "local")
 
 
 class LoopThread:
