@@ -47,9 +47,10 @@ from rayrl.config import RunConfig, capacity_warnings, resolve, to_yaml
 from rayrl.data import JsonlDataset, TaskSampler
 from rayrl.metrics import CounterDeltas, MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
+from rayrl.preflight import preflight
 from rayrl.records import tokenizer_text, write_episodes, write_inspection
 from rayrl.rl.batch import Batch, build_batch
-from rayrl.rl.failures import failure_kind
+from rayrl.rl.failures import failure_kind, is_infra
 from rayrl.rl.step_metrics import EngineWork, gateway_metrics, step_metrics
 
 __all__ = ["Pipeline", "WeightSyncError"]
@@ -61,6 +62,7 @@ class Pipeline:
     """Builds every actor from one RunConfig and runs the training loop."""
 
     def __init__(self, cfg: RunConfig) -> None:
+        preflight(cfg, data=False)  # the agent, reward and callback import (the datasets load below)
         self.cfg = cfg = resolve(cfg)  # every auto value made concrete, as config.yaml records it
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -152,8 +154,10 @@ class Pipeline:
         self.checkpoints.untrained_taken = groups
         rollout_s = time.monotonic() - started
         episodes = [e for g in groups for e in g.ordered()]
+        set_aside = [e for g in state.set_aside for e in g.ordered()]  # groups run again or dropped as stale
+        state.set_aside = []
         batch = build_batch(episodes, cfg.trainer.normalize_advantage_std)
-        self._record(episodes, batch)
+        self._record(episodes, batch, set_aside)
         version = state.version  # the weights this batch trains against
         in_flight = self.dispatcher.groups_in_flight  # before the train phase (async: groups go on)
         self.ray_sink.staleness(batch.staleness(version))
@@ -166,7 +170,8 @@ class Pipeline:
             episodes, batch, version=version, policy_version=state.version, train=train,
             pipeline_counts=counts, groups_in_flight=in_flight,
             failures={**state.failures, **self.dispatcher.counts}, engines=self._engine_work(),
-            extra={**gateway_metrics(self.trajectories.stats()), **self._agentcore_metrics()},
+            extra={**gateway_metrics(self.trajectories.stats()), **self._agentcore_metrics(),
+                   "rollout/episodes_set_aside": len(set_aside)},
             rollout_s=rollout_s, step_s=time.monotonic() - started,
             run_episodes=self._episodes_total,
             run_s=time.monotonic() - self._started_at,
@@ -225,19 +230,24 @@ class Pipeline:
 
     # -- helpers -------------------------------------------------------------------------------------
 
-    def _record(self, episodes: list, batch: Batch) -> None:
-        """Write the step's episodes and its inspection data (rayrl/records.py, docs/inspector.md); count
-        and log each failed episode once."""
+    def _record(self, episodes: list, batch: Batch, set_aside: list) -> None:
+        """Write the step's episodes, then those of the groups set aside during it, and the inspection data
+        (rayrl/records.py, docs/inspector.md); count and log each failed episode once, by cause."""
         cfg = self.cfg
         detail = cfg.logging.inspect_episodes_per_step
-        write_episodes(self.run_dir, self.step, episodes, batch, cfg.rollout.agent, detail)
+        written = episodes + set_aside
+        write_episodes(self.run_dir, self.step, written, batch, cfg.rollout.agent, detail)
         if detail > 0:
             tokenizer = self.model_path if cfg.model.tokenizer_path == cfg.model.path else cfg.model.tokenizer_path
-            write_inspection(self.run_dir, self.step, episodes, batch, detail, tokenizer_text(str(tokenizer)))
-        for e in episodes:
+            write_inspection(self.run_dir, self.step, written, batch, detail, tokenizer_text(str(tokenizer)))
+        for e in written:
             if not e.ok:
                 self.state.failures[failure_kind(e)] += 1
-                logger.warning("episode failed: session=%s task=%s: %s", e.session_id, e.task_id, e.error)
+                how = "left out of training" if is_infra(e) else f"scored {e.reward:g}"
+                if e.info.get("discarded"):
+                    how = f"its group was set aside ({e.info['discarded']})"
+                logger.warning("episode failed (%s; %s): session=%s task=%s: %s", failure_kind(e), how,
+                               e.session_id, e.task_id, e.error)
 
     def _engine_work(self) -> EngineWork:
         """The engines' counters: cumulative tokens, and forward-pass seconds since the last reading (per

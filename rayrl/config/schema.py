@@ -151,9 +151,10 @@ class SandboxPoolConfig:
 class RolloutConfig:
     """Episodes: which agent, how many, how long."""
 
-    agent: str = "python_tool_agent"  # harness: python_tool_agent | claude_code | codex | agentcore | module:Class
+    agent: str = "python_tool_agent"  # python_tool_agent | claude_code | codex | agentcore | command | package.module:function (async def agent(task, endpoint) -> str) | package.module:Class (a BaseHarness); docs/agents.md
+    agent_command: list[str] = field(default_factory=list)  # rollout.agent command: the program and its arguments; it reads OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL, gets the task as JSON on stdin and prints the answer (docs/agents.md)
     tools: list[str] = field(default_factory=lambda: ["calculator"])  # tools of the python agent
-    reward: str = "calculator"  # reward function: a registered name or module:function
+    reward: str = "calculator"  # reward function: calculator | math | gsm8k | agent_reported | hidden_tests | package.module:function (reward(task, result) -> float); docs/agents.md
     prompts_per_step: int = 4  # distinct tasks per training step
     group_size: int = 4  # episodes per task (GRPO group)
     num_workers: int = 1  # rollout worker actors
@@ -168,7 +169,7 @@ class RolloutConfig:
     tool_delay_s: list[float] = field(default_factory=list)  # [min, max]: each tool call also sleeps that long (uniform) in the sandbox, as slow real tools do; [] none
     step_deadline_s: float = 0.0  # a step stops waiting for episodes after this (0: no deadline)
     min_groups_fraction: float = 1.0  # finish the step once this fraction of groups completed
-    min_group_episodes: int = 2  # a group trains only if at least this many (capped at group_size) of its episodes succeeded; else its task runs again (failed episodes, mostly infrastructure, never count)
+    min_group_episodes: int = 2  # a group trains only if at least this many (capped at group_size) of its episodes were scored; else its task runs again (only infrastructure failures are not scored; the agent's own count with the reward they got)
 
     def __post_init__(self) -> None:
         positive(self, "rollout.", "prompts_per_step", "group_size", "num_workers", "episode_timeout_s",
@@ -183,6 +184,9 @@ class RolloutConfig:
         if delay and (len(delay) != 2 or not 0.0 <= delay[0] <= delay[1]):
             raise ConfigError(f"rollout.tool_delay_s: need [] or [min, max] with 0 <= min <= max, "
                               f"got {delay}")
+        if (self.agent == "command") != bool(self.agent_command):
+            raise ConfigError("rollout.agent_command: set it (the program to run) exactly when rollout.agent is "
+                              f"command; rollout.agent is {self.agent!r}")
 
 
 @dataclass

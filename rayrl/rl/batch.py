@@ -1,11 +1,13 @@
-"""One step's training batch: the samples of its successful episodes with their GRPO advantages.
+"""One step's training batch: the samples of its scored episodes with their GRPO advantages.
 
 GRPO needs no value model: an episode's advantage is its reward measured against the other episodes of
 its group (same task), :func:`grpo_advantages`. Every sample an episode produced (one per linearized
-trajectory branch) trains with its episode's advantage. Failed episodes are counted but never trained:
-their reward says nothing about the policy, and the group's baseline is taken over the episodes that
-succeeded. A batch where every advantage is zero (each group's rewards all equal) carries no gradient,
-and the pipeline skips the trainer step for it (``Batch.trains``).
+trajectory branch) trains with its episode's advantage. Scored episodes (rayrl/rl/failures.py
+``is_scored``) are the ones that completed and the ones the agent or the reward failed by its own doing,
+with the reward the reward function gave them (0.0 for every built-in reward). Infrastructure failures
+are counted but never trained: their reward says nothing about the policy, so the group's baseline is
+taken without them. A batch where every advantage is zero (each group's rewards all equal) carries no
+gradient, and the pipeline skips the trainer step for it (``Batch.trains``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
+from rayrl.rl.failures import is_scored
 from rayrl.types import Episode, Sample
 
 
@@ -43,13 +46,15 @@ def grpo_advantages(
 
 @dataclass
 class Batch:
-    """``samples`` with ``advantages`` (one per sample, its episode's), in episode order, and how many
-    of the step's episodes went into it (``episodes_ok``) or were left out as failed."""
+    """``samples`` with ``advantages`` (one per sample, its episode's), in episode order; how many of the
+    step's episodes completed (``episodes_ok``) or failed (``episodes_failed``), and how many of the failed
+    ones were infrastructure failures left out of the batch (``episodes_excluded``)."""
 
     samples: list[Sample]
     advantages: list[float]
     episodes_ok: int
     episodes_failed: int
+    episodes_excluded: int = 0
 
     @property
     def trains(self) -> bool:
@@ -63,14 +68,16 @@ class Batch:
 
 
 def build_batch(episodes: Sequence[Episode], normalize_std: bool) -> Batch:
-    """The batch of one step's episodes: GRPO advantages over each group's successful episodes
+    """The batch of one step's episodes: GRPO advantages over each group's scored episodes
     (``normalize_std``: divide by the group's reward std, ``trainer.normalize_advantage_std``)."""
-    ok = [e for e in episodes if e.ok]
-    adv = grpo_advantages([e.reward for e in ok], [e.group_id for e in ok], normalize_std)
+    scored = [e for e in episodes if is_scored(e)]
+    adv = grpo_advantages([e.reward for e in scored], [e.group_id for e in scored], normalize_std)
     samples: list[Sample] = []
     advantages: list[float] = []
-    for e, a in zip(ok, adv):
+    for e, a in zip(scored, adv):
         for s in e.samples:
             samples.append(s)
             advantages.append(float(a))
-    return Batch(samples, advantages, episodes_ok=len(ok), episodes_failed=len(episodes) - len(ok))
+    ok = sum(1 for e in episodes if e.ok)
+    return Batch(samples, advantages, episodes_ok=ok, episodes_failed=len(episodes) - ok,
+                 episodes_excluded=len(episodes) - len(scored))

@@ -1,0 +1,63 @@
+"""Agents and rewards that fail on purpose, named in configs as a user would (``tests.byo_agents:name``).
+
+Run as a program (``python tests/byo_agents.py CODE``) it is an agent program that makes one LLM call
+and then exits with CODE, saying why on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+from openai import AsyncOpenAI, OpenAI
+
+from rayrl.rl.failures import InfrastructureError
+
+
+async def crashes_after_one_call(task: Any, endpoint: Any) -> str:
+    """Makes one LLM call, then trips over a key the task does not have (a bug in the agent)."""
+    async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as client:
+        await client.chat.completions.create(model=endpoint.model, max_tokens=8,
+                                             messages=[{"role": "user", "content": task.prompt}])
+    return task.metadata["unit_label"]
+
+
+async def sleeps(task: Any, endpoint: Any) -> str:
+    """Never answers: cancelled at the episode deadline."""
+    await asyncio.sleep(3600)
+    return ""
+
+
+def reward_with_a_bug(task: Any, result: Any) -> float:
+    return 1 / 0
+
+
+def reward_grader_down(task: Any, result: Any) -> float:
+    raise InfrastructureError("the grader service did not answer")
+
+
+def reward_takes_one_argument(result: Any) -> float:
+    """A wrong signature: rewards are called as reward(task, result)."""
+    return 0.0
+
+
+def agent_takes_three_arguments(task: Any, endpoint: Any, extra: Any) -> str:
+    """A wrong signature: agents are called as agent(task, endpoint)."""
+    return ""
+
+
+class NeedsArguments:
+    """Not a BaseHarness: a class that is neither a harness nor a function."""
+
+
+if __name__ == "__main__":
+    import json
+    import os
+
+    row = json.load(sys.stdin)
+    OpenAI(max_retries=0).chat.completions.create(model=os.environ["OPENAI_MODEL"], max_tokens=8,
+                                                  messages=[{"role": "user", "content": row["prompt"]}])
+    code = int(sys.argv[1])
+    print("service down" if code == 75 else "agent bug", file=sys.stderr)
+    sys.exit(code)
