@@ -28,8 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     from rayrl.preflight import preflight
 
     try:  # everything that can be checked is checked before Ray starts: one line, exit 2
-        cfg = absolute_outputs(load_config(args.config, args.overrides))
+        cfg = absolute_outputs(load_config(args.config, args.overrides))  # outputs: rayrl/config/paths.py
         preflight(cfg)  # your agent, reward and callback import with the right signatures; the data parses
+        print(f"[rayrl] run directory: {cfg.run_dir}", flush=True)
         resolve_model_path(cfg.model.path)  # provisions the built-in model once
     except ConfigError as err:
         print(f"config error: {' '.join(str(err).split())}", file=sys.stderr)
@@ -38,7 +39,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model error: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.logging.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    print(f"[rayrl] run directory: {cfg.run_dir}", flush=True)
 
     # the local cluster gets token authentication (Ray reads this when it is imported; see actors/runtime.py)
     if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):

@@ -123,7 +123,7 @@ class Pipeline:
 
     def run(self) -> list[dict[str, Any]]:
         cfg, history = self.cfg, []
-        eval_every, save_every = cfg.pipeline.eval_interval, cfg.pipeline.checkpoint_interval
+        eval_every, save_every = cfg.pipeline.eval_interval, cfg.pipeline.checkpoint_interval  # -1: never
         if eval_every and self.step == 0:
             self.metrics.log(0, self.evaluate(0))
         while self.step < cfg.trainer.steps:
@@ -132,11 +132,11 @@ class Pipeline:
             except TrainerFailure as failure:
                 self.checkpoints.after_trainer_failure(failure)
                 raise
-            if save_every and self.step % save_every == 0:
+            if save_every > 0 and self.step % save_every == 0:
                 self.save_checkpoint()
             if eval_every and (self.step % eval_every == 0 or self.step == cfg.trainer.steps):
                 self.metrics.log(self.step, self.evaluate(self.step))
-        if history and not (save_every and self.step % save_every == 0):
+        if history and save_every >= 0 and not (save_every > 0 and self.step % save_every == 0):
             self.save_checkpoint()
         if self.failure_counts:
             print(f"[rayrl] failed episodes by cause: {dict(self.failure_counts)}", flush=True)

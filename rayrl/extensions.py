@@ -14,6 +14,7 @@ directory on every node (docs/agents.md).
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
@@ -69,8 +70,9 @@ def load_reference(ref: str, field: str) -> Any:
     try:
         return getattr(module, name)
     except AttributeError:
-        public = sorted(n for n in vars(module) if not n.startswith("_"))[:12]
-        raise ConfigError(f"{field}: module {module_name!r} has no {name!r} (it has: {', '.join(public)})") from None
+        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        hint = did_you_mean(name, public) or f" (it has: {', '.join(public[:12])})"
+        raise ConfigError(f"{field}: module {module_name!r} has no {name!r}{hint}") from None
 
 
 def signature_of(obj: Callable[..., Any]) -> inspect.Signature | None:
@@ -92,4 +94,19 @@ def check_call(obj: Any, field: str, ref: str, args: tuple[str, ...], how: str) 
     try:
         sig.bind(*args)
     except TypeError as err:
-        raise ConfigError(f"{field}: {ref}{sig} cannot be called as {how} ({err})") from None
+        raise ConfigError(f"{field}: {ref}{parameters(sig)} cannot be called as {how} ({err})") from None
+
+
+def parameters(sig: inspect.Signature) -> str:
+    """``(a, b=..., *args)``: a signature's parameter names without annotations, for messages."""
+    names = []
+    for p in sig.parameters.values():
+        prefix = "*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else ""
+        names.append(prefix + p.name + ("=..." if p.default is not p.empty else ""))
+    return "(" + ", ".join(names) + ")"
+
+
+def did_you_mean(name: str, choices: list[str] | tuple[str, ...]) -> str:
+    """`` (did you mean 'x'?)`` for a close match among ``choices``, else ""."""
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from rayrl.agents.base import AgentResult, BaseHarness, Endpoint, EpisodeContext
 from rayrl.config import ConfigError, RolloutConfig
-from rayrl.extensions import check_call, load_reference
+from rayrl.extensions import check_call, did_you_mean, load_reference
 from rayrl.rl.failures import InfrastructureError
 
 BUILT_IN = ("python_tool_agent", "claude_code", "codex", "agentcore", "command")
@@ -45,7 +45,8 @@ def _check_tools(rollout: RolloutConfig) -> None:
 
     unknown = [t for t in rollout.tools if t not in TOOLS]
     if unknown:
-        raise ConfigError(f"rollout.tools: unknown tool(s) {unknown}; available: {sorted(TOOLS)}")
+        raise ConfigError(f"rollout.tools: unknown tool {unknown[0]!r}{did_you_mean(unknown[0], list(TOOLS))}; "
+                          f"available: {', '.join(sorted(TOOLS))}")
 
 
 def _class_factory(cls: type, rollout: RolloutConfig, ref: str) -> Callable[[], BaseHarness]:
@@ -76,9 +77,6 @@ def _command_factory(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
     from rayrl.agents.command_agent import CommandAgent, command_argv
 
     argv = command_argv(list(rollout.agent_command))
-    if not argv:
-        raise ConfigError("rollout.agent_command: rollout.agent command needs the program to run, e.g. "
-                          "[python, my_agent.py]")
     if shutil.which(argv[0]) is None:
         raise ConfigError(f"rollout.agent_command: {argv[0]!r} is not an executable on PATH or a file")
     scripts = [a for a in argv[1:2] if a.endswith(".py")]
@@ -112,8 +110,8 @@ def agent_factory(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
     if name == "agentcore":
         raise ConfigError(f"{FIELD}: agentcore harnesses are built by the run's AgentCore launcher")
     if ":" not in name:
-        raise ConfigError(f"{FIELD}: unknown agent {name!r}; use one of {', '.join(BUILT_IN)} or "
-                          "package.module:function (docs/agents.md)")
+        raise ConfigError(f"{FIELD}: unknown agent {name!r}{did_you_mean(name, BUILT_IN)}; use one of "
+                          f"{', '.join(BUILT_IN)} or package.module:function (docs/agents.md)")
     obj = load_reference(name, FIELD)
     if inspect.isclass(obj):
         return _class_factory(obj, rollout, name)

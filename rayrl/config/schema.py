@@ -184,9 +184,11 @@ class RolloutConfig:
         if delay and (len(delay) != 2 or not 0.0 <= delay[0] <= delay[1]):
             raise ConfigError(f"rollout.tool_delay_s: need [] or [min, max] with 0 <= min <= max, "
                               f"got {delay}")
-        if (self.agent == "command") != bool(self.agent_command):
-            raise ConfigError("rollout.agent_command: set it (the program to run) exactly when rollout.agent is "
-                              f"command; rollout.agent is {self.agent!r}")
+        if self.agent == "command" and not self.agent_command:
+            raise ConfigError("rollout.agent_command: rollout.agent command needs the program to run, e.g. "
+                              "[python, my_agent.py]")
+        if self.agent != "command" and self.agent_command:
+            raise ConfigError(f"rollout.agent_command: only read with rollout.agent: command (it is {self.agent!r})")
 
 
 @dataclass
@@ -345,16 +347,18 @@ class PipelineConfig:
     weight_transfer: Literal["auto", "disk", "tensor", "distributed"] = "auto"  # how new weights reach the engines: auto | disk | tensor | distributed (auto: tensor, i.e. shared-memory handles on CPU and CUDA IPC on GPU, when every engine has a trainer rank on its node (on GPU: on its GPU, colocated), else distributed: a gloo / NCCL broadcast; rayrl/weights/routes.py)
     max_episode_retries: int = 2  # an episode whose rollout worker died is re-queued at most this many times
     max_group_reruns: int = 2  # a task whose group had too few successful episodes runs again at most this many times
-    checkpoint_interval: int = 0  # save every N steps (0: only at the end)
+    checkpoint_interval: int = 0  # save every N steps and at the end (0: only at the end; -1: never, so no --resume)
     checkpoint_dir: Optional[str] = None  # a directory or s3://bucket/prefix (boto3 config, e.g. AWS_ENDPOINT_URL_S3); default runs/<exp_id>/checkpoints
-    keep_checkpoints: int = 0  # keep only the newest N complete checkpoints (0: keep all)
+    keep_checkpoints: int = 1  # keep only the newest N complete checkpoints (0: keep all); one checkpoint is the weights plus AdamW's two moments, 12 bytes per parameter in float32 (1.6 GB for SmolLM2-135M)
     eval_interval: int = 0  # validate on data.val_path before step 1 and every N steps (0: never)
     eval_tasks: int = 64  # validation tasks per evaluation (0: the whole set)
     eval_max_concurrent: int = 16  # episodes in flight during validation
 
     def __post_init__(self) -> None:
         positive(self, "pipeline.", "generation_wait_timeout_s", "weight_sync_timeout_s")
-        non_negative(self, "pipeline.", "checkpoint_interval", "keep_checkpoints", "max_staleness",
+        if self.checkpoint_interval < -1:
+            raise ConfigError(f"pipeline.checkpoint_interval: must be >= -1 (-1: never), got {self.checkpoint_interval}")
+        non_negative(self, "pipeline.", "keep_checkpoints", "max_staleness",
                      "groups_in_flight", "max_episode_retries", "max_group_reruns", "eval_interval", "eval_tasks")
         at_least_one(self, "pipeline.", "eval_max_concurrent")
         self._check_checkpoint_dir()

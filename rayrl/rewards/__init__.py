@@ -16,7 +16,7 @@ from typing import Callable
 
 from rayrl.agents.base import AgentResult
 from rayrl.config import ConfigError
-from rayrl.extensions import check_call, load_reference
+from rayrl.extensions import check_call, did_you_mean, load_reference
 from rayrl.rewards.gsm8k import agent_reported_reward, gsm8k_reward
 from rayrl.rewards.hidden_tests import hidden_tests_reward
 from rayrl.rewards.math import numeric_answer_reward
@@ -39,8 +39,8 @@ def get_reward_fn(name: str) -> RewardFn:
     if name in REWARDS:
         return REWARDS[name]
     if ":" not in name:
-        raise ConfigError(f"rollout.reward: unknown reward {name!r}; registered: {', '.join(sorted(REWARDS))}, "
-                          "or package.module:function")
+        raise ConfigError(f"rollout.reward: unknown reward {name!r}{did_you_mean(name, list(REWARDS))}; registered: "
+                          f"{', '.join(sorted(REWARDS))}, or package.module:function")
     fn = load_reference(name, "rollout.reward")
     check_call(fn, "rollout.reward", name, ("task", "result"), "reward(task, result) -> float")
     return fn

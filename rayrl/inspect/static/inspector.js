@@ -118,8 +118,13 @@ function renderList() {
 }
 
 // ---------------------------------------------------------------- one episode
+// One episode has its own address: the page's URL with #episode=STEP:INDEX (served or exported) opens it.
+const EPISODE_HASH = /^#episode=(\d+):(\d+)$/;
+function episodeLink(key) { return location.href.split("#")[0] + "#episode=" + key; }
+
 async function openEpisode(step, index) {
   CURRENT = step + ":" + index;
+  if (location.hash !== "#episode=" + CURRENT) history.replaceState(null, "", "#episode=" + CURRENT);
   renderList();
   try { EPISODE = await api("episode", {step, index}); }
   catch (err) { $("episode").hidden = false; $("ep-title").textContent = "Episode " + CURRENT; $("ep-problem").hidden = false; $("ep-problem").textContent = String(err.message || err); return; }
@@ -130,6 +135,7 @@ function renderEpisode() {
   const d = EPISODE, r = d.row;
   $("episode").hidden = false;
   $("ep-title").textContent = "Episode " + r.key + " — " + (r.task_id || "") + " (" + r.status + ")";
+  $("ep-link").href = episodeLink(r.key); $("ep-link").hidden = false;
   const items = [["session", r.session_id], ["task", r.task_id], ["prompt", r.prompt], ["group", r.group_id], ["harness", r.harness],
     ["status", r.status + (r.agent_status ? " (agent: " + r.agent_status + ")" : "")], ["failure", r.failure], ["error", r.error], ["reward", fmt(r.reward)],
     ["advantage", fmt(r.advantage)], ["turns / tool calls / tool errors", [r.turns, r.tool_calls, r.tool_errors].map(fmt).join(" / ")],
@@ -256,10 +262,17 @@ async function loadRun() {
   try {
     const run = await api("run");
     if (RUN && run.stamp === RUN.stamp) return;  // nothing changed on disk: keep the page as it is
+    const first = !RUN;
     RUN = run; renderRun();
+    if (first) openFromHash();
   }
   catch (err) { $("problems").hidden = false; $("problems").textContent = "Could not read the run: " + (err.message || err); }
 }
+function openFromHash() {
+  const m = EPISODE_HASH.exec(location.hash);
+  if (m && m[1] + ":" + m[2] !== CURRENT) openEpisode(Number(m[1]), Number(m[2]));
+}
+window.addEventListener("hashchange", openFromHash);
 for (const id of ["f-step", "f-status", "f-harness", "f-reward", "f-length", "f-search", "f-sort", "f-desc"]) $(id).addEventListener("input", renderList);
 $("raw-ids").addEventListener("change", () => EPISODE && renderSamples());
 if (!STATIC) {
