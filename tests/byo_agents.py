@@ -29,6 +29,19 @@ async def sleeps(task: Any, endpoint: Any) -> str:
     return ""
 
 
+async def fails_by_task(task: Any, endpoint: Any) -> str:
+    """One LLM call, then: task "...-bug" trips over a missing key (the agent's own failure, every time);
+    task "...-infra" finds its tool service down (an infrastructure failure, every time); others answer."""
+    async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as client:
+        reply = await client.chat.completions.create(model=endpoint.model, max_tokens=endpoint.max_tokens,
+                                                     messages=[{"role": "user", "content": task.prompt}])
+    if task.task_id.endswith("-bug"):
+        return task.metadata["unit_label"]
+    if task.task_id.endswith("-infra"):
+        raise InfrastructureError("the tool service answered 503")
+    return reply.choices[0].message.content or ""
+
+
 def reward_with_a_bug(task: Any, result: Any) -> float:
     return 1 / 0
 
