@@ -44,6 +44,7 @@ from actors.trajectory_manager import start_trajectory_managers
 from actors.weight_sync import WeightSync, WeightSyncError
 from rayrl.checkpoint import CheckpointStore
 from rayrl.config import RunConfig, capacity_warnings, resolve, to_yaml
+from rayrl.config.paths import absolute_outputs
 from rayrl.data import JsonlDataset, TaskSampler
 from rayrl.metrics import CounterDeltas, MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
@@ -63,7 +64,8 @@ class Pipeline:
 
     def __init__(self, cfg: RunConfig) -> None:
         preflight(cfg, data=False)  # the agent, reward and callback import (the datasets load below)
-        self.cfg = cfg = resolve(cfg)  # every auto value made concrete, as config.yaml records it
+        # every auto value and output path made concrete, as config.yaml records it
+        self.cfg = cfg = resolve(absolute_outputs(cfg))
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))

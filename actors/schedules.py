@@ -10,7 +10,7 @@ and then only calls :meth:`Schedule.collect` and :meth:`Schedule.train`. One ste
        group where infrastructure failures left fewer than ``rollout.min_group_episodes`` scored episodes
        runs its task again (every schedule does this: those failures say nothing about the policy; the
        agent's own failures are scored and never rerun);
-    2. (pipeline) GRPO advantages per group over the episodes that succeeded;
+    2. (pipeline) GRPO advantages per group over its scored episodes (rayrl/rl/batch.py);
     3. one trainer step (nothing else runs);
     4. new weights to every engine with the next policy version.
 

@@ -18,13 +18,15 @@ from openai import AsyncOpenAI
 # metres, kilograms and litres per unit; one table per dimension, so metres never convert to litres
 FACTORS: dict[str, tuple[str, float]] = {
     "mm": ("length", 0.001), "cm": ("length", 0.01), "m": ("length", 1.0), "km": ("length", 1000.0),
-    "inch": ("length", 0.0254), "foot": ("length", 0.3048), "yard": ("length", 0.9144), "mile": ("length", 1609.344),
+    "inch": ("length", 0.0254), "foot": ("length", 0.3048), "yard": ("length", 0.9144),
+    "mile": ("length", 1609.344),
     "g": ("mass", 0.001), "kg": ("mass", 1.0), "oz": ("mass", 0.028349523125), "lb": ("mass", 0.45359237),
-    "ml": ("volume", 0.001), "l": ("volume", 1.0), "cup": ("volume", 0.2365882365), "gallon": ("volume", 3.785411784),
+    "ml": ("volume", 0.001), "l": ("volume", 1.0), "cup": ("volume", 0.2365882365),
+    "gallon": ("volume", 3.785411784),
 }
 ALIASES = {
-    "millimeter": "mm", "millimeters": "mm", "centimeter": "cm", "centimeters": "cm", "meter": "m", "meters": "m",
-    "kilometer": "km", "kilometers": "km", "inches": "inch", "in": "inch", "feet": "foot", "ft": "foot",
+    "millimeter": "mm", "millimeters": "mm", "centimeter": "cm", "centimeters": "cm", "meter": "m",
+    "meters": "m", "kilometer": "km", "kilometers": "km", "inches": "inch", "in": "inch", "feet": "foot", "ft": "foot",
     "yards": "yard", "yd": "yard", "miles": "mile", "mi": "mile", "gram": "g", "grams": "g", "kilogram": "kg",
     "kilograms": "kg", "ounce": "oz", "ounces": "oz", "pound": "lb", "pounds": "lb", "lbs": "lb",
     "milliliter": "ml", "milliliters": "ml", "liter": "l", "liters": "l", "litre": "l", "litres": "l",
@@ -114,11 +116,12 @@ async def run_agent(client: AsyncOpenAI, model: str, question: str, max_turns: i
         message = response.choices[0].message
         if not message.tool_calls:
             return message.content or ""
-        messages.append({"role": "assistant", "content": message.content or "", "tool_calls": [
-            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-            for c in message.tool_calls]})
+        calls = [{"id": c.id, "type": "function",
+                  "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in message.tool_calls]
+        messages.append({"role": "assistant", "content": message.content or "", "tool_calls": calls})
         for c in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": c.id, "content": call_tool(c.function.name, c.function.arguments)})
+            output = call_tool(c.function.name, c.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": output})
     return ""  # out of turns without an answer: the reward gives 0
 
 

@@ -21,8 +21,8 @@ UNITS = {
     "volume": [("ml", "milliliters"), ("l", "liters"), ("cup", "cups"), ("gallon", "gallons")],
 }
 FACTORS = {"mm": 0.001, "cm": 0.01, "m": 1.0, "km": 1000.0, "inch": 0.0254, "foot": 0.3048, "yard": 0.9144,
-           "mile": 1609.344, "g": 0.001, "kg": 1.0, "oz": 0.028349523125, "lb": 0.45359237, "ml": 0.001, "l": 1.0,
-           "cup": 0.2365882365, "gallon": 3.785411784}
+           "mile": 1609.344, "g": 0.001, "kg": 1.0, "oz": 0.028349523125, "lb": 0.45359237, "ml": 0.001,
+           "l": 1.0, "cup": 0.2365882365, "gallon": 3.785411784}
 TEMPLATES = ["Convert {v} {src} to {dst}.", "How many {dst} are in {v} {src}?", "What is {v} {src} in {dst}?"]
 
 
@@ -48,7 +48,7 @@ def main() -> None:
         rows = []
         while len(rows) < count:
             row = task(rng, len(rows), split)
-            if row is not None and row["prompt"] not in seen:  # the held-out set never repeats a training question
+            if row is not None and row["prompt"] not in seen:  # held-out questions never repeat training ones
                 seen.add(row["prompt"])
                 rows.append(row)
         (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

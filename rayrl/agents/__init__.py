@@ -45,16 +45,16 @@ def _check_tools(rollout: RolloutConfig) -> None:
 
     unknown = [t for t in rollout.tools if t not in TOOLS]
     if unknown:
-        raise ConfigError(f"rollout.tools: unknown tool {unknown[0]!r}{did_you_mean(unknown[0], list(TOOLS))}; "
-                          f"available: {', '.join(sorted(TOOLS))}")
+        hint = did_you_mean(unknown[0], list(TOOLS))
+        raise ConfigError(f"rollout.tools: unknown tool {unknown[0]!r}{hint}; available: {', '.join(sorted(TOOLS))}")
 
 
 def _class_factory(cls: type, rollout: RolloutConfig, ref: str) -> Callable[[], BaseHarness]:
     from rayrl.agents.python_agent import PythonToolAgent
 
     if not issubclass(cls, BaseHarness):
-        raise ConfigError(f"{FIELD}: {ref} is a class but not a rayrl.agents.BaseHarness subclass; write a function "
-                          "agent(task, endpoint) -> str instead, or subclass BaseHarness (docs/agents.md)")
+        raise ConfigError(f"{FIELD}: {ref} is a class but not a rayrl.agents.BaseHarness subclass; write a "
+                          "function agent(task, endpoint) -> str instead, or subclass BaseHarness (docs/agents.md)")
     if inspect.isabstract(cls):
         raise ConfigError(f"{FIELD}: {ref} does not implement run(task, ctx)")
     check_call(cls.run, FIELD, f"{ref}.run", ("self", "task", "ctx"), "harness.run(task, ctx) -> AgentResult")
@@ -66,8 +66,8 @@ def _class_factory(cls: type, rollout: RolloutConfig, ref: str) -> Callable[[], 
         inspect.signature(cls).bind(**kwargs)
     except TypeError as err:
         given = ", ".join(kwargs) or "none"
-        raise ConfigError(f"{FIELD}: {ref}() cannot be constructed with the arguments rayrl passes ({given}): {err}; "
-                          "give its parameters defaults") from None
+        raise ConfigError(f"{FIELD}: {ref}() cannot be constructed with the arguments rayrl passes ({given}): "
+                          f"{err}; give its parameters defaults") from None
     except ValueError:  # no signature to check
         pass
     return lambda: cls(**kwargs)

@@ -102,7 +102,7 @@ class BaseHarness(ABC):
     """
 
     name: str = "base"
-    needs_sandbox: bool = True  # False: the agent needs no sandbox (it runs elsewhere, or has only local tools): none is leased
+    needs_sandbox: bool = True  # False: no sandbox is leased (the agent runs elsewhere, or its tools are its own)
 
     @abstractmethod
     def run(self, task: Task, ctx: EpisodeContext) -> AgentResult:

@@ -79,8 +79,8 @@ class CommandAgent(BaseHarness):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            return AgentResult(status="error", error=f"{self.argv[-1]} was still running at the episode deadline; "
-                               "killed", failure=TIMED_OUT)
+            return AgentResult(status="error", failure=TIMED_OUT,
+                               error=f"{self.argv[-1]} was still running at the episode deadline; killed")
         finally:
             if proc.poll() is None:  # the episode thread was interrupted: leave no process behind
                 os.killpg(proc.pid, signal.SIGKILL)

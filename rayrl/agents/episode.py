@@ -156,7 +156,7 @@ class EpisodeRunner:
                 raise _Failed(kind, result.error or kind)
             if not result.turns:  # a function or program agent does not count its calls: the gateway did
                 result.turns = int(stats.get("api_calls", 0) or 0)
-            if kind is not None:  # the agent's own failure: it still gets the reward the reward function gives
+            if kind is not None:  # the agent's own failure: it still gets what the reward function gives
                 failure = (kind, result.error or kind)
             t0 = time.monotonic()
             reward, reward_error = self._score(task, result)
@@ -213,7 +213,8 @@ class EpisodeRunner:
         try:
             return self.sessions.session_stats(session_id)
         except Exception as err:
-            raise _Failed(SESSION_FAILED, f"the trajectory manager did not answer: {type(err).__name__}: {err}") from None
+            raise _Failed(SESSION_FAILED,
+                          f"the trajectory manager did not answer: {type(err).__name__}: {err}") from None
 
 
 def _infra_error(stats: dict[str, Any]) -> str | None:

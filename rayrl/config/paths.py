@@ -40,7 +40,8 @@ def absolute_outputs(cfg: RunConfig, cwd: str | os.PathLike | None = None,
                      home: str | os.PathLike | None = None) -> RunConfig:
     """``cfg`` with ``logging.output_dir`` and a local ``pipeline.checkpoint_dir`` made absolute."""
     base = output_base(cwd, home)
-    logging_cfg = dataclasses.replace(cfg.logging, output_dir=str(base / Path(cfg.logging.output_dir).expanduser()))
+    output_dir = str(base / Path(cfg.logging.output_dir).expanduser())
+    logging_cfg = dataclasses.replace(cfg.logging, output_dir=output_dir)
     pipeline = cfg.pipeline
     location = pipeline.checkpoint_dir
     if location and "://" not in location:

@@ -5,9 +5,9 @@ against the other episodes of its group, so a group is the unit every schedule h
 whole or dropped whole, never split. ``Group`` holds the episodes as they come back (by index, so a
 re-run episode replaces rather than duplicates) and knows how stale its trained tokens are;
 :func:`split_stale` is the async schedules' filter, :func:`split_short` every schedule's filter for groups
-where infrastructure failures left too few usable episodes. A group that must run again keeps its task and
-gets a new id, so the task is neither lost nor trained twice. The dispatcher (actors/dispatch.py) fills groups; this module
-has no Ray so the rules are testable on hand-built episodes.
+where infrastructure failures left too few scored episodes. A group that must run again keeps its task
+and gets a new id, so the task is neither lost nor trained twice. The dispatcher (actors/dispatch.py)
+fills groups; this module has no Ray so the rules are testable on hand-built episodes.
 """
 
 from __future__ import annotations
