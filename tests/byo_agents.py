@@ -1,7 +1,7 @@
 """Agents and rewards that fail on purpose, named in configs as a user would (``tests.byo_agents:name``).
 
 Run as a program (``python tests/byo_agents.py CODE``) it is an agent program that makes one LLM call
-and then exits with CODE, saying why on stderr.
+and then exits with CODE, saying why on stderr; as a program it needs nothing but the openai SDK.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from typing import Any
 
 from openai import AsyncOpenAI, OpenAI
 
-from rayrl.rl.failures import InfrastructureError
-
 
 async def crashes_after_one_call(task: Any, endpoint: Any) -> str:
     """Makes one LLM call, then trips over a key the task does not have (a bug in the agent)."""
@@ -21,6 +19,25 @@ async def crashes_after_one_call(task: Any, endpoint: Any) -> str:
         await client.chat.completions.create(model=endpoint.model, max_tokens=8,
                                              messages=[{"role": "user", "content": task.prompt}])
     return task.metadata["unit_label"]
+
+
+def plain_def(task: Any, endpoint: Any) -> str:
+    """A plain (not async) function agent with the sync openai client: the example's exchange, by hand."""
+    from examples.unit_convert.agent import TOOLS
+
+    client = OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task.prompt}]
+    for _ in range(endpoint.max_turns):
+        message = client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=64,
+                                                 tools=TOOLS).choices[0].message
+        if not message.tool_calls:
+            return message.content or ""
+        call = message.tool_calls[0]
+        messages += [{"role": "assistant", "content": "", "tool_calls": [
+                         {"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "91.44"}]
+    return ""
 
 
 async def sleeps(task: Any, endpoint: Any) -> str:
@@ -38,6 +55,8 @@ async def fails_by_task(task: Any, endpoint: Any) -> str:
     if task.task_id.endswith("-bug"):
         return task.metadata["unit_label"]
     if task.task_id.endswith("-infra"):
+        from rayrl.rl.failures import InfrastructureError
+
         raise InfrastructureError("the tool service answered 503")
     return reply.choices[0].message.content or ""
 
@@ -47,6 +66,8 @@ def reward_with_a_bug(task: Any, result: Any) -> float:
 
 
 def reward_grader_down(task: Any, result: Any) -> float:
+    from rayrl.rl.failures import InfrastructureError
+
     raise InfrastructureError("the grader service did not answer")
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from rayrl.agents.base import AgentResult, BaseHarness, Endpoint, EpisodeContext
 from rayrl.rl.failures import TIMED_OUT
@@ -35,16 +35,28 @@ class FunctionAgent(BaseHarness):
     def __init__(self, fn: Callable[[Task, Endpoint], Any], ref: str = "") -> None:
         self.fn = fn
         self.ref = ref or getattr(fn, "__qualname__", "the agent")
-        self.is_async = inspect.iscoroutinefunction(fn)
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
     def run(self, task: Task, ctx: EpisodeContext) -> AgentResult:
         endpoint = ctx.endpoint()
         if not self.is_async:
-            return as_result(self.fn(task, endpoint), self.ref)
-        left = ctx.time_left()  # cancel a little before the runner stops waiting, so no thread is left behind
+            answer = self.fn(task, endpoint)
+            if not inspect.isawaitable(answer):
+                return as_result(answer, self.ref)
+            return self._wait(answer, ctx)  # a plain function that hands back a coroutine
+        return self._wait(self.fn(task, endpoint), ctx)
+
+    def _wait(self, awaitable: Awaitable[Any], ctx: EpisodeContext) -> AgentResult:
+        """Run ``awaitable`` on a fresh event loop, cancelled a little before the runner stops waiting (so
+        no thread is left behind)."""
+        left = ctx.time_left()
         timeout = None if left == float("inf") else max(left - min(CANCEL_MARGIN_S, 0.1 * left), 0.0)
+
+        async def bounded() -> Any:
+            return await asyncio.wait_for(awaitable, timeout)
+
         try:
-            answer = asyncio.run(asyncio.wait_for(self.fn(task, endpoint), timeout))
+            answer = asyncio.run(bounded())
         except asyncio.TimeoutError:
             return AgentResult(status="error", error=f"{self.ref} was cancelled at the episode deadline",
                                failure=TIMED_OUT)

@@ -43,8 +43,9 @@ def _run(stack: Any, agent: str, reward: str = REWARD, command: list[str] | None
     return runner.run(TASK, "g", index)
 
 
-@pytest.mark.parametrize("agent, command", [("examples.unit_convert.agent:solve", None), ("command", PROGRAM)],
-                         ids=["async-function", "program-reading-its-env"])
+@pytest.mark.parametrize("agent, command", [("examples.unit_convert.agent:solve", None), ("command", PROGRAM),
+                                            ("tests.byo_agents:plain_def", None)],
+                         ids=["async-function", "program-reading-its-env", "plain-def"])
 def test_the_plain_forms_run_the_example_agent(scripted, agent, command):
     stack = scripted(_script())
     episode = _run(stack, agent, command=command)
