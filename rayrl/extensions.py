@@ -65,8 +65,9 @@ def load_reference(ref: str, field: str) -> Any:
         raise ConfigError(f"{field}: importing {module_name!r} failed: {type(err).__name__}: {err}"
                           f"{_where(err, module_name)}") from None
     except Exception as err:
-        raise ConfigError(f"{field}: importing {module_name!r} failed: {type(err).__name__}: "
-                          f"{str(err).splitlines()[0] if str(err) else ''}{_where(err, module_name)}") from None
+        text = err.msg if isinstance(err, SyntaxError) else (str(err).splitlines() or [""])[0]
+        raise ConfigError(f"{field}: importing {module_name!r} failed: {type(err).__name__}: {text}"
+                          f"{_where(err, module_name)}") from None
     try:
         return getattr(module, name)
     except AttributeError:

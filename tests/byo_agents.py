@@ -81,6 +81,9 @@ def agent_takes_three_arguments(task: Any, endpoint: Any, extra: Any) -> str:
     return ""
 
 
+TOOL_LIMIT = 3  # not a function: rollout.agent cannot name it
+
+
 class NeedsArguments:
     """Not a BaseHarness: a class that is neither a harness nor a function."""
 
