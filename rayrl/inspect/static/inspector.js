@@ -111,7 +111,7 @@ function renderList() {
   body.replaceChildren(...rows.map((e) => el("tr", {"data-key": e.key, class: e.key === CURRENT ? "current" : "", onclick: () => openEpisode(e.step, e.index)},
     el("td", {text: e.step}), el("td", {text: e.index}),
     el("td", {class: "task", text: (e.task_id || "") + (e.prompt ? " — " + e.prompt.slice(0, 120) : "")}),
-    el("td", {text: e.harness || ""}), el("td", {class: "status-" + e.status, text: e.status + (e.failure ? " · " + e.failure : "")}),
+    el("td", {text: e.harness || ""}), el("td", {class: "status-" + e.status, text: e.status + (e.failure ? " · " + e.failure : "") + (e.discarded ? " · set aside (" + e.discarded + ")" : "")}),
     el("td", {text: fmt(e.reward)}), el("td", {text: fmt(e.advantage)}), el("td", {text: fmt(e.turns)}),
     el("td", {text: fmt(e.tool_errors)}), el("td", {text: fmt(e.tokens)}),
     el("td", {text: fmt((e.timings || {}).total_s, 1)}), el("td", {text: e.detail ? "tokens" : "tree"}))));
@@ -137,7 +137,8 @@ function renderEpisode() {
   $("ep-title").textContent = "Episode " + r.key + " — " + (r.task_id || "") + " (" + r.status + ")";
   $("ep-link").href = episodeLink(r.key); $("ep-link").hidden = false;
   const items = [["session", r.session_id], ["task", r.task_id], ["prompt", r.prompt], ["group", r.group_id], ["harness", r.harness],
-    ["status", r.status + (r.agent_status ? " (agent: " + r.agent_status + ")" : "")], ["failure", r.failure], ["error", r.error], ["reward", fmt(r.reward)],
+    ["status", r.status + (r.agent_status ? " (agent: " + r.agent_status + ")" : "")], ["failure", r.failure], ["error", r.error],
+    ["set aside", r.discarded ? (r.discarded === "rerun" ? "its group ran again (infrastructure failures); not trained" : "its group was too stale; not trained") : null], ["reward", fmt(r.reward)],
     ["advantage", fmt(r.advantage)], ["turns / tool calls / tool errors", [r.turns, r.tool_calls, r.tool_errors].map(fmt).join(" / ")],
     ["final answer", r.final_answer], ["timings (s)", Object.entries(r.timings || {}).map(([k, v]) => k + " " + fmt(v, 2)).join(", ")]];
   $("ep-summary").replaceChildren(...items.filter((i) => i[1] != null && i[1] !== "").flatMap(([k, v]) => [el("dt", {text: k}), el("dd", {text: v})]));
