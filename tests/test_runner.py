@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -62,6 +63,8 @@ def ray_head(tmp_path):
         try:
             with urllib.request.urlopen(f"{url}/api/version", timeout=2):
                 break
+        except urllib.error.HTTPError:  # 401: Ray turned token auth on (~/.ray/auth_token exists); it is up
+            break
         except OSError:
             if proc.poll() is not None:
                 pytest.fail("ray start failed:\n" + proc.stdout.read())
