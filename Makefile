@@ -6,13 +6,14 @@ DEPS   := $(VENV)/.deps-installed
 TDEPS  := $(VENV)/.test-deps-installed
 ARGS   ?=
 
-.PHONY: run test test-slow test-all bench model clean-runs help
+.PHONY: run test test-slow test-all bench model notebook clean-runs help
 
 help:
 	@echo "make run        install (first time), provision the model, train the calculator agent on CPU"
 	@echo "make test       install test needs, run the default suite (< 15 min on 2 cores)"
 	@echo "make test-slow  the long tests"
 	@echo "make bench      the benchmarks, alternating sides; writes docs/benchmarks.md (~25 min on 2 cores)"
+	@echo "make notebook   install the notebook's needs (a Jupyter kernel) and run examples/notebooks/quickstart.ipynb"
 
 $(DEPS): pyproject.toml scripts/install_system_deps.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,6 +50,15 @@ test-slow: $(TDEPS) model
 
 test-all: $(TDEPS) model
 	$(BIN)/python -X faulthandler -m pytest -q -ra -m "slow or not slow"
+
+# the quickstart notebook: installs what it needs (the notebook extra: a Jupyter kernel and nbclient) and
+# runs it top to bottom on the built-in model; the executed copy goes to runs/notebook/quickstart.ipynb.
+# Open it yourself with any Jupyter front end on this venv's kernel (e.g. `pip install jupyterlab`).
+notebook: model
+	$(BIN)/pip install --quiet -e '.[notebook]'
+	mkdir -p runs/notebook
+	$(BIN)/jupyter-execute --kernel_name=python3 --timeout=900 --output=../../runs/notebook/quickstart \
+		examples/notebooks/quickstart.ipynb
 
 # every bench, then docs/benchmarks.md from their records (runs/bench/); BENCH_QUICK=1 for a smoke run
 # (its page goes to runs/bench/benchmarks.md). BASE=/path/to/an/older/checkout adds make run's wall time and

@@ -34,15 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from rayrl.config import ConfigError, load_config
+    from rayrl.config.paths import absolute_outputs
     from rayrl.models import ModelNotFoundError, resolve_model_path
+    from rayrl.preflight import preflight
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        resolve_model_path(cfg.model.path)  # fail before starting Ray; provisions the built-in model once
+    try:  # everything that can be checked is checked before Ray starts: one line, exit 2
+        cfg = absolute_outputs(load_config(args.config, args.overrides))  # outputs: rayrl/config/paths.py
+        preflight(cfg)  # your agent, reward and callback import with the right signatures; the data parses
+        print(f"[rayrl] run directory: {cfg.run_dir}", flush=True)
+        resolve_model_path(cfg.model.path)  # provisions the built-in model once
         for field, path in model_paths(cfg):
             resolve_model_path(path, field)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        print(f"config error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except ModelNotFoundError as err:
         print(f"model error: {err}", file=sys.stderr)

@@ -47,13 +47,15 @@ from actors.trajectory_manager import start_trajectory_managers
 from actors.weight_sync import WeightSync, WeightSyncError
 from rayrl.checkpoint import CheckpointStore
 from rayrl.config import RunConfig, capacity_warnings, resolve, to_yaml
+from rayrl.config.paths import absolute_outputs
 from rayrl.data import JsonlDataset, TaskSampler
 from rayrl.metrics import CounterDeltas, MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
+from rayrl.preflight import preflight
 from rayrl.records import tokenizer_text, write_episodes, write_inspection
 from rayrl.rl.batch import Batch, build_batch
 from rayrl.rl.distill import TeacherScorer, distill_batch
-from rayrl.rl.failures import failure_kind
+from rayrl.rl.failures import failure_kind, is_infra
 from rayrl.rl.logprob_gap import gap_crossed
 from rayrl.rl.step_metrics import EngineWork, gateway_metrics, step_metrics
 
@@ -66,7 +68,9 @@ class Pipeline:
     """Builds every actor from one RunConfig and runs the training loop."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        self.cfg = cfg = resolve(cfg)  # every auto value made concrete, as config.yaml records it
+        preflight(cfg, data=False)  # the agent, reward and callback import (the datasets load below)
+        # every auto value and output path made concrete, as config.yaml records it
+        self.cfg = cfg = resolve(absolute_outputs(cfg))
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -131,7 +135,7 @@ class Pipeline:
 
     def run(self) -> list[dict[str, Any]]:
         cfg, history = self.cfg, []
-        eval_every, save_every = cfg.pipeline.eval_interval, cfg.pipeline.checkpoint_interval
+        eval_every, save_every = cfg.pipeline.eval_interval, cfg.pipeline.checkpoint_interval  # -1: never
         if eval_every and self.step == 0:
             self.metrics.log(0, self.evaluate(0))
         while self.step < cfg.trainer.steps and not self.budget_spent:
@@ -140,11 +144,11 @@ class Pipeline:
             except TrainerFailure as failure:
                 self.checkpoints.after_trainer_failure(failure)
                 raise
-            if save_every and self.step % save_every == 0:
+            if save_every > 0 and self.step % save_every == 0:
                 self.save_checkpoint()
             if eval_every and (self.step % eval_every == 0 or self.step == cfg.trainer.steps or self.budget_spent):
                 self.metrics.log(self.step, self.evaluate(self.step))
-        if history and not (save_every and self.step % save_every == 0):
+        if history and save_every >= 0 and not (save_every > 0 and self.step % save_every == 0):
             self.save_checkpoint()
         if self.failure_counts:
             print(f"[rayrl] failed episodes by cause: {dict(self.failure_counts)}", flush=True)
@@ -162,9 +166,11 @@ class Pipeline:
         self.checkpoints.untrained_taken = groups
         rollout_s = time.monotonic() - started
         episodes = [e for g in groups for e in g.ordered()]
+        set_aside = [e for g in state.set_aside for e in g.ordered()]  # groups run again or dropped as stale
+        state.set_aside = []
         batch = self.build_batch(episodes)
         drawn = episodes + [e for g in self.schedule.dropped for e in g.ordered()]  # dynamic sampling's too
-        self._record(drawn, batch)
+        self._record(drawn, batch, set_aside)
         version = state.version  # the weights this batch trains against
         in_flight = self.dispatcher.groups_in_flight  # before the train phase (async: groups go on)
         self.ray_sink.staleness(batch.staleness(version))
@@ -179,7 +185,8 @@ class Pipeline:
             pipeline_counts=counts, groups_in_flight=in_flight,
             failures={**state.failures, **self.dispatcher.counts}, engines=self._engine_work(),
             extra={**gateway_metrics(self.trajectories.stats()), **self._agentcore_metrics(),
-                   "engine/float32_fallback": float(self._gap_fallback)},
+                   "engine/float32_fallback": float(self._gap_fallback),
+                   "rollout/episodes_set_aside": len(set_aside)},
             rollout_s=rollout_s, step_s=time.monotonic() - started,
             run_episodes=self._episodes_total,
             run_s=time.monotonic() - self._started_at,
@@ -265,19 +272,24 @@ class Pipeline:
 
     # -- helpers -------------------------------------------------------------------------------------
 
-    def _record(self, episodes: list, batch: Batch) -> None:
-        """Write the step's episodes and its inspection data (rayrl/records.py, docs/inspector.md); count
-        and log each failed episode once."""
+    def _record(self, episodes: list, batch: Batch, set_aside: list) -> None:
+        """Write the step's episodes, then those of the groups set aside during it, and the inspection data
+        (rayrl/records.py, docs/inspector.md); count and log each failed episode once, by cause."""
         cfg = self.cfg
         detail = cfg.logging.inspect_episodes_per_step
-        write_episodes(self.run_dir, self.step, episodes, batch, cfg.rollout.agent, detail)
+        written = episodes + set_aside
+        write_episodes(self.run_dir, self.step, written, batch, cfg.rollout.agent, detail)
         if detail > 0:
             tokenizer = self.model_path if cfg.model.tokenizer_path == cfg.model.path else cfg.model.tokenizer_path
-            write_inspection(self.run_dir, self.step, episodes, batch, detail, tokenizer_text(str(tokenizer)))
-        for e in episodes:
+            write_inspection(self.run_dir, self.step, written, batch, detail, tokenizer_text(str(tokenizer)))
+        for e in written:
             if not e.ok:
                 self.state.failures[failure_kind(e)] += 1
-                logger.warning("episode failed: session=%s task=%s: %s", e.session_id, e.task_id, e.error)
+                how = "left out of training" if is_infra(e) else f"scored {e.reward:g}"
+                if e.info.get("discarded"):
+                    how = f"its group was set aside ({e.info['discarded']})"
+                logger.warning("episode failed (%s; %s): session=%s task=%s: %s", failure_kind(e), how,
+                               e.session_id, e.task_id, e.error)
 
     def _check_engine_gap(self, train: dict[str, Any] | None) -> None:
         """``engine.max_logprob_gap``: once a step's engine-trainer gap crosses it, the CPU engines hold

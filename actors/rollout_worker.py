@@ -9,7 +9,7 @@ import ray
 
 from actors.runtime import on_driver_node
 from actors.trajectory_manager import TrajectoryManagers
-from rayrl.agents import make_harness
+from rayrl.agents import agent_factory
 from rayrl.agents.episode import EpisodeRunner
 from rayrl.config import RunConfig
 from rayrl.rewards import get_reward_fn
@@ -62,16 +62,12 @@ class RolloutWorker:
         logging.basicConfig(level=cfg.logging.log_level)
         quiet_http_loggers()
         owner = ray.get_runtime_context().get_actor_id()
-        options: dict[str, Any] = {"tool_delay_s": list(cfg.rollout.tool_delay_s)} if cfg.rollout.tool_delay_s else {}
         if cfg.rollout.agent == "agentcore":  # wired to the run's one launcher (actors/agentcore_launcher.py)
             from actors.agentcore_launcher import agentcore_harness
 
             harness = agentcore_harness(cfg)
-        else:
-            harness = make_harness(
-                cfg.rollout.agent, tools=list(cfg.rollout.tools), few_shot_examples=cfg.rollout.few_shot_examples,
-                **options,
-            )
+        else:  # checked when the config was loaded (rayrl/preflight.py)
+            harness = agent_factory(cfg.rollout)()
         self.sessions = _TreeKeepingManagers(tm_handles)
         self.runner = EpisodeRunner(
             harness=harness,

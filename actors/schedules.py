@@ -7,11 +7,12 @@ and then only calls :meth:`Schedule.collect` and :meth:`Schedule.train`. One ste
 
 ``sync``
     1. queue ``prompts_per_step`` new tasks; wait until their groups complete (or the step deadline); a
-       group where fewer than ``rollout.min_group_episodes`` episodes succeeded runs its task again (every
-       schedule does this: failed episodes, mostly infrastructure, say nothing about the policy); with
-       ``algorithm.dynamic_sampling`` a group whose rewards are all equal is dropped and another drawn;
-    2. (pipeline) advantages (``algorithm.advantage_estimator``, GRPO by default) over the episodes that
-       succeeded;
+       group where infrastructure failures left fewer than ``rollout.min_group_episodes`` scored episodes
+       runs its task again (every schedule does this: those failures say nothing about the policy; the
+       agent's own failures are scored and never rerun); with ``algorithm.dynamic_sampling`` a group whose
+       rewards are all equal is dropped and another drawn;
+    2. (pipeline) advantages (``algorithm.advantage_estimator``, GRPO by default) over each group's scored
+       episodes (rayrl/rl/batch.py);
     3. one trainer step (nothing else runs);
     4. new weights to every engine with the next policy version.
 
@@ -78,13 +79,15 @@ POLL_S = 0.2  # how long one dispatch turn waits for finished episodes
 @dataclass
 class RunState:
     """What every part of the loop reads and the schedule advances: step, policy version, group ids,
-    failures by kind (cumulative)."""
+    failures by kind (cumulative), and the groups set aside during the current step (run again or dropped
+    as stale) whose episodes the pipeline still has to record."""
 
     step: int = 0
     version: int = 0
     group_seq: int = 0  # groups ever queued; part of each group id
     failures: Counter = field(default_factory=Counter)
     episodes: int = 0  # episodes of every group the steps took, dropped ones too (pipeline.episode_budget)
+    set_aside: list[Group] = field(default_factory=list)
 
 
 @dataclass
@@ -207,16 +210,29 @@ class Schedule:
         self.parts.dispatcher.submit(group.task, f"g{self.state.group_seq:06d}-{group.task.task_id}", front=True,
                                      reruns=group.reruns + 1)
 
+    def set_aside(self, group: Group, why: str) -> None:
+        """Keep a group that will not train for the step's records (``why``: rerun | stale): its episodes
+        are written and its failures counted once, like those of the groups that train."""
+        for episode in group.episodes.values():
+            episode.info["discarded"] = why
+        self.state.set_aside.append(group)
+
     def keep_full(self, groups: list[Group], counts: Counter) -> list[Group]:
-        """Groups where enough episodes succeeded (``rollout.min_group_episodes``); the others run again
-        (``pipeline.max_group_reruns`` times at most, then they are kept as they are)."""
-        keep, short = split_short(groups, self.cfg.rollout.min_group_episodes, self.cfg.pipeline.max_group_reruns)
+        """Groups with enough scored episodes (``rollout.min_group_episodes``); the others, short because
+        infrastructure failed their episodes, run again (``pipeline.max_group_reruns`` times at most, then
+        they are kept as they are)."""
+        need = self.cfg.rollout.min_group_episodes
+        keep, short = split_short(groups, need, self.cfg.pipeline.max_group_reruns)
         for group in short:
             counts["rerun_short_groups"] += 1
-            logger.warning("group %s: only %d of %d episodes succeeded; running its task again", group.group_id,
-                           group.succeeded, group.size)
+            causes = ", ".join(f"{kind} x{n}" for kind, n in group.infra_causes().most_common())
+            logger.warning("group %s (task %s): infrastructure failed %d of %d episodes (%s); running the task "
+                           "again (rerun %d of at most %d)", group.group_id, group.task.task_id,
+                           group.size - group.scored, group.size, causes, group.reruns + 1,
+                           self.cfg.pipeline.max_group_reruns)
+            self.set_aside(group, "rerun")
             self.rerun(group)
-        counts["short_groups_kept"] += sum(1 for g in keep if g.succeeded < min(self.cfg.rollout.min_group_episodes, g.size))
+        counts["short_groups_kept"] += sum(1 for g in keep if g.scored < min(need, g.size))
         return keep
 
     def keep_fresh(self, groups: list[Group], counts: Counter) -> list[Group]:
@@ -292,6 +308,7 @@ class AsyncSchedule(Schedule):
             counts["dropped_stale_groups"] += 1
             counts["dropped_stale_samples"] += sum(len(e.samples) for e in group.episodes.values())
             logger.info("group %s dropped: %d policy versions old", group.group_id, group.staleness(version))
+            self.set_aside(group, "stale")
             self.rerun(group)
         return fresh
 

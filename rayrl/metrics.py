@@ -111,6 +111,19 @@ class MetricsLogger:
             self.plot_reward_curve()
 
     def plot_reward_curve(self, key: str = "rollout/reward_mean") -> Path | None:
+        """Draw ``reward_curve.png`` from the history; None before the first step with ``key``."""
+        fig = self.reward_figure(key)
+        if fig is None:
+            return None
+        import matplotlib.pyplot as plt
+
+        path = self.run_dir / "reward_curve.png"
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+    def reward_figure(self, key: str = "rollout/reward_mean") -> Any:
+        """The reward curve as a matplotlib figure (the caller closes it), or None without data."""
         points = [(h["step"], h[key]) for h in sorted(self.history, key=lambda h: h["step"]) if key in h]
         if not points:
             return None
@@ -118,6 +131,7 @@ class MetricsLogger:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         steps, values = zip(*points)
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
@@ -132,15 +146,13 @@ class MetricsLogger:
         if evals:
             ax.plot(*zip(*evals), marker="s", linestyle="--", linewidth=1.5, label="held-out success")
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, even for a 2-step run
         ax.set_ylabel("reward")
         ax.set_title(self.run_dir.name)
         ax.grid(alpha=0.3)
         ax.legend(loc="best")
         fig.tight_layout()
-        path = self.run_dir / "reward_curve.png"
-        fig.savefig(path)
-        plt.close(fig)
-        return path
+        return fig
 
     def close(self) -> None:
         if self._tb is not None:

@@ -2,8 +2,11 @@
 ``python -m rayrl.inspect`` read it.
 
 ``runs/<exp_id>/episodes/stepNNNNNN.jsonl``: one JSON line per episode the step took (failed ones
-included): reward, status, final answer and whatever else the harness put in ``Episode.info``, error
-and ``failure`` kind (rayrl/rl/failures.py), sample count, generated tokens and timings; and, for the
+included), then one per episode of the groups set aside during the step (run again because
+infrastructure failed too many of their episodes, or dropped as too stale), marked ``"discarded":
+"rerun"`` or ``"stale"``: every episode that ran is written once. Each line holds the reward, status,
+final answer and whatever else the harness put in ``Episode.info``, error and ``failure`` kind
+(rayrl/rl/failures.py), sample count, generated tokens and timings; and, for the
 inspector, the ``harness``, the GRPO ``advantage`` its samples trained with (None when it was not
 trained), ``tokens`` (all its samples' lengths), ``prompt`` (the user message its first LLM call
 answered, cut short) and ``detail`` (whether its token detail is kept).
@@ -37,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from rayrl.rl.batch import Batch
+from rayrl.rl.failures import is_scored
 from rayrl.types import Episode, Sample
 
 INSPECT_FORMAT = 1
@@ -49,15 +53,16 @@ TokenText = Callable[[list[int]], list[str]]  # token ids -> the text of each on
 def episode_advantages(episodes: Sequence[Episode], batch: Batch | None) -> list[float | None]:
     """The advantage each episode's samples trained with, in episode order (None: not in the batch).
 
-    ``batch`` lists the successful episodes' samples in episode order (rayrl/rl/batch.py), one advantage
-    per sample, the same for all samples of an episode."""
+    ``batch`` lists the scored episodes' samples in episode order (rayrl/rl/batch.py), one advantage per
+    sample, the same for all samples of an episode; episodes of groups that were set aside
+    (``info["discarded"]``) follow the step's own and were not in it."""
     out: list[float | None] = [None] * len(episodes)
     if batch is None:
         return out
     offset = 0
     for i, e in enumerate(episodes):
-        if not e.ok or not e.samples or offset >= len(batch.samples) or batch.samples[offset] is not e.samples[0]:
-            continue  # failed, or not trained (a group dynamic sampling dropped comes after the batch's)
+        if not is_scored(e) or not e.samples or offset >= len(batch.samples) or batch.samples[offset] is not e.samples[0]:
+            continue  # infrastructure failed, or not trained (set aside, or a group dynamic sampling dropped)
         out[i] = float(batch.advantages[offset])
         offset += len(e.samples)
     return out

@@ -28,10 +28,28 @@ def test_metadata_is_payload_verbatim_and_a_shallow_copy(tmp_path):
     assert payload["nested"] is task.metadata["nested"]  # shallow copy
 
 
-@pytest.mark.parametrize("metadata", [None, "str", [1, 2], 5])
-def test_missing_or_non_dict_metadata_is_empty_payload(tmp_path, metadata):
-    row = {"prompt": "p"} if metadata is None else {"prompt": "p", "metadata": metadata}
-    assert JsonlDataset(write(tmp_path / "d.jsonl", [row]))[0].payload() == {}
+def test_missing_metadata_is_an_empty_payload(tmp_path):
+    ds = JsonlDataset(write(tmp_path / "d.jsonl", [{"prompt": "p"}, {"prompt": "q", "metadata": None}]))
+    assert ds[0].payload() == {} and ds[1].payload() == {}
+
+
+@pytest.mark.parametrize("metadata", ["str", [1, 2], 5])
+def test_non_object_metadata_is_an_error_not_a_silent_empty_payload(tmp_path, metadata):
+    with pytest.raises(DatasetError, match=r"d.jsonl:2: 'metadata' must be an object"):
+        JsonlDataset(write(tmp_path / "d.jsonl", [{"prompt": "p"}, {"prompt": "p", "metadata": metadata}]))
+
+
+def test_every_bad_row_is_counted_and_the_first_ones_named(tmp_path):
+    rows = ['{"prompt": "ok"}', "{broken", '{"question": "no prompt"}', "[1, 2]"] + ['{"prompt": 3}'] * 5
+    path = tmp_path / "many.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    with pytest.raises(DatasetError) as info:
+        JsonlDataset(path)
+    message = str(info.value)
+    assert "\n" not in message and "(8 bad rows in all)" in message
+    assert "many.jsonl:2: invalid JSON" in message and "many.jsonl:3: each row needs a string 'prompt'" in message
+    assert "many.jsonl:4: a row must be a JSON object" in message and "many.jsonl:6:" in message
+    assert "many.jsonl:7:" not in message  # the first five are named
 
 
 def test_prompt_drives_length_filter_and_errors_name_the_line(tmp_path):

@@ -1,7 +1,9 @@
-"""driver.py's command line: bad configs and missing models fail fast with a clear message and exit 2."""
+"""driver.py's command line: bad configs, missing models, your own agent and reward named wrong, bad data rows:
+each fails before Ray starts with one line that names the field, and exit code 2."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +13,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_driver(*args: str) -> subprocess.CompletedProcess:
+def run_driver(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "driver.py"), *args], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+                          timeout=120, cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+def assert_one_line_exit_2(out: subprocess.CompletedProcess, message: str) -> None:
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert "Started a local Ray" not in out.stderr + out.stdout and "[rayrl]" not in out.stdout  # before Ray
 
 
 @pytest.mark.parametrize(
@@ -38,3 +48,42 @@ def test_bad_input_exits_2_with_message(args, message):
     assert message in out.stderr
     assert "Traceback" not in out.stderr
     assert "Started a local Ray" not in out.stderr + out.stdout  # failed before starting Ray
+
+
+UNIT = "--config=examples/unit_convert/config.yaml"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([UNIT, "rollout.agent=examples.unit_convert.agent:solv"],
+         "config error: rollout.agent: module 'examples.unit_convert.agent' has no 'solv' (did you mean 'solve'?)"),
+        ([UNIT, "rollout.reward=tests.byo_agents:reward_takes_one_argument"],
+         "config error: rollout.reward: tests.byo_agents:reward_takes_one_argument(result) cannot be called as "
+         "reward(task, result)"),
+    ],
+)
+def test_your_own_agent_and_reward_are_checked_at_load(args, message):
+    """Every other mistake tests/test_preflight.py checks in process; these two go through driver.py."""
+    assert_one_line_exit_2(run_driver(*args), message)
+
+
+def test_a_module_that_fails_to_import_names_the_field_and_the_line(tmp_path):
+    (tmp_path / "broken_agent.py").write_text("import os\n\nTOOLS = [undefined_name]\n\nasync def solve(task, endpoint):\n"
+                                              "    return ''\n")
+    out = run_driver(UNIT, "rollout.agent=broken_agent:solve", env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+    assert_one_line_exit_2(out, "config error: rollout.agent: importing 'broken_agent' failed: NameError: name "
+                                f"'undefined_name' is not defined ({tmp_path / 'broken_agent.py'}:3)")
+
+
+def test_bad_data_rows_are_named_with_file_and_line(tmp_path):
+    data = tmp_path / "tasks.jsonl"
+    data.write_text('{"prompt": "ok", "metadata": {"answer": 1}}\n{"question": "no prompt"}\n\n{broken\n'
+                    '{"prompt": "p", "metadata": "not an object"}\n')
+    out = run_driver(UNIT, f"data.train_path={data}")
+    assert_one_line_exit_2(out, f"config error: data.train_path: {data}:2: each row needs a string 'prompt'; "
+                                f"{data}:4: invalid JSON")
+    assert f"{data}:5: 'metadata' must be an object" in out.stderr
+    missing = run_driver(UNIT, "data.val_path=examples/unit_convert/data/vall.jsonl")
+    assert_one_line_exit_2(missing, "config error: data.val_path: data file not found: "
+                                    f"examples/unit_convert/data/vall.jsonl (relative to {ROOT})")

@@ -1,5 +1,5 @@
-"""The step's training batch (rayrl/rl/batch.py) from hand-built episodes: every sample of a successful
-episode with its episode's GRPO advantage, failed episodes counted and left out."""
+"""The step's training batch (rayrl/rl/batch.py) from hand-built episodes: every sample of a scored
+episode with its episode's GRPO advantage, infrastructure failures counted and left out."""
 
 from __future__ import annotations
 
@@ -19,14 +19,15 @@ def _sample(versions: list[int], mask: list[int] | None = None) -> Sample:
 
 def _episode(group: str, reward: float, samples: list[Sample], status: str = "ok") -> Episode:
     return Episode(session_id=f"{group}-{reward}", task_id=group, group_id=group, samples=samples,
-                   reward=reward, status=status, error=None if status == "ok" else "boom: x")
+                   reward=reward, status=status, error=None if status == "ok" else "engine_error: x",
+                   failure=None if status == "ok" else "engine_error")
 
 
 def test_samples_carry_their_episode_advantage():
     episodes = [
         _episode("a", 1.0, [_sample([3, 3]), _sample([2])]),  # two branches: both get the advantage
         _episode("a", 0.0, [_sample([3])]),
-        _episode("a", 0.0, [_sample([3])], status="failed"),  # not in the group's baseline
+        _episode("a", 0.0, [_sample([3])], status="failed"),  # an engine error: not in the group's baseline
         _episode("b", 0.5, [_sample([1, 1])]),
         _episode("b", 0.5, [_sample([1])]),
     ]

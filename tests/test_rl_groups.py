@@ -1,4 +1,5 @@
-"""Groups with too few successful episodes run again; failures are classified (rayrl/rl, no Ray)."""
+"""Groups that infrastructure left short run again, the agent's own failures are scored; failures are classified
+(rayrl/rl, no Ray)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 
 from rayrl.config import ConfigError, load_config
 from rayrl.rl.batch import build_batch
-from rayrl.rl.failures import AGENT_CRASHED, ENGINE_ERROR, NO_TURNS, SANDBOX_FAILED, fail, failure_kind, is_infra
+from rayrl.rl.failures import (AGENT_CRASHED, ENGINE_ERROR, NO_TURNS, REWARD_FAILED, SANDBOX_FAILED, fail,
+                                 failure_kind, is_infra, is_scored)
 from rayrl.rl.groups import Group, split_short
 from rayrl.types import Episode, Sample, Task
 
@@ -38,11 +40,31 @@ def test_wrong_answers_count_as_successes():
     assert split_short([wrong], min_episodes=2, max_reruns=2) == ([wrong], [])
 
 
-def test_failed_episodes_stay_out_of_the_baseline_and_the_batch():
-    episodes = [_episode("g", 1.0), _episode("g", 0.0), _episode("g", 0.0, ENGINE_ERROR), _episode("g", 1.0, NO_TURNS)]
+def test_infrastructure_failures_stay_out_of_the_baseline_the_agents_own_are_scored():
+    crashed = _episode("g", 0.0, AGENT_CRASHED)  # the reward function gave the crashed agent 0.0
+    episodes = [_episode("g", 1.0), _episode("g", 1.0), _episode("g", 0.0, ENGINE_ERROR), crashed]
     batch = build_batch(episodes)
-    assert batch.episodes_ok == 2 and batch.episodes_failed == 2 and len(batch.samples) == 2
-    assert batch.advantages[0] == pytest.approx(1.0, abs=1e-4) and batch.advantages[1] == pytest.approx(-1.0, abs=1e-4)
+    assert batch.episodes_ok == 2 and batch.episodes_failed == 2 and batch.episodes_excluded == 1
+    assert len(batch.samples) == 3  # the two successes and the crash; the engine error trains nothing
+    # rewards [1, 1, 0]: mean 2/3, std 0.471
+    assert batch.advantages == pytest.approx([0.7071, 0.7071, -1.4142], abs=1e-3)
+
+
+def test_a_task_whose_agent_always_fails_is_scored_not_run_again():
+    crashes = _group("k", *[_episode("k", 0.0, AGENT_CRASHED) for _ in range(4)])
+    reward_bug = _group("r", *[_episode("r", 0.0, REWARD_FAILED) for _ in range(4)])
+    silent = _group("n", _episode("n", 0.0, NO_TURNS), _episode("n", 0.0, NO_TURNS))
+    keep, rerun = split_short([crashes, reward_bug, silent], min_episodes=2, max_reruns=2)
+    assert rerun == [] and [g.group_id for g in keep] == ["k", "r", "n"]
+    assert crashes.succeeded == 0 and crashes.scored == 4 and not crashes.infra_causes()
+    batch = build_batch(crashes.ordered())
+    assert len(batch.samples) == 4 and not batch.trains  # equal rewards: no gradient, and no rerun either
+
+
+def test_a_short_group_names_its_infrastructure_causes():
+    short = _group("b", _episode("b", 1.0), _episode("b", 0.0, ENGINE_ERROR), _episode("b", 0.0, ENGINE_ERROR),
+                   _episode("b", 0.0, SANDBOX_FAILED))
+    assert dict(short.infra_causes()) == {"engine_error": 2, "sandbox_failed": 1} and short.scored == 1
 
 
 def test_failure_kinds_and_classes():
@@ -53,6 +75,7 @@ def test_failure_kinds_and_classes():
     assert not is_infra(_episode("g", 0.0))  # an ok episode is no failure at all
     legacy = Episode(session_id="", task_id="t", group_id="g", status="failed", error="custom thing: detail")
     assert failure_kind(legacy) == "custom thing" and not is_infra(legacy)
+    assert is_scored(crashed) and is_scored(_episode("g", 0.0, REWARD_FAILED)) and not is_scored(_episode("g", 0, ENGINE_ERROR))
 
 
 def test_min_group_episodes_is_capped_at_the_group_size():

@@ -24,8 +24,8 @@ def _episodes() -> list[Episode]:
         Episode("s0", "t", "g", [_sample([4, 4, 4])], reward=1.0, info=info),
         Episode("s1", "t", "g", [_sample([3]), _sample([4, 4])], reward=0.0,
                 info={"turns": 4, "tool_calls": 1, "tool_errors": 0}),
-        Episode("s2", "t", "g", [_sample([4])], reward=0.0, status="failed", error="sandbox: lease timed out",
-                info={"turns": 9}),
+        Episode("s2", "t", "g", [_sample([4])], reward=0.0, status="failed", failure="sandbox_failed",
+                error="sandbox_failed: lease timed out", info={"turns": 9}),  # infrastructure: not trained
     ]
 
 
@@ -40,7 +40,7 @@ def _metrics(**kw) -> dict:
     args = dict(version=5, policy_version=6, train={"train/loss": 0.25, "train/trained_samples": 3,
                                                     "train/policy_version": 6, "time/train_s": 1.5},
                 pipeline_counts={"dropped_stale_groups": 1}, groups_in_flight=7,
-                failures={"sandbox": 2, "episodes_requeued": 1}, engines=_engines(),
+                failures={"sandbox_failed": 2, "episodes_requeued": 1}, engines=_engines(),
                 extra={"gateway/requests": 12.0, "agentcore/invocations": 3}, rollout_s=4.0, step_s=8.0,
                 run_episodes=30, run_s=60.0)
     return step_metrics(episodes, build_batch(episodes), **{**args, **kw})
@@ -54,6 +54,7 @@ def test_every_metric_by_hand():
         "rollout/episodes": 3,
         "rollout/episodes_ok": 2,
         "rollout/episodes_failed": 1,
+        "rollout/episodes_excluded": 1,  # the infrastructure failure
         "rollout/samples": 3,
         "rollout/generated_tokens": 7,  # trained tokens of every episode, the failed one's too
         "rollout/turns_mean": 3.0,  # successful episodes only
@@ -73,7 +74,7 @@ def test_every_metric_by_hand():
         "agentcore/invocations": 3,
         "engine/prompt_tokens": 400,
         "engine/prefix_cache_hit_rate": 0.25,
-        "failures/sandbox": 2,
+        "failures/sandbox_failed": 2,
         "failures/episodes_requeued": 1,
         "time/step_s": 8.0,
         "engine/prefill_s": 1.0,  # per engine

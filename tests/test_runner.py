@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -62,6 +63,8 @@ def ray_head(tmp_path):
         try:
             with urllib.request.urlopen(f"{url}/api/version", timeout=2):
                 break
+        except urllib.error.HTTPError:  # 401: Ray turned token auth on (~/.ray/auth_token exists); it is up
+            break
         except OSError:
             if proc.poll() is not None:
                 pytest.fail("ray start failed:\n" + proc.stdout.read())
@@ -75,7 +78,7 @@ def ray_head(tmp_path):
 
 
 @pytest.mark.slow  # ~2.5 min: a Ray head with its dashboard starts slowly on 2 cores (make test-slow)
-def test_ray_job_submit_runs_driver(ray_head, tiny_model_dir):
+def test_ray_job_submit_runs_driver(ray_head, tiny_model_dir, tmp_path):
     runner = Runner(
         exp_id="job-e2e",
         config="examples/calculator/config.yaml",
@@ -84,10 +87,11 @@ def test_ray_job_submit_runs_driver(ray_head, tiny_model_dir):
         model_path=str(tiny_model_dir),
         steps=1,
         overrides=["engine.dtype=float32", "rollout.prompts_per_step=2", "rollout.group_size=2",
-                   "rollout.max_tokens=8", "rollout.max_turns=1", "logging.tensorboard=false"],
+                   "rollout.max_tokens=8", "rollout.max_turns=1", "logging.tensorboard=false",
+                   f"logging.output_dir={tmp_path / 'runs'}"],  # absolute: kept as it is on the driver's node
     )
     job_id = runner.submit()
     status = runner.wait(job_id, timeout_s=400)
     logs = runner.logs(job_id)
     assert status == "SUCCEEDED", logs[-3000:]
-    assert "step 1/1 |" in logs and "[rayrl] metrics:" in logs
+    assert "step 1/1 |" in logs and f"[rayrl] metrics: {tmp_path / 'runs' / 'job-e2e' / 'metrics.jsonl'}" in logs

@@ -1,8 +1,11 @@
-"""The harness layer: how one agent is started for one Task against the gateway.
+"""The agent contract: what an agent gets for one Task, and what it hands back for the reward.
 
-A harness gets an :class:`EpisodeContext` (gateway URL, per-session token, sandbox, sampling settings,
-deadline) and returns an :class:`AgentResult` for the reward function. Harnesses never see token ids:
-the gateway records those.
+Three forms plug in (docs/agents.md): a plain function ``agent(task, endpoint) -> answer`` that gets an
+:class:`Endpoint` (rayrl/agents/function_agent.py), a program that reads its endpoint from environment
+variables (rayrl/agents/command_agent.py), and a :class:`BaseHarness` subclass that gets the whole
+:class:`EpisodeContext` (sandbox, sampling settings, deadline) for harnesses that need more. All of them
+end in an :class:`AgentResult` that the reward function scores. Agents never see token ids: the
+gateway records those.
 """
 
 from __future__ import annotations
@@ -14,6 +17,33 @@ from typing import Any
 
 from rayrl.sandboxes.base import Sandbox
 from rayrl.types import Task
+
+
+def gateway_root(base_url: str) -> str:
+    """The gateway's root URL from its OpenAI base URL (…/v1): what Anthropic clients want."""
+    url = base_url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where an agent sends its LLM calls for one episode: an OpenAI-compatible API (Chat Completions and
+    Responses under ``base_url``, Anthropic Messages under :attr:`anthropic_base_url`) that records every
+    call for training. ``api_key`` is the episode's own token; ``model`` is the name to send. The rest are
+    the run's settings (``rollout.*``), for an agent that wants to honour them."""
+
+    base_url: str  # the gateway's OpenAI base URL (…/v1)
+    api_key: str  # the episode's bearer token: the gateway tells episodes apart by it
+    model: str  # the model name to send
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256  # per LLM call
+    max_turns: int = 8  # LLM calls the agent should stop after
+
+    @property
+    def anthropic_base_url(self) -> str:
+        """The gateway's root, for Anthropic SDKs (they append /v1/messages)."""
+        return gateway_root(self.base_url)
 
 
 @dataclass
@@ -36,10 +66,20 @@ class EpisodeContext:
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
 
+    def endpoint(self) -> Endpoint:
+        """The part a plain function agent gets."""
+        return Endpoint(self.base_url, self.api_key, self.model, self.temperature, self.top_p, self.max_tokens,
+                        self.max_turns)
+
 
 @dataclass
 class AgentResult:
-    """What the agent ended with; the reward function scores it."""
+    """What the agent ended with; the reward function scores it (``reward(task, result) -> float``).
+
+    A function agent's returned string becomes ``final_answer``. ``status`` is "completed" for an agent
+    that finished (right or wrong), "max_turns" for one that ran out of turns, and "error" for one that
+    raised or reported a failure, with ``error`` saying what; the reward function sees all three.
+    """
 
     final_answer: str | None = None
     status: str = "completed"  # completed | max_turns | error
@@ -53,11 +93,19 @@ class AgentResult:
 
 
 class BaseHarness(ABC):
-    """Starts one agent for one Task, waits for it, and reports its result."""
+    """Starts one agent for one Task, waits for it, and reports its result.
+
+    rayrl constructs a subclass named in ``rollout.agent`` with no arguments (a subclass of
+    ``PythonToolAgent`` also gets ``tools``, ``few_shot_examples`` and ``tool_delay_s`` from ``rollout.*``),
+    once per rollout worker, and calls :meth:`run` from several threads at once: keep per-episode state
+    in ``run``'s locals.
+    """
 
     name: str = "base"
-    needs_sandbox: bool = True  # False: the agent runs elsewhere (AgentCore), so no sandbox is leased
+    needs_sandbox: bool = True  # False: no sandbox is leased (the agent runs elsewhere, or its tools are its own)
 
     @abstractmethod
     def run(self, task: Task, ctx: EpisodeContext) -> AgentResult:
-        """Run the agent to completion (or ``ctx.deadline``); raise only on harness bugs."""
+        """Run the agent to completion (or ``ctx.deadline``). Raising counts against the task, as a result
+        with status "error" does (``agent_crashed``); raise :class:`rayrl.rl.failures.InfrastructureError`
+        when the system failed instead (docs/agents.md)."""

@@ -15,8 +15,8 @@ import json
 import os
 from typing import Any
 
-from rayrl.agents.base import AgentResult, EpisodeContext
-from rayrl.agents.harness_cli import CLIHarness, CLIInvocation, CLIOutcome, gateway_root
+from rayrl.agents.base import AgentResult, EpisodeContext, gateway_root
+from rayrl.agents.harness_cli import CLIHarness, CLIInvocation, CLIOutcome
 from rayrl.types import Task
 
 # Environment that keeps Claude Code offline except for the gateway (see docs/gateway.md).

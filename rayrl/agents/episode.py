@@ -2,17 +2,21 @@
 
 ``EpisodeRunner`` depends only on two small protocols, so a notebook can drive it with in-process
 objects and the RolloutWorker actor with Ray handles. Every failure (agent crash, timeout, sandbox or
-gateway error, no turns recorded) ends as an Episode with ``status="failed"``, its kind
+gateway error, reward error, no turns recorded) ends as an Episode with ``status="failed"``, its kind
 (rayrl/rl/failures.py: infrastructure or the agent's) and its error; whatever was generated before the
-failure is kept on the Episode, never dropped silently. An episode whose session saw the engine or the
-gateway fail a call is an infrastructure failure even if the agent went on: its trajectory was shaped by
-the failure, so its reward would mislead GRPO. The task's ``metadata.files`` are written into the
-sandbox before the agent starts.
+failure is kept on the Episode, never dropped silently. An infrastructure failure gets no reward: it is
+left out of training. The agent's own failure (it raised, reported an error, or made no LLM call) is
+still scored by the reward function, which sees ``result.status == "error"``, and a reward function that
+raises scores 0.0: such episodes count against the task and train (``is_scored``). An episode whose
+session saw the engine or the gateway fail a call is an infrastructure failure even if the agent went
+on: its trajectory was shaped by the failure, so its reward would mislead GRPO. The task's
+``metadata.files`` are written into the sandbox before the agent starts.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import traceback
@@ -25,10 +29,13 @@ from rayrl.rl.failures import (
     AGENT_CRASHED,
     ENGINE_ERROR,
     NO_TURNS,
+    INFRA_KINDS,
     REWARD_FAILED,
     SANDBOX_FAILED,
+    SERVICE_FAILED,
     SESSION_FAILED,
     TIMED_OUT,
+    InfrastructureError,
     fail,
 )
 from rayrl.sandboxes.base import Sandbox, SandboxError
@@ -83,18 +90,16 @@ class EpisodeRunner:
             try:
                 box["result"] = self.harness.run(task, ctx)
             except BaseException as err:  # reported as the episode's error
-                box["error"] = f"{type(err).__name__}: {err}"
-                box["sandbox"] = isinstance(err, SandboxError)
-                box["trace"] = traceback.format_exc(limit=5)
+                box["error"] = describe_error(err)
+                box["kind"] = raised_kind(err) or AGENT_CRASHED
 
         thread = threading.Thread(target=target, name=f"agent-{task.task_id}", daemon=True)
         thread.start()
         thread.join(max(0.0, ctx.time_left()))
         if thread.is_alive():
             return AgentResult(status="error", error=f"episode timed out after {self.cfg.episode_timeout_s:.0f} s"), TIMED_OUT
-        if "error" in box:
-            # a sandbox that died is infrastructure, not the agent's doing: its own failure kind
-            return AgentResult(status="error", error=box["error"]), SANDBOX_FAILED if box["sandbox"] else AGENT_CRASHED
+        if "error" in box:  # a sandbox that died or an InfrastructureError is not the agent's doing
+            return AgentResult(status="error", error=box["error"]), box["kind"]
         result = box["result"]
         if result.status == "error":  # the harness reported the failure (a CLI that exited badly, ...)
             kind = result.failure or (TIMED_OUT if ctx.time_left() <= 0 else AGENT_CRASHED)
@@ -143,17 +148,21 @@ class EpisodeRunner:
                     result.info["files"] = collect_files(sandbox)
                 except Exception as err:
                     raise _Failed(SANDBOX_FAILED, f"collecting the files failed: {type(err).__name__}: {err}") from None
-            infra = self._infra_errors(session.session_id)
+            stats = self._session_stats(session.session_id)
+            infra = _infra_error(stats)
             if infra is not None:  # the engine or gateway failed a call: the trajectory is not the policy's
                 raise _Failed(ENGINE_ERROR, infra)
-            if kind is not None:
+            if kind in INFRA_KINDS:
                 raise _Failed(kind, result.error or kind)
+            if not result.turns:  # a function or program agent does not count its calls: the gateway did
+                result.turns = int(stats.get("api_calls", 0) or 0)
+            if kind is not None:  # the agent's own failure: it still gets what the reward function gives
+                failure = (kind, result.error or kind)
             t0 = time.monotonic()
-            try:
-                reward = float(self.reward_fn(task, result))
-            except Exception as err:
-                raise _Failed(REWARD_FAILED, f"{type(err).__name__}: {err}") from None
+            reward, reward_error = self._score(task, result)
             timings["reward_s"] = time.monotonic() - t0
+            if reward_error is not None and failure is None:
+                failure = (REWARD_FAILED, reward_error)
         except _Failed as err:
             failure = (err.kind, err.message)
         finally:
@@ -164,8 +173,9 @@ class EpisodeRunner:
                     logger.warning("sandbox lease %s release failed: %s", lease_id, err)
         try:
             episode.samples = self.sessions.finish_session(session.session_id, reward, {"reward": reward})
-        except Exception as err:
-            failure = failure or (SESSION_FAILED, f"finishing the session failed: {err}")
+        except Exception as err:  # infrastructure: it takes the place of an agent's own failure
+            if failure is None or failure[0] not in INFRA_KINDS:
+                failure = (SESSION_FAILED, f"finishing the session failed: {err}")
         episode.reward = reward
         episode.info = {
             "agent_status": result.status,
@@ -182,16 +192,56 @@ class EpisodeRunner:
         episode.timings = timings
         return episode
 
-    def _infra_errors(self, session_id: str) -> str | None:
-        """The first infrastructure error the gateway answered this session with, if any."""
+    def _score(self, task: Task, result: AgentResult) -> tuple[float, str | None]:
+        """``(reward, error)``: the reward function's score, or 0.0 and what went wrong when it raised or
+        returned no finite number. A reward that raises InfrastructureError (or a SandboxError: its
+        grading sandbox could not be had) fails the episode as infrastructure instead."""
         try:
-            stats = self.sessions.session_stats(session_id)
-        except Exception as err:  # the trajectory manager is unreachable: that is infrastructure too
-            return f"the trajectory manager did not answer: {type(err).__name__}: {err}"
-        count = int(stats.get("infra_errors", 0) or 0)
-        if count <= 0:
-            return None
-        return f"{count} LLM call(s) failed in the engine or gateway; first: {stats.get('infra_error')}"
+            value = self.reward_fn(task, result)
+            reward = float(value)
+        except Exception as err:
+            kind = raised_kind(err)
+            if kind is not None:
+                raise _Failed(kind, f"the reward function: {describe_error(err)}") from None
+            return 0.0, describe_error(err)
+        if not math.isfinite(reward):
+            return 0.0, f"the reward function returned {value!r}"
+        return reward, None
+
+    def _session_stats(self, session_id: str) -> dict[str, Any]:
+        """The session's counters; an unreachable trajectory manager is an infrastructure failure."""
+        try:
+            return self.sessions.session_stats(session_id)
+        except Exception as err:
+            raise _Failed(SESSION_FAILED,
+                          f"the trajectory manager did not answer: {type(err).__name__}: {err}") from None
+
+
+def _infra_error(stats: dict[str, Any]) -> str | None:
+    """The first infrastructure error the gateway answered the session with, if any."""
+    count = int(stats.get("infra_errors", 0) or 0)
+    if count <= 0:
+        return None
+    return f"{count} LLM call(s) failed in the engine or gateway; first: {stats.get('infra_error')}"
+
+
+def raised_kind(err: BaseException) -> str | None:
+    """The infrastructure failure kind an exception from an agent or a reward stands for, or None when it
+    is their own error."""
+    if isinstance(err, SandboxError):
+        return SANDBOX_FAILED
+    if isinstance(err, InfrastructureError):
+        return SERVICE_FAILED
+    return None
+
+
+def describe_error(err: BaseException) -> str:
+    """``Type: message (file:line)``, one line: the line is where it was raised, so the first log line
+    that mentions the failure says where to look."""
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}{where}" if text else f"{type(err).__name__}{where}"
 
 
 class _Failed(Exception):

@@ -67,12 +67,6 @@ def find_cli(name: str, cli_dir: str | os.PathLike | None = None) -> str:
                       f"`bash scripts/install_agent_clis.sh`")
 
 
-def gateway_root(base_url: str) -> str:
-    """The gateway's root URL from its OpenAI base URL (…/v1): what Anthropic clients want."""
-    url = base_url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
 @dataclass
 class CLIInvocation:
     """One CLI run: arguments, environment, and files to create first (paths relative to HOME)."""

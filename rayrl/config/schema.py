@@ -162,9 +162,10 @@ class SandboxPoolConfig:
 class RolloutConfig:
     """Episodes: which agent, how many, how long."""
 
-    agent: str = "python_tool_agent"  # harness: python_tool_agent | claude_code | codex | agentcore | module:Class
+    agent: str = "python_tool_agent"  # python_tool_agent | claude_code | codex | agentcore | command | package.module:function (async def agent(task, endpoint) -> str) | package.module:Class (a BaseHarness); docs/agents.md
+    agent_command: list[str] = field(default_factory=list)  # rollout.agent command: the program and its arguments; it reads OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL, gets the task as JSON on stdin and prints the answer (docs/agents.md)
     tools: list[str] = field(default_factory=lambda: ["calculator"])  # tools of the python agent
-    reward: str = "calculator"  # reward function: a registered name or module:function
+    reward: str = "calculator"  # reward function: calculator | math | gsm8k | agent_reported | hidden_tests | package.module:function (reward(task, result) -> float); docs/agents.md
     prompts_per_step: int = 4  # distinct tasks per training step
     group_size: int = 4  # episodes per task (GRPO group)
     num_workers: int = 1  # rollout worker actors
@@ -179,7 +180,7 @@ class RolloutConfig:
     tool_delay_s: list[float] = field(default_factory=list)  # [min, max]: each tool call also sleeps that long (uniform) in the sandbox, as slow real tools do; [] none
     step_deadline_s: float = 0.0  # a step stops waiting for episodes after this (0: no deadline)
     min_groups_fraction: float = 1.0  # finish the step once this fraction of groups completed
-    min_group_episodes: int = 2  # a group trains only if at least this many (capped at group_size) of its episodes succeeded; else its task runs again (failed episodes, mostly infrastructure, never count)
+    min_group_episodes: int = 2  # a group trains only if at least this many (capped at group_size) of its episodes were scored; else its task runs again (only infrastructure failures are not scored; the agent's own count with the reward they got)
 
     def __post_init__(self) -> None:
         positive(self, "rollout.", "prompts_per_step", "group_size", "num_workers", "episode_timeout_s",
@@ -194,6 +195,11 @@ class RolloutConfig:
         if delay and (len(delay) != 2 or not 0.0 <= delay[0] <= delay[1]):
             raise ConfigError(f"rollout.tool_delay_s: need [] or [min, max] with 0 <= min <= max, "
                               f"got {delay}")
+        if self.agent == "command" and not self.agent_command:
+            raise ConfigError("rollout.agent_command: rollout.agent command needs the program to run, e.g. "
+                              "[python, my_agent.py]")
+        if self.agent != "command" and self.agent_command:
+            raise ConfigError(f"rollout.agent_command: only read with rollout.agent: command (it is {self.agent!r})")
 
 
 @dataclass
@@ -354,9 +360,9 @@ class PipelineConfig:
     weight_transfer: Literal["auto", "disk", "tensor", "distributed"] = "auto"  # how new weights reach the engines: auto | disk | tensor | distributed (auto: tensor, i.e. shared-memory handles on CPU and CUDA IPC on GPU, when every engine has a trainer rank on its node (on GPU: on each of its GPUs, colocated; a tensor-parallel engine gets one payload per TP rank, each from the rank on that GPU), else distributed: a gloo / NCCL broadcast; rayrl/weights/routes.py)
     max_episode_retries: int = 2  # an episode whose rollout worker died is re-queued at most this many times
     max_group_reruns: int = 2  # a task whose group had too few successful episodes runs again at most this many times
-    checkpoint_interval: int = 0  # save every N steps (0: only at the end)
+    checkpoint_interval: int = 0  # save every N steps and at the end (0: only at the end; -1: never, so no --resume)
     checkpoint_dir: Optional[str] = None  # a directory or s3://bucket/prefix (boto3 config, e.g. AWS_ENDPOINT_URL_S3); default runs/<exp_id>/checkpoints
-    keep_checkpoints: int = 0  # keep only the newest N complete checkpoints (0: keep all)
+    keep_checkpoints: int = 1  # keep only the newest N complete checkpoints (0: keep all); one checkpoint is the weights plus AdamW's two moments, 12 bytes per parameter in float32 (1.6 GB for SmolLM2-135M)
     episode_budget: int = 0  # stop the run once its steps have taken this many episodes (those dynamic sampling dropped too), checked after each step; compares runs at equal rollout cost (0: trainer.steps alone)
     eval_interval: int = 0  # validate on data.val_path before step 1 and every N steps (0: never)
     eval_tasks: int = 64  # validation tasks per evaluation (0: the whole set)
@@ -364,7 +370,9 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         positive(self, "pipeline.", "generation_wait_timeout_s", "weight_sync_timeout_s")
-        non_negative(self, "pipeline.", "checkpoint_interval", "keep_checkpoints", "max_staleness",
+        if self.checkpoint_interval < -1:
+            raise ConfigError(f"pipeline.checkpoint_interval: must be >= -1 (-1: never), got {self.checkpoint_interval}")
+        non_negative(self, "pipeline.", "keep_checkpoints", "max_staleness",
                      "groups_in_flight", "max_episode_retries", "max_group_reruns", "eval_interval", "eval_tasks",
                      "episode_budget")
         at_least_one(self, "pipeline.", "eval_max_concurrent")

@@ -19,18 +19,28 @@ from rayrl.types import Task
 
 
 class DatasetError(ValueError):
-    """A malformed dataset file; the message names the file and line."""
+    """A malformed dataset file; the message names the file and the line of each bad row shown."""
+
+
+MAX_REPORTED_ROWS = 5  # bad rows named in a DatasetError (the count covers all of them)
 
 
 class JsonlDataset:
-    """Tasks loaded from a JSONL file, filtered by prompt length."""
+    """Tasks loaded from a JSONL file, filtered by prompt length.
+
+    Every row is checked before any is used: a row that is not a JSON object, lacks a string ``prompt``,
+    or has a ``metadata`` that is not an object makes the whole file fail with ``file:line: what`` for
+    the first :data:`MAX_REPORTED_ROWS` bad rows and the count of all of them, in one line.
+    """
 
     def __init__(self, path: str | Path, max_prompt_chars: int = 0) -> None:
         self.path = Path(path)
         if not self.path.is_file():
-            raise DatasetError(f"data file not found: {self.path}")
+            where = "" if self.path.is_absolute() else f" (relative to {Path.cwd()})"
+            raise DatasetError(f"data file not found: {self.path}{where}")
         self.tasks: list[Task] = []
         self.filtered = 0
+        bad: list[str] = []
         with self.path.open() as fh:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
@@ -38,20 +48,28 @@ class JsonlDataset:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise DatasetError(f"{self.path}:{lineno}: invalid JSON ({err.msg})") from None
-                self.tasks.append(self._task(row, lineno, max_prompt_chars))
-        self.tasks = [t for t in self.tasks if t is not None]
+                    bad.append(f"{self.path}:{lineno}: invalid JSON ({err.msg})")
+                    continue
+                problem = row_problem(row)
+                if problem:
+                    bad.append(f"{self.path}:{lineno}: {problem}")
+                    continue
+                task = self._task(row, lineno, max_prompt_chars)
+                if task is not None:
+                    self.tasks.append(task)
+        if bad:
+            more = f" ({len(bad)} bad rows in all)" if len(bad) > MAX_REPORTED_ROWS else ""
+            raise DatasetError("; ".join(bad[:MAX_REPORTED_ROWS]) + more
+                               + '; each row is {"prompt": str, "metadata": {...}, "id": optional}')
         if not self.tasks:
-            raise DatasetError(f"{self.path}: no usable rows")
+            raise DatasetError(f"{self.path}: no usable rows"
+                               + (f" ({self.filtered} longer than data.max_prompt_chars)" if self.filtered else ""))
 
-    def _task(self, row: Any, lineno: int, max_prompt_chars: int) -> Task | None:
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise DatasetError(f"{self.path}:{lineno}: each row needs a string 'prompt'")
-        metadata = row.get("metadata")
-        metadata = metadata if isinstance(metadata, dict) else {}
+    def _task(self, row: dict[str, Any], lineno: int, max_prompt_chars: int) -> Task | None:
         if max_prompt_chars and len(row["prompt"]) > max_prompt_chars:
             self.filtered += 1
             return None
+        metadata = row.get("metadata") if row.get("metadata") is not None else {}
         return Task(prompt=row["prompt"], metadata=metadata, task_id=str(row.get("id", f"{self.path.stem}-{lineno}")))
 
     def __len__(self) -> int:
@@ -98,3 +116,14 @@ class TaskSampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.state = SamplerState(int(state["epoch"]), int(state["position"]))
+
+
+def row_problem(row: Any) -> str | None:
+    """What is wrong with one parsed JSONL row, or None."""
+    if not isinstance(row, dict):
+        return f"a row must be a JSON object, got {type(row).__name__}"
+    if not isinstance(row.get("prompt"), str):
+        return "each row needs a string 'prompt'" + ("" if "prompt" not in row else f", got {type(row['prompt']).__name__}")
+    if row.get("metadata") is not None and not isinstance(row["metadata"], dict):
+        return f"'metadata' must be an object, got {type(row['metadata']).__name__}"
+    return None

@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def _serve(reader: RunReader, host: str, port: int, token: str | None) -> None:
     runner, url = await start(reader, host, port, token)
-    print(f"rayrl inspector for {reader.path}: {url}", flush=True)
+    print(f"rayrl inspector for {reader.path}: {url} (one episode: add #episode=STEP:INDEX)", flush=True)
     try:
         await asyncio.Event().wait()
     finally:
@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.export or args.atif:
             if args.export:
                 counts = export_html(reader, args.export)
-                print(f"wrote {args.export}: {counts['episodes']} episodes, {counts['with_tokens']} with token detail")
+                print(f"wrote {args.export}: {counts['episodes']} episodes, {counts['with_tokens']} with token detail "
+                      "(one episode: open it with #episode=STEP:INDEX after the file's address)")
             if args.atif:
                 counts = export_atif(reader, args.atif, args.session)
                 print(f"wrote {args.atif}: {counts['trajectories']} ATIF trajectories "

@@ -1,11 +1,22 @@
-"""Reward functions: ``fn(task, result) -> float``, chosen by name in config (``rollout.reward``)."""
+"""Reward functions: ``reward(task, result) -> float``, chosen by name in config (``rollout.reward``).
+
+A registered name or ``package.module:function``, imported and checked when the config is loaded
+(rayrl/preflight.py). The contract (docs/agents.md): ``task`` is the dataset row (``Task``: prompt,
+metadata, task_id), ``result`` what the agent ended with (``AgentResult``: ``final_answer``, ``status``
+completed / max_turns / error, ``error``, ``info``...). It returns a finite float; 1.0 or more counts as a
+success in ``rollout/success_rate``. It is called for every episode the agent finished or failed by its
+own doing (``result.status == "error"``: every built-in reward gives 0.0 then), never for an
+infrastructure failure. A reward that raises scores 0.0 (``failures/reward_failed``); one that raises
+``rayrl.rl.failures.InfrastructureError`` (its grader is down) fails the episode as infrastructure.
+"""
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 from rayrl.agents.base import AgentResult
+from rayrl.config import ConfigError
+from rayrl.extensions import check_call, did_you_mean, load_reference
 from rayrl.rewards.gsm8k import agent_reported_reward, gsm8k_reward
 from rayrl.rewards.hidden_tests import hidden_tests_reward
 from rayrl.rewards.math import numeric_answer_reward
@@ -23,13 +34,16 @@ REWARDS: dict[str, RewardFn] = {
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """A registered reward, or ``package.module:function``."""
+    """A registered reward, or ``package.module:function`` (imported and its signature checked); a
+    ConfigError naming ``rollout.reward`` otherwise."""
     if name in REWARDS:
         return REWARDS[name]
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        return getattr(importlib.import_module(module), attr)
-    raise ValueError(f"rollout.reward: unknown reward {name!r}; registered: {sorted(REWARDS)} or module:function")
+    if ":" not in name:
+        raise ConfigError(f"rollout.reward: unknown reward {name!r}{did_you_mean(name, list(REWARDS))}; registered: "
+                          f"{', '.join(sorted(REWARDS))}, or package.module:function")
+    fn = load_reference(name, "rollout.reward")
+    check_call(fn, "rollout.reward", name, ("task", "result"), "reward(task, result) -> float")
+    return fn
 
 
 __all__ = ["RewardFn", "agent_reported_reward", "get_reward_fn", "gsm8k_reward", "hidden_tests_reward",

@@ -1,11 +1,13 @@
-"""One step's training batch: the samples of its successful episodes with their advantages.
+"""One step's training batch: the samples of its scored episodes with their advantages.
 
 The advantage of an episode comes from the estimator ``algorithm.advantage_estimator`` names
 (rayrl/rl/advantages.py: GRPO and the others measure an episode's reward against its group, no value
 model), over the rewards after shaping (rayrl/rl/shaping.py). Every sample an episode produced (one per
-linearized trajectory branch) trains with its episode's advantage. Failed episodes are counted but never
-trained: their reward says nothing about the policy, and the group's baseline is taken over the episodes
-that succeeded. A per-token term (on-policy distillation, rayrl/rl/distill.py) turns a sample's
+linearized trajectory branch) trains with its episode's advantage. Scored episodes (rayrl/rl/failures.py
+``is_scored``) are the ones that completed and the ones the agent or the reward failed by its own doing,
+with the reward the reward function gave them (0.0 for every built-in reward). Infrastructure failures
+are counted but never trained: their reward says nothing about the policy, so the group's baseline is
+taken without them. A per-token term (on-policy distillation, rayrl/rl/distill.py) turns a sample's
 advantage into one value per response token (``token_advantages``). A batch where no sample would
 train (every advantage zero and no other loss term on; rayrl/rl/updates.py ``sample_trains``) carries
 no gradient, and the pipeline skips the trainer step for it (``Batch.trains``).
@@ -23,13 +25,15 @@ from rayrl.rl.advantages import EstimatorInput, estimate
 from rayrl.rl.shaping import shaped_rewards
 from rayrl.rl.staleness import sample_staleness
 from rayrl.rl.updates import sample_trains
+from rayrl.rl.failures import is_scored
 from rayrl.types import Episode, Sample
 
 
 @dataclass
 class Batch:
-    """``samples`` with ``advantages`` (one per sample, its episode's), in episode order, and how many
-    of the step's episodes went into it (``episodes_ok``) or were left out as failed.
+    """``samples`` with ``advantages`` (one per sample, its episode's), in episode order; how many of the
+    step's episodes completed (``episodes_ok``) or failed (``episodes_failed``), and how many of the failed
+    ones were infrastructure failures left out of the batch (``episodes_excluded``).
 
     ``token_advantages``: when a per-token term changed them, each sample's advantages per response
     token (aligned with ``loss_mask``); the trainer then uses these instead of ``advantages``.
@@ -40,6 +44,7 @@ class Batch:
     advantages: list[float]
     episodes_ok: int
     episodes_failed: int
+    episodes_excluded: int = 0
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     token_advantages: Optional[list[np.ndarray]] = None
     metrics: dict[str, float] = field(default_factory=dict)
@@ -63,17 +68,18 @@ class Batch:
 
 def build_batch(episodes: Sequence[Episode], algorithm: AlgorithmConfig | None = None) -> Batch:
     """The batch of one step's episodes: rewards shaped, then advantages from the configured estimator
-    over the successful episodes (default: GRPO)."""
+    over the scored episodes (default: GRPO)."""
     algo = algorithm if algorithm is not None else AlgorithmConfig()
-    ok = [e for e in episodes if e.ok]
-    rewards, shaping = shaped_rewards(ok, algo)
-    tokens = [sum(s.num_trained_tokens for s in e.samples) for e in ok]
-    adv = estimate(algo.advantage_estimator, EstimatorInput.of(rewards, [e.group_id for e in ok], tokens))
+    scored = [e for e in episodes if is_scored(e)]
+    rewards, shaping = shaped_rewards(scored, algo)
+    tokens = [sum(s.num_trained_tokens for s in e.samples) for e in scored]
+    adv = estimate(algo.advantage_estimator, EstimatorInput.of(rewards, [e.group_id for e in scored], tokens))
     samples: list[Sample] = []
     advantages: list[float] = []
-    for e, a in zip(ok, adv):
+    for e, a in zip(scored, adv):
         for s in e.samples:
             samples.append(s)
             advantages.append(float(a))
-    return Batch(samples, advantages, episodes_ok=len(ok), episodes_failed=len(episodes) - len(ok),
-                 algorithm=algo, metrics=shaping)
+    ok = sum(1 for e in episodes if e.ok)
+    return Batch(samples, advantages, episodes_ok=ok, episodes_failed=len(episodes) - ok,
+                 episodes_excluded=len(episodes) - len(scored), algorithm=algo, metrics=shaping)

@@ -6,8 +6,14 @@ values the pipeline has already gathered (episodes, the batch, the train phase's
 counters); nothing is read from actors, so a step's numbers can be checked on hand-built episodes.
 
 Conventions: reward and success rate are over every episode the step took (a failure counts with the
-reward it was given), turn and tool means over the successful ones only; rates divide by at least
-1e-9 s; engine figures are per engine.
+reward it was given); an episode succeeds when its reward is at least 1.0; turn and tool means are over
+the completed ones only; rates divide by at least 1e-9 s; engine figures are per engine.
+
+Per step or running total: everything is about the step (its episodes, its batch, its train phase, its
+time) except the counters that only grow since the run started: ``failures/<kind>`` (failed episodes
+and other faults by cause, the step's included), ``gateway/*`` and ``trajectory/*``
+(:func:`gateway_metrics`), ``engine/prompt_tokens``, ``train/policy_version`` and
+``rollout/episodes_per_s_run``. docs/operations.md has the table.
 """
 
 from __future__ import annotations
@@ -68,7 +74,8 @@ def step_metrics(
     named (``train/*``, ``time/train_s``, ...), or None when the step had nothing to learn (then
     ``train/trained_samples`` is 0). ``pipeline_counts``: the step's schedule counts (dropped stale
     groups and samples), logged as ``pipeline/<name>``. ``groups_in_flight``: groups queued, running or
-    done but not taken. ``failures``: cumulative failure counts by kind, logged as ``failures/<kind>``.
+    done but not taken. ``failures``: failure counts by kind since the run started (running totals),
+    logged as ``failures/<kind>``.
     ``extra``: metrics gathered elsewhere and already named (``gateway/*``, ``trajectory/*``,
     ``agentcore/*``), logged as given. ``rollout_s``: from the step's start until its groups were taken;
     ``step_s``: the whole step; ``run_episodes`` and ``run_s``: episodes and seconds since the run
@@ -84,6 +91,7 @@ def step_metrics(
         "rollout/episodes": len(episodes),
         "rollout/episodes_ok": batch.episodes_ok,
         "rollout/episodes_failed": batch.episodes_failed,
+        "rollout/episodes_excluded": batch.episodes_excluded,
         "rollout/samples": len(batch.samples),
         "rollout/generated_tokens": generated,
         "rollout/turns_mean": _mean([e.info.get("turns", 0) for e in ok]),

@@ -25,7 +25,6 @@ first failure with its traceback.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -58,13 +57,12 @@ TreeCallback = Callable[[TreeEvent], None]
 
 
 def load_callback(spec: str | None) -> TreeCallback | None:
-    """The function named ``package.module:function`` (``trajectory.debug_callback``), or None."""
+    """The function named ``package.module:function`` (``trajectory.debug_callback``), or None; a
+    ConfigError naming the field when it cannot be imported or called with one event."""
     if not spec:
         return None
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ValueError(f"trajectory.debug_callback: need 'package.module:function', got {spec!r}")
-    fn = getattr(importlib.import_module(module), name, None)
-    if not callable(fn):
-        raise ValueError(f"trajectory.debug_callback: {spec!r} is not a callable")
+    from rayrl.extensions import check_call, load_reference
+
+    fn = load_reference(spec, "trajectory.debug_callback")
+    check_call(fn, "trajectory.debug_callback", spec, ("event",), "callback(event)")
     return fn

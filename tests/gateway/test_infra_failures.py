@@ -1,10 +1,10 @@
-"""Infrastructure failures do not score as reward 0; an agent's own mistakes do.
+"""Infrastructure failures do not score as reward 0; an agent's own mistakes and errors do.
 
 A real EpisodeRunner drives the real python tool-use agent (openai SDK) against a real gateway in
 front of a scripted engine (a real HTTP server speaking SGLang's /generate, tests/gateway/
 scripted_engine.py), with a real local sandbox. What fails is chosen per test: the engine answers 500
 to one call (the agent retries, as CLIs do, and then answers), the sandbox vanishes, the reward
-function raises, or the model simply answers wrong.
+function raises (the task's own error: scored 0), or the model simply answers wrong.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rayrl.agents.episode import EpisodeRunner
 from rayrl.agents.python_agent import PythonToolAgent
 from rayrl.config import RolloutConfig
 from rayrl.rewards import numeric_answer_reward
-from rayrl.rl.failures import ENGINE_ERROR, REWARD_FAILED, SANDBOX_FAILED, is_infra
+from rayrl.rl.failures import ENGINE_ERROR, REWARD_FAILED, SANDBOX_FAILED, is_infra, is_scored
 from rayrl.types import Task
 from tests.gateway.episode_kit import InProcessSessions, LocalSandboxes
 from tests.gateway.scripted_engine import ENGINE_FAILURE
@@ -74,10 +74,11 @@ def test_a_sandbox_that_dies_is_infrastructure(scripted):
     assert episode.failure == SANDBOX_FAILED and is_infra(episode) and episode.reward == 0.0
 
 
-def test_a_reward_function_that_raises_is_infrastructure(scripted):
+def test_a_reward_function_that_raises_counts_against_the_task(scripted):
     def broken_reward(task: Task, result: AgentResult) -> float:
         raise KeyError("answer")
 
     stack = scripted(lambda prompt: "The answer is 7.")
     episode = _runner(stack, reward=broken_reward).run(TASK, "g", 0)
-    assert episode.failure == REWARD_FAILED and is_infra(episode) and "KeyError" in episode.error
+    assert episode.failure == REWARD_FAILED and not is_infra(episode) and "KeyError" in episode.error
+    assert is_scored(episode) and episode.reward == 0.0 and episode.samples  # trained with reward 0, not rerun

@@ -173,3 +173,25 @@ def test_static_export_renders_the_same_with_no_server(scripted_run, serve, page
     assert _rows(static) == ["1:3", "2:2"]
     assert requests == [out.as_uri()]  # the file itself, nothing else: it needs no server and no network
     static.close()
+
+
+def test_one_episode_has_its_own_link_served_and_exported(scripted_run, serve, page, browser, tmp_path):
+    run_dir, _ = scripted_run
+    served = serve(run_dir)
+    page.goto(served.url + "#episode=1:2")  # a link someone shared: opens that episode
+    page.wait_for_function("() => document.getElementById('ep-title').textContent.startsWith('Episode 1:2')")
+    assert page.get_attribute("#ep-link", "href").endswith("#episode=1:2")
+    _open(page, "2:1")  # opening another one updates the address bar and the link
+    assert page.evaluate("location.hash") == "#episode=2:1" and page.get_attribute("#ep-link", "href").endswith("#episode=2:1")
+    page.evaluate("location.hash = '#episode=1:0'")  # following a link within the page
+    page.wait_for_function("() => document.getElementById('ep-title').textContent.startsWith('Episode 1:0')")
+
+    out = tmp_path / "inspector.html"
+    done = subprocess.run([sys.executable, "-m", "rayrl.inspect", str(run_dir), "--export", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    static = browser.new_page()
+    static.goto(out.as_uri() + "#episode=1:1")
+    static.wait_for_function("() => document.getElementById('ep-title').textContent.startsWith('Episode 1:1')")
+    assert static.get_attribute("#ep-link", "href") == out.as_uri() + "#episode=1:1"
+    static.close()

@@ -76,3 +76,11 @@ def test_config_rejects_s3_uri_without_bucket():
         load_config(None, ["pipeline.checkpoint_dir=s3:///prefix"])
     with pytest.raises(ConfigError, match="pipeline.keep_checkpoints"):
         load_config(None, ["pipeline.keep_checkpoints=-1"])
+
+
+def test_the_default_keeps_one_checkpoint_and_minus_one_saves_none():
+    cfg = load_config(None)
+    assert cfg.pipeline.keep_checkpoints == 1 and cfg.pipeline.checkpoint_interval == 0  # the newest, at the end
+    assert load_config(None, ["pipeline.checkpoint_interval=-1"]).pipeline.checkpoint_interval == -1
+    with pytest.raises(ConfigError, match="pipeline.checkpoint_interval: must be >= -1"):
+        load_config(None, ["pipeline.checkpoint_interval=-2"])

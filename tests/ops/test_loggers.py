@@ -48,3 +48,19 @@ def test_counter_deltas_per_step_and_after_a_reset():
     assert deltas.update({"decode_s": 5.5, "prefill_s": 1.0}, now=115.0) == ({"decode_s": 2.5, "prefill_s": 0.0}, 5.0)
     # the engine restarted: its counters began again from zero
     assert deltas.update({"decode_s": 0.5, "prefill_s": 2.0}, now=117.0) == ({"decode_s": 0.5, "prefill_s": 1.0}, 2.0)
+
+
+def test_the_reward_curve_has_whole_steps_on_its_x_axis(tmp_path):
+    logger = MetricsLogger(LoggingConfig(tensorboard=False, plot=True), tmp_path)
+    for step, reward in ((1, 0.25), (2, 0.5)):  # two points: matplotlib alone would tick 1.0, 1.2, ... 2.0
+        logger.log(step, {"rollout/reward_mean": reward})
+    assert (tmp_path / "reward_curve.png").stat().st_size > 1000
+    fig = logger.reward_figure()
+    ax = fig.axes[0]
+    low, high = ax.get_xlim()
+    ticks = [t for t in ax.get_xticks() if low <= t <= high]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    logger.close()

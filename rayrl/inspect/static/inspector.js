@@ -115,15 +115,20 @@ function renderList() {
   body.replaceChildren(...rows.map((e) => el("tr", {"data-key": e.key, class: e.key === CURRENT ? "current" : "", onclick: () => openEpisode(e.step, e.index)},
     el("td", {text: e.step}), el("td", {text: e.index}),
     el("td", {class: "task", text: (e.task_id || "") + (e.prompt ? " — " + e.prompt.slice(0, 120) : "")}),
-    el("td", {text: e.harness || ""}), el("td", {class: "status-" + e.status, text: e.status + (e.failure ? " · " + e.failure : "")}),
+    el("td", {text: e.harness || ""}), el("td", {class: "status-" + e.status, text: e.status + (e.failure ? " · " + e.failure : "") + (e.discarded ? " · set aside (" + e.discarded + ")" : "")}),
     el("td", {text: fmt(e.reward)}), el("td", {text: fmt(e.advantage)}), el("td", {text: fmt(e.turns)}),
     el("td", {text: fmt(e.tool_errors)}), el("td", {text: fmt(e.tokens)}),
     el("td", {text: fmt((e.timings || {}).total_s, 1)}), el("td", {text: e.detail ? "tokens" : "tree"}))));
 }
 
 // ---------------------------------------------------------------- one episode
+// One episode has its own address: the page's URL with #episode=STEP:INDEX (served or exported) opens it.
+const EPISODE_HASH = /^#episode=(\d+):(\d+)$/;
+function episodeLink(key) { return location.href.split("#")[0] + "#episode=" + key; }
+
 async function openEpisode(step, index) {
   CURRENT = step + ":" + index;
+  if (location.hash !== "#episode=" + CURRENT) history.replaceState(null, "", "#episode=" + CURRENT);
   renderList();
   try { EPISODE = await api("episode", {step, index}); }
   catch (err) { $("episode").hidden = false; $("ep-title").textContent = "Episode " + CURRENT; $("ep-problem").hidden = false; $("ep-problem").textContent = String(err.message || err); return; }
@@ -134,8 +139,10 @@ function renderEpisode() {
   const d = EPISODE, r = d.row;
   $("episode").hidden = false;
   $("ep-title").textContent = "Episode " + r.key + " — " + (r.task_id || "") + " (" + r.status + ")";
+  $("ep-link").href = episodeLink(r.key); $("ep-link").hidden = false;
   const items = [["session", r.session_id], ["task", r.task_id], ["prompt", r.prompt], ["group", r.group_id], ["harness", r.harness],
-    ["status", r.status + (r.agent_status ? " (agent: " + r.agent_status + ")" : "")], ["failure", r.failure], ["error", r.error], ["reward", fmt(r.reward)],
+    ["status", r.status + (r.agent_status ? " (agent: " + r.agent_status + ")" : "")], ["failure", r.failure], ["error", r.error],
+    ["set aside", r.discarded ? (r.discarded === "rerun" ? "its group ran again (infrastructure failures); not trained" : "its group was too stale; not trained") : null], ["reward", fmt(r.reward)],
     ["advantage", fmt(r.advantage)], ["turns / tool calls / tool errors", [r.turns, r.tool_calls, r.tool_errors].map(fmt).join(" / ")],
     ["final answer", r.final_answer], ["timings (s)", Object.entries(r.timings || {}).map(([k, v]) => k + " " + fmt(v, 2)).join(", ")]];
   $("ep-summary").replaceChildren(...items.filter((i) => i[1] != null && i[1] !== "").flatMap(([k, v]) => [el("dt", {text: k}), el("dd", {text: v})]));
@@ -260,10 +267,17 @@ async function loadRun() {
   try {
     const run = await api("run");
     if (RUN && run.stamp === RUN.stamp) return;  // nothing changed on disk: keep the page as it is
+    const first = !RUN;
     RUN = run; renderRun();
+    if (first) openFromHash();
   }
   catch (err) { $("problems").hidden = false; $("problems").textContent = "Could not read the run: " + (err.message || err); }
 }
+function openFromHash() {
+  const m = EPISODE_HASH.exec(location.hash);
+  if (m && m[1] + ":" + m[2] !== CURRENT) openEpisode(Number(m[1]), Number(m[2]));
+}
+window.addEventListener("hashchange", openFromHash);
 for (const id of ["f-step", "f-status", "f-harness", "f-reward", "f-length", "f-search", "f-sort", "f-desc"]) $(id).addEventListener("input", renderList);
 $("raw-ids").addEventListener("change", () => EPISODE && renderSamples());
 if (!STATIC) {

@@ -1,0 +1,38 @@
+"""What driver.py checks before Ray starts, so a mistake costs a second and one line, not a cluster start.
+
+The schema (types, ranges, choices) is checked by ``load_config``. This adds what needs more than the
+YAML: every ``package.module:name`` the config names is imported and its signature checked
+(``rollout.agent``, ``rollout.reward``, ``trajectory.debug_callback``; rayrl/extensions.py), the
+python agent's tools exist, an agent command is there, and the data files parse row by row
+(``file:line`` for the first bad rows). Every failure is a :class:`~rayrl.config.ConfigError` naming the
+field; driver.py prints it on one line and exits 2.
+"""
+
+from __future__ import annotations
+
+from rayrl.config import ConfigError, RunConfig
+
+
+def check_data(field: str, path: str, max_prompt_chars: int) -> int:
+    """Parse every row of ``path``; returns how many tasks it holds, or raises ConfigError naming ``field``."""
+    from rayrl.data.dataset import DatasetError, JsonlDataset
+
+    try:
+        return len(JsonlDataset(path, max_prompt_chars))
+    except DatasetError as err:
+        raise ConfigError(f"{field}: {err}") from None
+
+
+def preflight(cfg: RunConfig, data: bool = True) -> None:
+    """Check everything :mod:`rayrl.preflight` covers (``data=False``: not the data files)."""
+    from rayrl.agents import check_agent
+    from rayrl.rewards import get_reward_fn
+    from rayrl.trajectory.events import load_callback
+
+    check_agent(cfg.rollout)
+    get_reward_fn(cfg.rollout.reward)
+    load_callback(cfg.trajectory.debug_callback)
+    if data:
+        check_data("data.train_path", cfg.data.train_path, cfg.data.max_prompt_chars)
+        if cfg.data.val_path:
+            check_data("data.val_path", cfg.data.val_path, cfg.data.max_prompt_chars)
