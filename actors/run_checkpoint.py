@@ -79,7 +79,8 @@ class RunCheckpoints:
 
     def resume(self) -> bool:
         """Load the newest complete checkpoint and queue its untrained groups (fresh episodes: those in
-        flight were lost). The caller pushes the loaded weights to the engines."""
+        flight were lost, or, on a live pipeline, are dropped). The caller pushes the loaded weights to the
+        engines."""
         step = self.store.latest()
         if step is None:
             print(f"[rayrl] no checkpoint at {self.store.location}; starting fresh", flush=True)
@@ -91,8 +92,7 @@ class RunCheckpoints:
         self.sampler.load_state_dict(saved["sampler"])
         schedule = saved.get("schedule") or {}
         self.state.group_seq = int(schedule.get("group_seq", self.state.group_seq))
-        for row in schedule.get("untrained_groups", []):
-            self.dispatcher.submit(GroupDispatcher.task_of(row), row["group_id"])
+        self.dispatcher.restore(schedule.get("untrained_groups", []))
         print(f"[rayrl] resumed from {self.store.location_of(step)} at step {self.state.step}, "
               f"policy version {self.state.version}", flush=True)
         return True
