@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rayrl.config import EngineConfig
 from rayrl.engines.client import EngineClient, EngineError
 from rayrl.engines.launcher import EngineProcess
+from rayrl.weights.shm import sweep_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class EngineActor:
         index: int,
         seat: Optional[EngineSeat] = None,
     ) -> None:
+        sweep_quietly()  # weight buffers of killed processes on this node (rayrl/weights/shm.py)
         self.index = index
         self.cfg = cfg
         self.node_id = ray.get_runtime_context().get_node_id()

@@ -30,6 +30,7 @@ from rayrl.config import TrainerConfig
 from rayrl.rl.shard import rank_shards, replica_leads
 from rayrl.types import Sample
 from rayrl.weights.routes import RankPlace, WeightRoutes, make_sender
+from rayrl.weights.shm import sweep_quietly
 
 FAILURE_GRACE_S = 60.0  # how long surviving ranks get to fail on their own once a peer has died
 
@@ -54,6 +55,7 @@ class TrainerRank:
     """One rank of the trainer."""
 
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world_size: int, seed: int) -> None:
+        sweep_quietly()  # weight buffers of killed processes on this node (rayrl/weights/shm.py)
         self.args = (model_path, cfg, rank, world_size, seed)
         self.trainer = None
         self.sender: Any = None  # this rank's weight sender (rayrl/weights/routes.py), or None

@@ -2,9 +2,10 @@
 
 For engines on the sending rank's own node (colocated: on its own GPU). Each bucket is serialized as
 handles with SGLang's serializer form and posted to ``/update_weights_from_tensor``; the engine maps the
-trainer's memory and copies, so no tensor bytes cross HTTP. On CPU one shared-memory buffer is reused for
-every bucket. A handle means nothing on another machine, which is why rayrl/weights/routes.py only gives
-this transport engines that share the sender's node.
+trainer's memory and copies, so no tensor bytes cross HTTP. On CPU one shared-memory buffer is reused
+for every bucket (rayrl/weights/shm.py: named after this process, removed on close, swept by the next
+trainer or engine to start if this process is killed). A handle means nothing on another machine, which
+is why rayrl/weights/routes.py only gives this transport engines that share the sender's node.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from rayrl.weights.transfer import (
     verify_version,
     with_last,
 )
-from rayrl.weights.wire import flatten_bucket, serialize_for_engine, shared_cpu_buffer
+from rayrl.weights.shm import SharedBuffer
+from rayrl.weights.wire import flatten_bucket, serialize_for_engine
 
 logger = logging.getLogger(__name__)
 
@@ -53,27 +55,37 @@ class HandleSender:
         self.bucket_bytes = bucket_bytes
         self.flattened = flattened
         self.timeout_s = timeout_s
-        self._buffer: Optional[torch.Tensor] = None
+        self._buffer: Optional[SharedBuffer] = None
 
     async def connect(self) -> None:
         """Nothing to set up: each bucket's handles are opened by the engine when it is posted."""
 
     async def close(self) -> None:
-        self._buffer = None
+        self._close_buffer()
         await close_clients(self.engines)
 
+    def _close_buffer(self) -> None:
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+
+    def _cpu_buffer(self, nbytes: int) -> SharedBuffer:
+        """The shared-memory buffer, replaced by a larger one when a bucket needs more."""
+        if self._buffer is None or self._buffer.nbytes < nbytes:
+            self._close_buffer()
+            self._buffer = SharedBuffer(max(nbytes, self.bucket_bytes))
+        return self._buffer
+
     def _bucket_object(self, bucket: list[tuple[str, torch.Tensor]]) -> Any:
+        if bucket[0][1].device.type != "cpu":  # on GPU: one device copy (flattened), then IPC handles
+            return flatten_bucket(bucket) if self.flattened else [(n, t.detach()) for n, t in bucket]
+        # on CPU: fill one shared-memory buffer, reused by every bucket (the engine has copied the previous
+        # one before we get here), so pickling moves no bytes and no new pages are touched
         if self.flattened:
             dtype, numel = bucket[0][1].dtype, sum(t.numel() for _, t in bucket)
-            if bucket[0][1].device.type != "cpu":
-                return flatten_bucket(bucket)  # on GPU: one device copy, then an IPC handle
-            # on CPU: fill one shared-memory buffer, reused by every bucket (the engine has copied the
-            # previous one before we get here), so pickling moves no bytes and no new pages are touched
-            if self._buffer is None or self._buffer.dtype != dtype or self._buffer.numel() < numel:
-                self._buffer = shared_cpu_buffer(max(numel, self.bucket_bytes // bucket[0][1].element_size()), dtype)
-            return flatten_bucket(bucket, out=self._buffer)
-        # CPU storages are moved into shared memory when pickled: share copies, not the trainer's params.
-        return [(n, t.detach().clone() if t.device.type == "cpu" else t.detach()) for n, t in bucket]
+            buffer = self._cpu_buffer(numel * bucket[0][1].element_size())
+            return flatten_bucket(bucket, out=buffer.typed(dtype, numel))
+        return self._cpu_buffer(SharedBuffer.packed_size([t for _, t in bucket])).pack(bucket)
 
     async def send(self, named_tensors: NamedTensors, version: str | int) -> TransferStats:
         version = str(version)

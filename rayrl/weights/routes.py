@@ -27,6 +27,7 @@ from rayrl.engines.client import EngineClient
 from rayrl.weights.broadcast import BroadcastSender
 from rayrl.weights.disk import DiskSender
 from rayrl.weights.handles import HandleSender
+from rayrl.weights.shm import owner_tag
 from rayrl.weights.transfer import EngineTarget, WeightSender
 
 Transport = Literal["disk", "tensor", "distributed"]
@@ -139,14 +140,15 @@ def make_sender(
     cuda: bool,
 ) -> Optional[WeightSender]:
     """The sender rank ``rank`` needs under ``routes`` (None: it feeds no engine). ``connect()`` it before
-    the first ``send``. ``disk_root`` is this run's directory for the disk transport (a per-rank directory
-    is made under it); ``master_address`` is the address other nodes reach this rank at (broadcast)."""
+    the first ``send``. ``disk_root`` is this run's directory for the disk transport (a directory per rank
+    process is made under it, ``rank<r>-<pid>-<start>``: rayrl/weights/shm.py); ``master_address`` is the
+    address other nodes reach this rank at (broadcast)."""
     endpoints = routes.engines_of(rank)
     if not endpoints:
         return None
     targets = [EngineTarget(EngineClient(e.url, timeout_s=timeout_s), e.tp_size) for e in endpoints]
-    if routes.transport == "disk":
-        return DiskSender(targets, Path(disk_root) / f"rank{rank}", timeout_s=timeout_s)
+    if routes.transport == "disk":  # the directory names its owner, so a sweep removes it if the rank is killed
+        return DiskSender(targets, Path(disk_root) / f"rank{rank}-{owner_tag()}", timeout_s=timeout_s)
     if routes.transport == "tensor":
         return HandleSender(targets, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
     return BroadcastSender(targets, backend="nccl" if cuda else "gloo", master_address=master_address,

@@ -16,11 +16,14 @@ import io
 import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
+
+from rayrl.weights.shm import buffer_ref, open_buffer
 
 
 class WeightUpdateError(ValueError):
@@ -79,7 +82,7 @@ def copy_into(named_tensors: Mapping[str, torch.Tensor], targets: Mapping[str, t
 # ---------------------------------------------------------------------------------------------------
 # SGLang's serialized_named_tensors form (/update_weights_from_tensor with load_format null, "direct"
 # or "flattened_bucket"): base64 of a multiprocessing pickle whose tensors travel as handles (a CUDA IPC
-# handle on GPU, a shared-memory file name on CPU), never as bytes. Only same-machine senders can use it.
+# handle on GPU, a shared-memory file name on CPU: rayrl/weights/shm.py), never as bytes. Only same-machine senders can use it.
 # The receiving side unpickles with an allow-list (as SGLang does since CVE-2025-10164): only torch's
 # tensor-rebuild functions, torch value types and the bucket metadata class can be named.
 
@@ -155,10 +158,16 @@ def _cpu_tensors_by_file_name() -> Iterator[None]:
         mp.set_sharing_strategy(previous)
 
 
-def shared_cpu_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D CPU tensor in named shared memory: pickling it later hands out its name without a copy."""
-    with _cpu_tensors_by_file_name():
-        return torch.empty(numel, dtype=dtype).share_memory_()
+class _EnginePickler(ForkingPickler):
+    """torch's reductions, except that a tensor in a rayrl SharedBuffer travels as the buffer's name
+    (rayrl/weights/shm.py): no torch_<pid>_* file, nothing left behind if the sender is killed."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            ref = buffer_ref(obj)
+            if ref is not None:
+                return open_buffer, ref
+        return NotImplemented
 
 
 def _first_tensor(obj: Any) -> torch.Tensor:
@@ -171,8 +180,9 @@ def serialize_for_engine(obj: Any) -> str:
     """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` for ``obj`` (a list of
     ``(name, tensor)`` or a flattened bucket). The caller keeps the tensors alive until the engine has
     answered. On GPU, SGLang's own serializer is used when importable: it names devices by UUID, so an
-    engine with a different CUDA_VISIBLE_DEVICES opens the right GPU. CPU tensors always go by
-    shared-memory file name (see :func:`_cpu_tensors_by_file_name`)."""
+    engine with a different CUDA_VISIBLE_DEVICES opens the right GPU. CPU tensors go by shared-memory
+    file name: a rayrl SharedBuffer's own (what HandleSender sends), any other tensor torch's
+    (see :func:`_cpu_tensors_by_file_name`)."""
     if _first_tensor(obj).is_cuda:
         try:
             from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found]
@@ -182,11 +192,9 @@ def serialize_for_engine(obj: Any) -> str:
             return MultiprocessingSerializer.serialize(obj, output_str=True)
         except ImportError:
             pass
-    from multiprocessing.reduction import ForkingPickler
-
     buf = io.BytesIO()
     with _cpu_tensors_by_file_name():
-        ForkingPickler(buf).dump(obj)
+        _EnginePickler(buf).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -202,6 +210,7 @@ _ALLOWED_GLOBALS = {
     ("torch.storage", "UntypedStorage"),
     ("torch.storage", "TypedStorage"),
     ("collections", "OrderedDict"),
+    ("rayrl.weights.shm", "open_buffer"),  # a rayrl SharedBuffer by name (checks the name itself)
 }
 _CUDA_GLOBALS = {(_REDUCTIONS, "rebuild_cuda_tensor"), ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified")}
 _METADATA_CLASSES = {SGLANG_METADATA_CLASS, (__name__, "FlattenedTensorMetadata")}
