@@ -54,6 +54,12 @@ class EngineSeat:
 
 
 @ray.remote(num_cpus=0)
+def bundle_probe() -> str:
+    """Runs on a placement bundle and returns its node: the bundle is placed on a live node."""
+    return ray.get_runtime_context().get_node_id()
+
+
+@ray.remote(num_cpus=0)
 class GpuSeat:
     """Holds one further GPU of a tensor-parallel engine for Ray's accounting; reports its id."""
 

@@ -201,8 +201,9 @@ def sweep_dead_buffers(root: Optional[Path] = None) -> list[str]:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(f"{run_dir.name}/{path.name}")
     if removed:
+        shown = ", ".join(removed[:5]) + (" ..." if len(removed) > 5 else "")
         logger.warning("removed %d weight buffer(s) (%.0f MiB) left in %s by processes that are gone: %s",
-                       len(removed), freed / 2**20, root, ", ".join(removed[:5]) + (" ..." if len(removed) > 5 else ""))
+                       len(removed), freed / 2**20, root, shown)
     return removed
 
 

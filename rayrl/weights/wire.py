@@ -82,7 +82,8 @@ def copy_into(named_tensors: Mapping[str, torch.Tensor], targets: Mapping[str, t
 # ---------------------------------------------------------------------------------------------------
 # SGLang's serialized_named_tensors form (/update_weights_from_tensor with load_format null, "direct"
 # or "flattened_bucket"): base64 of a multiprocessing pickle whose tensors travel as handles (a CUDA IPC
-# handle on GPU, a shared-memory file name on CPU: rayrl/weights/shm.py), never as bytes. Only same-machine senders can use it.
+# handle on GPU, a shared-memory file name on CPU: rayrl/weights/shm.py), never as bytes. Only
+# same-machine senders can use it.
 # The receiving side unpickles with an allow-list (as SGLang does since CVE-2025-10164): only torch's
 # tensor-rebuild functions, torch value types and the bucket metadata class can be named.
 

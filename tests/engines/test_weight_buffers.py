@@ -90,7 +90,8 @@ def test_sigkilled_owner_is_swept_when_a_trainer_rank_or_engine_starts(ray_local
 
     owner, buffer, weights = _owner(run_dir, "sleep")
     _sigkill(owner)
-    cfg = EngineConfig(backend="cpu", dtype="float32", max_batch_size=2, context_length=256, num_threads=1, startup_timeout_s=180)
+    cfg = EngineConfig(backend="cpu", dtype="float32", max_batch_size=2, context_length=256, num_threads=1,
+                       startup_timeout_s=180)
     engine = EngineActor.remote(cfg, str(tiny_model_dir), str(tmp_path / "logs"), 0)
     try:
         ray.get(engine.info.remote())
