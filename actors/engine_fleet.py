@@ -12,7 +12,8 @@ is gone. The new engine is *not* live until the caller has given it the current 
 ever reaches an engine with stale weights. Shutdown stops the engines that are up and only kills the
 rest: it never waits on an engine that cannot be placed.
 
-Control calls (pause, memory, stats) fan out to the live engines concurrently.
+Control calls (pause, memory, stats) fan out to the live engines concurrently; one whose actor died
+meanwhile is left out of the answers, not raised: its watch reports it.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ class EngineFleet:
         except Exception:  # already gone
             pass
         if slot.seat is not None:
-            # retried without end: a probe whose node dies waits, as the bundle does, for Ray to place it again
+            # retried without end: a probe whose node dies waits, as the bundle does, to be placed again
             slot.placed = [bundle_probe.options(scheduling_strategy=slot.seat.strategy(b),
                                                 max_retries=-1).remote() for b in slot.seat.bundles]
 
@@ -233,32 +234,40 @@ class EngineFleet:
 
     # -- control, fanned out -------------------------------------------------------------------------
 
-    def _all(self, method: str, *args: Any, timeout_s: Optional[float] = None) -> list[Any]:
+    def _each(self, method: str, *args: Any) -> list[tuple[EngineSlot, Any]]:
+        """``method(*args)`` on every live engine at once: ``(slot, answer)`` of those that answered. An
+        engine whose actor died meanwhile (its node lost) is left out; its watch reports it at the next
+        poll, which counts and replaces it once."""
         slots = self.live()
-        return ray.get([getattr(s.actor, method).remote(*args) for s in slots], timeout=timeout_s)
+        refs = [getattr(s.actor, method).remote(*args) for s in slots]
+        answered = []
+        for slot, ref in zip(slots, refs):
+            try:
+                answered.append((slot, ray.get(ref)))
+            except ray.exceptions.RayActorError:
+                logger.debug("engine %d did not answer %s: its actor is gone", slot.index, method)
+        return answered
 
     def pause_generation(self, mode: str) -> None:
-        self._all("pause_generation", mode)
+        self._each("pause_generation", mode)
 
     def continue_generation(self) -> None:
-        self._all("continue_generation")
+        self._each("continue_generation")
 
     def release_memory_occupation(self) -> None:
-        self._all("release_memory_occupation", None)
+        self._each("release_memory_occupation", None)
 
     def resume_memory_occupation(self) -> None:
-        self._all("resume_memory_occupation", None)
+        self._each("resume_memory_occupation", None)
 
     def weight_versions(self) -> dict[int, str]:
-        slots = self.live()
-        return dict(zip([s.index for s in slots], ray.get([s.actor.weight_version.remote() for s in slots])))
+        return {slot.index: version for slot, version in self._each("weight_version")}
 
     def work_stats(self) -> dict[str, dict[str, float]]:
         """Cumulative counters per live engine, keyed ``"<index>:<incarnation>"``: a replaced engine's
         counters start again at 0 under a new key."""
-        slots = self.live()
-        keys = [f"{s.index}:{s.info.get('incarnation', '')}" for s in slots]
-        return dict(zip(keys, ray.get([s.actor.work_stats.remote() for s in slots])))
+        return {f"{slot.index}:{slot.info.get('incarnation', '')}": stats
+                for slot, stats in self._each("work_stats")}
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop the servers of the engines that are up, then kill every actor. An engine that is starting
