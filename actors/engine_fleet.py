@@ -272,7 +272,10 @@ class EngineFleet:
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop the servers of the engines that are up, then kill every actor. An engine that is starting
         or waiting for its bundle (its node may be gone for good) is killed without waiting."""
-        self.refresh()
+        try:
+            self.refresh()  # engines that died since the last poll are not asked
+        except EngineStartError:  # a replacement that never started: killed below like the others
+            pass
         for slot in self.slots:
             for ref in slot.placed or []:
                 ray.cancel(ref)

@@ -19,6 +19,7 @@ rank still alive, so the run stops the same way in every phase (actors/run_check
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import socket
@@ -36,6 +37,8 @@ from rayrl.rl.shard import rank_shards, replica_leads
 from rayrl.types import Sample
 from rayrl.weights.routes import RankPlace, WeightRoutes, make_sender
 from rayrl.weights.shm import sweep_quietly
+
+logger = logging.getLogger("rayrl.pipeline")
 
 FAILURE_GRACE_S = 60.0  # how long ranks in a collective get to fail on their own once a peer has died
 ALIVE_TIMEOUT_S = 30.0  # how long a rank gets to answer "are you alive" after a failure
@@ -368,7 +371,12 @@ class TrainerGroup:
         return [r.push_weights.remote(version, dtype) for r in self.ranks]
 
     def close_weights(self) -> None:
-        self._call("weight close", "close_weights", timeout_s=60)
+        """Close every rank's sender; a rank that is gone (the run stopped on its failure, which said so
+        once) has nothing left to close."""
+        try:
+            self._call("weight close", "close_weights", timeout_s=60)
+        except TrainerFailure as failure:
+            logger.debug("closing the weight senders: %s", failure)
 
     def node_leaders(self, ranks: Optional[Sequence[int]] = None) -> list[int]:
         """The lowest of ``ranks`` (default: all) on each node: who handles files for that node."""
