@@ -174,6 +174,7 @@ def _lose_an_engine_node(pipe, cluster, caplog) -> None:
         assert all(r["status"] == "ok" for r in rows), [r["error"] for r in rows]
 
 
+@pytest.mark.timeout(1500)  # a loaded 2-core machine: the pipeline's start, ~10 steps, an engine node's loss
 def test_split_layout_trainer_on_one_node_engines_on_two_others(three_nodes, tiny_model_dir, tmp_path, caplog):
     from actors.pipeline import Pipeline
 
@@ -205,6 +206,7 @@ def test_split_layout_trainer_on_one_node_engines_on_two_others(three_nodes, tin
         pipe.shutdown()
 
 
+@pytest.mark.timeout(1200)
 def test_colocated_layout_spread_over_three_nodes(three_nodes, tiny_model_dir, tmp_path):
     from actors.pipeline import Pipeline
 
