@@ -13,6 +13,7 @@ from safetensors.numpy import load_file
 from actors.trainer import TrainerFailure, TrainerGroup
 from rayrl.config import TrainerConfig
 from rayrl.types import Sample
+from tests.shm_support import left_by_a_killed_owner
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +40,8 @@ def _weights(group: TrainerGroup, root: Path, version: int) -> dict[str, np.ndar
 def test_rank_death_in_any_phase_raises_and_a_survivor_checkpoint_resumes(ray_local, tiny_model_dir, tmp_path):
     """Rank 1 dies before a train step, then rank 0 before an onload: each call raises TrainerFailure naming
     its phase and the survivors' policy versions, and rank 2, the one survivor, writes a whole checkpoint
-    that a fresh group resumes from with the exact weights."""
+    that a fresh group (of two ranks) resumes from with the exact weights. The fresh ranks sweep the
+    weight buffers a killed process left in /dev/shm as they start."""
     cfg = TrainerConfig(num_ranks=3, lr=1e-3, micro_batch_tokens=256)
     samples, advantages = _samples(6), [1.0, -1.0] * 3
     group = TrainerGroup(cfg, str(tiny_model_dir), seed=0, name_prefix="tf-a")
@@ -60,13 +62,16 @@ def test_rank_death_in_any_phase_raises_and_a_survivor_checkpoint_resumes(ray_lo
     finally:
         group.shutdown()
 
-    fresh = TrainerGroup(cfg, str(tiny_model_dir), seed=0, name_prefix="tf-b")
+    with left_by_a_killed_owner() as (buffer, weights):  # weight buffers of a rank killed with SIGKILL
+        fresh = TrainerGroup(TrainerConfig(num_ranks=2, lr=1e-3, micro_batch_tokens=256), str(tiny_model_dir),
+                             seed=0, name_prefix="tf-b")
+        assert not buffer.exists() and not weights.exists()  # the new ranks swept them as they started
     try:
         assert fresh.load_checkpoint(str(tmp_path / "ckpt")) == 1
         after = _weights(fresh, tmp_path / "w-after", 1)
         assert before.keys() == after.keys()
         assert all(np.array_equal(before[k], after[k]) for k in before)  # the pre-failure weights, exactly
-        assert fresh.train(samples, advantages)["policy_version"] == 2  # every rank trains again
+        assert fresh.train(samples, advantages)["policy_version"] == 2  # two ranks train on from it
     finally:
         fresh.shutdown()
 
