@@ -70,7 +70,8 @@ class NodeKiller:
     def kill_if(self, phase: str) -> None:
         if self.armed == phase:
             self.armed = ""
-            self.cluster.remove_node(self.cluster.worker_nodes[-1], allow_graceful=False)
+            (worker,) = self.cluster.worker_nodes  # the one worker node (each dead one is replaced)
+            self.cluster.remove_node(worker, allow_graceful=False)
             self.killed.append(phase)
 
     def before(self, phase: str, method):
