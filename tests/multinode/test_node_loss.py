@@ -3,7 +3,7 @@
 ``ray.cluster_utils.Cluster``: a head node (the driver, the gateway, the sandboxes, one logical GPU) and a
 worker node (one logical GPU). Trainer rank and engine pairs share each node's GPU bundle
 (``colocated_async``). The worker node is killed as a machine dies, without notice (every process of
-it, raylet first, SIGKILLed: ``Cluster.remove_node(allow_graceful=False)``), at the moment one phase
+it, raylet first, then its workers, SIGKILLed: ``_kill_machine``), at the moment one phase
 begins. ``driver.py`` runs each time exactly as a user runs it, and every run after the first is the
 resume command the previous one printed, on a fresh worker node added in place of the dead one:
 
@@ -28,7 +28,9 @@ import os
 import re
 from pathlib import Path
 
+import psutil
 import pytest
+from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 
 from tests.pipeline.test_schedules_e2e import pipeline_config
@@ -71,7 +73,7 @@ class NodeKiller:
         if self.armed == phase:
             self.armed = ""
             (worker,) = self.cluster.worker_nodes  # the one worker node (each dead one is replaced)
-            self.cluster.remove_node(worker, allow_graceful=False)
+            _kill_machine(self.cluster, worker)
             self.killed.append(phase)
 
     def before(self, phase: str, method):
@@ -99,6 +101,20 @@ class NodeKiller:
             return out
 
         return wrapper
+
+
+def _kill_machine(cluster: Cluster, node) -> None:
+    """Every process of ``node`` SIGKILLed, raylet first, as a machine that dies. ``remove_node`` kills Ray's
+    own processes; the workers (trainer rank, engine) would notice their raylet gone only a moment later and
+    could still answer the phase's first call, which a dead machine never does."""
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    workers = psutil.Process(raylet).children(recursive=True)
+    cluster.remove_node(node, allow_graceful=False)
+    for process in workers:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def _newest_checkpoint(run_dir: Path) -> tuple[int, dict]:
