@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             pipeline.resume()
         pipeline.run()
-    except (TrainerFailure, WeightSyncError, CheckpointError) as err:  # already explained in the log
+    except TrainerFailure:  # the pipeline printed the one line: cause, checkpoint, how to resume
+        return 3
+    except (WeightSyncError, CheckpointError) as err:
         print(f"[rayrl] stopped: {err}", file=sys.stderr)
         return 3
     finally:

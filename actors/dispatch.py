@@ -9,6 +9,11 @@ moving and accounts for it.
 Fault tolerance: when a rollout worker actor dies, every episode it was running is re-queued (same
 group, same index: not lost, not counted twice) and a fresh worker takes its place; the death is
 counted and logged once. An episode re-queued more than ``max_retries`` times fails instead.
+
+A group id is in flight at most once: :meth:`GroupDispatcher.submit` refuses an id already queued,
+running or complete, and :meth:`GroupDispatcher.restore` (resume from a checkpoint) drops whatever is
+in flight before it queues the checkpoint's groups. Adding a checkpoint's groups next to the same groups
+still in flight is how one group came to be trained twice in one step (a resume on a live pipeline).
 """
 
 from __future__ import annotations
@@ -58,7 +63,10 @@ class GroupDispatcher:
     # -- what to run -------------------------------------------------------------------------------
 
     def submit(self, task: Task, group_id: str, front: bool = False, reruns: int = 0) -> None:
-        """Queue a group of ``task`` (``front``: before the others; ``reruns``: how often it ran before)."""
+        """Queue a group of ``task`` (``front``: before the others; ``reruns``: how often it ran before).
+        Raises ValueError for a group id already in flight: its episodes would be recorded twice."""
+        if group_id in self.active or any(g.group_id == group_id for g in (*self.queue, *self.completed)):
+            raise ValueError(f"group {group_id} is already in flight")
         group = Group(task, group_id, self.group_size, reruns=reruns)
         (self.queue.appendleft if front else self.queue.append)(group)
 
@@ -167,6 +175,21 @@ class GroupDispatcher:
         return groups
 
     # -- checkpoint ----------------------------------------------------------------------------------
+
+    def restore(self, rows: list[dict[str, Any]]) -> None:
+        """Make a checkpoint's untrained groups (``rows``, oldest first, as :meth:`untrained_tasks` wrote
+        them) the whole of the work: what is in flight now is dropped first (its episodes' results are
+        ignored), so a group that is both in flight and in the checkpoint runs once."""
+        for ref in self.running:
+            ray.cancel(ref)
+        self.running.clear()
+        self._ran_on.clear()
+        self.retry.clear()
+        self.queue.clear()
+        self.active.clear()
+        self.completed.clear()
+        for row in rows:
+            self.submit(self.task_of(row), row["group_id"])
 
     def untrained_tasks(self) -> list[dict[str, Any]]:
         """Every group not yet handed to the trainer, oldest first, as JSON-safe rows."""

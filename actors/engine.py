@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rayrl.config import EngineConfig
 from rayrl.engines.client import EngineClient, EngineError
 from rayrl.engines.launcher import EngineProcess
+from rayrl.weights.shm import sweep_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,12 @@ class EngineSeat:
 
 
 @ray.remote(num_cpus=0)
+def bundle_probe() -> str:
+    """Runs on a placement bundle and returns its node: the bundle is placed on a live node."""
+    return ray.get_runtime_context().get_node_id()
+
+
+@ray.remote(num_cpus=0)
 class GpuSeat:
     """Holds one further GPU of a tensor-parallel engine for Ray's accounting; reports its id."""
 
@@ -72,6 +79,7 @@ class EngineActor:
         index: int,
         seat: Optional[EngineSeat] = None,
     ) -> None:
+        sweep_quietly()  # weight buffers of killed processes on this node (rayrl/weights/shm.py)
         self.index = index
         self.cfg = cfg
         self.node_id = ray.get_runtime_context().get_node_id()

@@ -2,13 +2,18 @@
 
 Engines start in parallel (each actor starts its own server on its own node). The fleet keeps one
 pending ``watch()`` per engine; when one returns (the server exited) or fails (the actor died), the
-engine is down: :meth:`EngineFleet.poll` reports it, the fleet kills what is left of the actor and
-creates a new one on the same placement bundle (at once, or when the caller allows it: a colocated
-engine's GPU may be lent to the trainer). The new engine is *not* live until the caller has given
-it the current weights and calls :meth:`EngineFleet.mark_live` (actors/pipeline.py: routers learn its
-address only then), so no call ever reaches an engine with stale weights.
+engine is down: :meth:`EngineFleet.poll` reports it once, the fleet kills what is left of the actor and
+creates a new one on the same placement bundle once Ray has that bundle on a live node (a probe task
+on the bundle returns; when the node died, that is after Ray has placed the bundle again, on a spare
+node, which may never come) and when the caller allows it (a colocated engine's GPU may be lent to the
+trainer). So a node's death is one restart, counted once, and never a replacement queued on a node that
+is gone. The new engine is *not* live until the caller has given it the current weights and calls
+:meth:`EngineFleet.mark_live` (actors/pipeline.py: routers learn its address only then), so no call
+ever reaches an engine with stale weights. Shutdown stops the engines that are up and only kills the
+rest: it never waits on an engine that cannot be placed.
 
-Control calls (pause, memory, stats) fan out to the live engines concurrently.
+Control calls (pause, memory, stats) fan out to the live engines concurrently; one whose actor died
+meanwhile is left out of the answers, not raised: its watch reports it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from urllib.parse import urlsplit
 
 import ray
 
-from actors.engine import EngineActor, EngineSeat
+from actors.engine import EngineActor, EngineSeat, bundle_probe
 from rayrl.config import EngineConfig
 from rayrl.weights.routes import EngineEndpoint
 
@@ -45,8 +50,9 @@ class EngineSlot:
     state: str = "starting"  # starting | joining (started, waiting for weights) | live | down
     watch: Any = None  # the pending watch() ref
     start_ref: Any = None  # the pending info() ref of a (re)starting actor
-    restarts: int = 0
+    restarts: int = 0  # times its engine went down (each one replacement)
     failed_starts: int = 0  # replacements in a row that failed to start
+    placed: Optional[list[Any]] = None  # pending probes of the seat's bundles while it is down
 
     @property
     def url(self) -> str:
@@ -93,7 +99,8 @@ class EngineFleet:
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def _actor_options(self, slot: EngineSlot) -> dict[str, Any]:
-        options: dict[str, Any] = {"name": f"{self.name_prefix}-engine-{slot.index}-r{slot.restarts}"}
+        tries = f"-s{slot.failed_starts}" if slot.failed_starts else ""  # one name per start
+        options: dict[str, Any] = {"name": f"{self.name_prefix}-engine-{slot.index}-r{slot.restarts}{tries}"}
         if slot.seat is not None:
             options.update(slot.seat.actor_options())
         elif self.cfg.backend == "sglang":  # no shared placement: Ray still accounts for each GPU
@@ -126,12 +133,12 @@ class EngineFleet:
     def poll(self, start_replacements: bool = True) -> list[EngineEvent]:
         """Engines that went down since the last poll and replacements that have started (state
         ``joining``: they need the current weights, then :meth:`mark_live`). A dead engine's replacement is
-        created in its seat now, or, with ``start_replacements`` False (its GPU is lent to the trainer),
-        at the first poll that allows it."""
+        created in its seat once Ray has the seat's bundles on a live node and ``start_replacements``
+        allows it (False while its GPU is lent to the trainer)."""
         self.refresh()
         if start_replacements:
             for slot in self.slots:
-                if slot.state == "down":
+                if slot.state == "down" and self._placed(slot):
                     self._create(slot)
         events, self._events = self._events, []
         return events
@@ -149,6 +156,7 @@ class EngineFleet:
                 except Exception as err:  # RayActorError: the actor itself died (killed, node lost)
                     detail = f"actor died: {type(err).__name__}"
                 events.append(EngineEvent("down", slot.index, slot.url, detail))
+                slot.restarts += 1
                 self._retire(slot)
         starting = {slot.start_ref: slot for slot in self.slots if slot.start_ref is not None}
         if starting:
@@ -162,7 +170,8 @@ class EngineFleet:
                     if slot.failed_starts >= MAX_FAILED_STARTS:
                         raise EngineStartError(f"engine {slot.index} failed to start {slot.failed_starts} times "
                                                f"in a row; last: {err}") from None
-                    logger.error("engine %d failed to start again: %s", slot.index, err)
+                    logger.error("engine %d failed to start again (%d of %d tries): %s", slot.index,
+                                 slot.failed_starts, MAX_FAILED_STARTS, str(err).strip().splitlines()[0])
                     self._retire(slot)
                     continue
                 slot.failed_starts = 0
@@ -171,7 +180,8 @@ class EngineFleet:
                 events.append(EngineEvent("started", slot.index, slot.url))
 
     def _retire(self, slot: EngineSlot) -> None:
-        """Kill what is left of the slot's actor (its server dies with it); the seat waits for a new one."""
+        """Kill what is left of the slot's actor (its server dies with it); the seat waits for a new one,
+        which starts once its bundles are on a live node (a probe on each, started now)."""
         slot.state = "down"
         slot.watch = None
         slot.start_ref = None
@@ -179,8 +189,27 @@ class EngineFleet:
             ray.kill(slot.actor)
         except Exception:  # already gone
             pass
-        slot.restarts += 1
-        logger.warning("engine %d (%s) is down; a new one will start on its bundle", slot.index, slot.url)
+        if slot.seat is not None:
+            # retried without end: a probe whose node dies waits, as the bundle does, to be placed again
+            slot.placed = [bundle_probe.options(scheduling_strategy=slot.seat.strategy(b),
+                                                max_retries=-1).remote() for b in slot.seat.bundles]
+
+    def _placed(self, slot: EngineSlot) -> bool:
+        """Whether the seat's bundles are on live nodes (every probe has run); a seat without a
+        placement group is always ready."""
+        if not slot.placed:
+            return True
+        done, _ = ray.wait(slot.placed, num_returns=len(slot.placed), timeout=0)
+        if len(done) < len(slot.placed):
+            return False
+        try:
+            ray.get(done)
+        except Exception as err:  # the probe itself failed (the group was removed): probe again
+            logger.debug("engine %d: bundle probe failed (%s); probing again", slot.index, err)
+            self._retire(slot)
+            return False
+        slot.placed = None
+        return True
 
     def mark_live(self, index: int) -> None:
         self.slots[index].state = "live"
@@ -205,23 +234,33 @@ class EngineFleet:
 
     # -- control, fanned out -------------------------------------------------------------------------
 
-    def _all(self, method: str, *args: Any, timeout_s: Optional[float] = None) -> list[Any]:
+    def _each(self, method: str, *args: Any) -> list[tuple[EngineSlot, Any]]:
+        """``method(*args)`` on every live engine at once: ``(slot, answer)`` of those that answered. An
+        engine whose actor died meanwhile (its node lost) is left out; its watch reports it at the next
+        poll, which counts and replaces it once."""
         slots = self.live()
-        return ray.get([getattr(s.actor, method).remote(*args) for s in slots], timeout=timeout_s)
+        refs = [getattr(s.actor, method).remote(*args) for s in slots]
+        answered = []
+        for slot, ref in zip(slots, refs):
+            try:
+                answered.append((slot, ray.get(ref)))
+            except ray.exceptions.RayActorError:
+                logger.debug("engine %d did not answer %s: its actor is gone", slot.index, method)
+        return answered
 
     def pause_generation(self, mode: str) -> None:
-        self._all("pause_generation", mode)
+        self._each("pause_generation", mode)
 
     def continue_generation(self) -> None:
-        self._all("continue_generation")
+        self._each("continue_generation")
 
     def release_memory_occupation(self) -> None:
-        self._all("release_memory_occupation", None)
+        self._each("release_memory_occupation", None)
 
     def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
         """``tags``: what comes back (None: everything); the colocated schedule brings the weights back
         first, the KV cache and CUDA graphs once the trainer has given its memory back."""
-        self._all("resume_memory_occupation", list(tags) if tags is not None else None)
+        self._each("resume_memory_occupation", list(tags) if tags is not None else None)
 
     def set_weight_format(self, weight_format: str) -> int:
         """Every CPU engine's decode weights from now on, replacements included (SGLang has none); returns
@@ -229,26 +268,34 @@ class EngineFleet:
         if self.cfg.backend == "sglang":
             return 0
         self.cfg = replace(self.cfg, weight_format=weight_format)
-        return sum(self._all("set_weight_format", weight_format))
+        return sum(changed for _, changed in self._each("set_weight_format", weight_format))
 
     def weight_versions(self) -> dict[int, str]:
-        slots = self.live()
-        return dict(zip([s.index for s in slots], ray.get([s.actor.weight_version.remote() for s in slots])))
+        return {slot.index: version for slot, version in self._each("weight_version")}
 
     def work_stats(self) -> dict[str, dict[str, float]]:
         """Cumulative counters per live engine, keyed ``"<index>:<incarnation>"``: a replaced engine's
         counters start again at 0 under a new key."""
-        slots = self.live()
-        keys = [f"{s.index}:{s.info.get('incarnation', '')}" for s in slots]
-        return dict(zip(keys, ray.get([s.actor.work_stats.remote() for s in slots])))
+        return {f"{slot.index}:{slot.info.get('incarnation', '')}": stats
+                for slot, stats in self._each("work_stats")}
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
-        actors = [s.actor for s in self.slots if s.actor is not None]
+        """Stop the servers of the engines that are up, then kill every actor. An engine that is starting
+        or waiting for its bundle (its node may be gone for good) is killed without waiting."""
         try:
-            ray.get([a.shutdown.remote() for a in actors], timeout=timeout_s)
+            self.refresh()  # engines that died since the last poll are not asked
+        except EngineStartError:  # a replacement that never started: killed below like the others
+            pass
+        for slot in self.slots:
+            for ref in slot.placed or []:
+                ray.cancel(ref)
+            slot.placed = None
+        up = [s.actor for s in self.slots if s.state in ("live", "joining")]
+        try:
+            ray.get([a.shutdown.remote() for a in up], timeout=timeout_s)
         except Exception as err:  # an engine that already died cannot be stopped politely
-            logger.warning("engine shutdown incomplete: %s", err)
-        for actor in actors:
+            logger.warning("engine shutdown incomplete: %s", str(err).strip().splitlines()[0])
+        for actor in [s.actor for s in self.slots if s.actor is not None]:
             try:
                 ray.kill(actor)
             except Exception:

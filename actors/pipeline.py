@@ -138,18 +138,18 @@ class Pipeline:
         eval_every, save_every = cfg.pipeline.eval_interval, cfg.pipeline.checkpoint_interval  # -1: never
         if eval_every and self.step == 0:
             self.metrics.log(0, self.evaluate(0))
-        while self.step < cfg.trainer.steps and not self.budget_spent:
-            try:
+        try:  # a trainer rank lost in any phase, checkpoints included, stops the run the same way
+            while self.step < cfg.trainer.steps and not self.budget_spent:
                 history.append(self.run_step())
-            except TrainerFailure as failure:
-                self.checkpoints.after_trainer_failure(failure)
-                raise
-            if save_every > 0 and self.step % save_every == 0:
+                if save_every > 0 and self.step % save_every == 0:
+                    self.save_checkpoint()
+                if eval_every and (self.step % eval_every == 0 or self.step == cfg.trainer.steps or self.budget_spent):
+                    self.metrics.log(self.step, self.evaluate(self.step))
+            if history and save_every >= 0 and not (save_every > 0 and self.step % save_every == 0):
                 self.save_checkpoint()
-            if eval_every and (self.step % eval_every == 0 or self.step == cfg.trainer.steps or self.budget_spent):
-                self.metrics.log(self.step, self.evaluate(self.step))
-        if history and save_every >= 0 and not (save_every > 0 and self.step % save_every == 0):
-            self.save_checkpoint()
+        except TrainerFailure as failure:
+            self.checkpoints.after_trainer_failure(failure)
+            raise
         if self.failure_counts:
             print(f"[rayrl] failed episodes by cause: {dict(self.failure_counts)}", flush=True)
         print(f"[rayrl] metrics: {self.metrics.jsonl_path}  reward curve: {self.run_dir / 'reward_curve.png'}",
@@ -160,6 +160,7 @@ class Pipeline:
         """Collect the step's groups, train on them, update the engines, log."""
         cfg, state = self.cfg, self.state
         state.step += 1
+        self.checkpoints.start_step()
         started = time.monotonic()
         counts: Counter = Counter()
         groups = self.schedule.collect(counts)
@@ -178,7 +179,7 @@ class Pipeline:
         if train is None:
             logger.info("step %d: every group had equal rewards; no gradient step", state.step)
         self._check_engine_gap(train)
-        self.checkpoints.untrained_taken = []  # trained (or nothing to learn: equal rewards in every group)
+        self.checkpoints.step_trained()  # trained (or nothing to learn: equal rewards in every group)
         self._episodes_total += len(drawn)
         metrics = step_metrics(
             drawn, batch, version=version, policy_version=state.version, train=train,
@@ -233,8 +234,8 @@ class Pipeline:
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
-    def save_checkpoint(self, only_rank0: bool = False) -> str:
-        return self.checkpoints.save(only_rank0)
+    def save_checkpoint(self) -> str:
+        return self.checkpoints.save()
 
     def latest_checkpoint(self) -> str | None:
         return self.checkpoints.latest()

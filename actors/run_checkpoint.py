@@ -1,5 +1,10 @@
 """RunCheckpoints: save, resume and the exact way back after a trainer rank died.
 
+After a trainer rank failure in any phase (rollout, train, weight push, offload/onload, checkpoint),
+:meth:`RunCheckpoints.after_trainer_failure` writes the last completed step from a surviving rank
+(where one rank holds the whole state: the torch backend's data-parallel ranks), or points at the
+newest checkpoint, and prints one line: the cause, the checkpoint and the command that resumes.
+
 A checkpoint holds the trainer (weights, optimizer, each rank's RNG), the data cursor, the step, the
 policy version and the schedule's untrained groups: every group taken for a step that has not trained
 yet, then every group queued, running or complete (the sampler's cursor is already past their tasks),
@@ -39,6 +44,8 @@ class RunCheckpoints:
         self.state = schedule.state
         self.run_dir = run_dir
         self.untrained_taken: list[Group] = []  # groups taken for the current step until it trains
+        self.step_version = 0  # the policy version when the current step started
+        self.step_done = False  # the current step has trained (or had nothing to train)
 
     def check_shared(self) -> None:
         """A directory location must be one every trainer rank's node sees (ranks write their files
@@ -57,16 +64,28 @@ class RunCheckpoints:
                 f"pipeline.checkpoint_dir: {root} is not visible from the node(s) of trainer rank(s) {unseen}; on "
                 "several nodes use s3://bucket/prefix or a filesystem every node mounts (docs/multinode.md)")
 
-    def save(self, only_rank0: bool = False) -> str:
-        """Write a checkpoint of the current step; returns where it lives."""
+    def save(self, from_rank: Optional[int] = None, announce: bool = True) -> str:
+        """Write a checkpoint of the current step (``from_rank``: that rank alone writes the trainer's
+        state, after a rank failure); returns where it lives."""
         step = self.state.step
         directory = self.store.staging_dir(step).resolve()
-        self.trainer.save_checkpoint(str(directory), only_rank0=only_rank0, store=self.store, step=step)
+        self.trainer.save_checkpoint(str(directory), from_rank=from_rank, store=self.store, step=step)
         state = {"step": step, "policy_version": self.state.version,
                  "sampler": self.sampler.state_dict(), "schedule": self.schedule_state()}
         where = self.store.commit(step, state, upload_staged=False)  # the ranks' nodes uploaded their files
-        print(f"[rayrl] checkpoint: {where}", flush=True)
+        if announce:
+            print(f"[rayrl] checkpoint: {where}", flush=True)
         return where
+
+    def start_step(self) -> None:
+        """A step begins (the pipeline calls this before it collects the step's groups)."""
+        self.step_version = self.state.version
+        self.step_done = False
+
+    def step_trained(self) -> None:
+        """The step's groups trained (or had nothing to train): they are no longer untrained."""
+        self.untrained_taken = []
+        self.step_done = True
 
     def schedule_state(self) -> dict[str, Any]:
         taken = [{"task": dataclasses.asdict(g.task), "group_id": g.group_id} for g in self.untrained_taken]
@@ -79,7 +98,8 @@ class RunCheckpoints:
 
     def resume(self) -> bool:
         """Load the newest complete checkpoint and queue its untrained groups (fresh episodes: those in
-        flight were lost). The caller pushes the loaded weights to the engines."""
+        flight were lost, or, on a live pipeline, are dropped). The caller pushes the loaded weights to the
+        engines."""
         step = self.store.latest()
         if step is None:
             print(f"[rayrl] no checkpoint at {self.store.location}; starting fresh", flush=True)
@@ -92,33 +112,44 @@ class RunCheckpoints:
         schedule = saved.get("schedule") or {}
         self.state.group_seq = int(schedule.get("group_seq", self.state.group_seq))
         self.state.episodes = int(schedule.get("episodes", self.state.episodes))
-        for row in schedule.get("untrained_groups", []):
-            self.dispatcher.submit(GroupDispatcher.task_of(row), row["group_id"])
+        self.dispatcher.restore(schedule.get("untrained_groups", []))
         print(f"[rayrl] resumed from {self.store.location_of(step)} at step {self.state.step}, "
               f"policy version {self.state.version}", flush=True)
         return True
 
     def after_trainer_failure(self, failure: TrainerFailure) -> None:
-        """A trainer rank died: leave a checkpoint that resumes exactly, and say how to resume.
+        """A trainer rank died: leave a checkpoint that resumes exactly, and say how to resume, in one line.
 
-        Rank 0 that did not step holds the weights from before this step (the state after the previous
-        step), so the newest checkpoint, or a new one of the previous step with this step's groups marked
-        untrained, resumes exactly. Rank 0 that stepped holds this step's result: it is saved as this step.
-        Rank 0 gone: the newest checkpoint is the way back.
+        The surviving rank with the newest weights writes the last completed step, whatever the phase:
+        if it holds this step's update (the failure came after the trainer step: weight push, offload,
+        checkpoint), this step, its groups trained; if not (rollout, onload, train), the previous step,
+        with this step's groups marked untrained (unless that checkpoint exists already). Where no rank
+        holds the whole state (Megatron shards it) or none survived, the newest checkpoint is the way back.
         """
         self.state.failures["trainer_rank_failures"] += 1
-        if failure.rank0_alive and failure.rank0_stepped:
-            self.state.version += 1
-            self.untrained_taken = []
-            where: Optional[str] = self.save(only_rank0=True)
-        elif failure.rank0_alive:
-            self.state.step -= 1
-            existing = self.store.latest()
-            where = self.store.location_of(existing) if existing == self.state.step else self.save(only_rank0=True)
-        else:
-            where = self.latest()
+        where = None
+        try:
+            where = self._save_from_survivor(failure)
+        except Exception as err:  # another rank went too, or the store failed: fall back to the newest
+            logger.warning("checkpoint from a surviving trainer rank failed: %s",
+                           str(err).strip().splitlines()[0])
+        where = where or self.latest()
         resume = (f"python driver.py --config {self.run_dir / 'config.yaml'} --resume" if where
                   else "no checkpoint exists: start the run again")
-        message = f"{failure}. Checkpoint: {where or 'none'}. Resume with: {resume}"
-        logger.error(message)
-        print(f"[rayrl] run stopped: {message}", flush=True)
+        print(f"[rayrl] run stopped: {failure}. Checkpoint: {where or 'none'}. Resume with: {resume}",
+              flush=True)
+
+    def _save_from_survivor(self, failure: TrainerFailure) -> Optional[str]:
+        if not failure.survivors or not self.trainer.full_state_on_every_rank:
+            return None
+        version = max(failure.survivors.values())
+        rank = min(r for r, v in failure.survivors.items() if v == version)
+        if self.step_done or version > self.step_version:  # it holds this step's update
+            self.state.version = version
+            self.step_trained()
+        else:  # the state after the previous step; this step's groups are untrained
+            self.state.step -= 1
+            self.state.version = version
+            if self.store.latest() == self.state.step:
+                return self.store.location_of(self.state.step)
+        return self.save(from_rank=rank, announce=False)

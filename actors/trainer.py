@@ -11,11 +11,17 @@ weights.
 New weights reach the engines from the ranks that rayrl/weights/routes.py picks (``connect_weights``
 once, then ``push_weights`` after each step): every rank holds one sender or none, and never asks
 which transport it is.
+
+Every call the group makes to its ranks goes through :meth:`TrainerGroup.gather`, whatever the phase
+(train, onload, offload, weight push, checkpoint, ...): a rank that died (killed, its node lost) there
+becomes a :class:`TrainerFailure` naming the phase and the cause, with the policy version of every
+rank still alive, so the run stops the same way in every phase (actors/run_checkpoint.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import socket
@@ -34,23 +40,35 @@ from rayrl.rl.updates import UpdatePlan, plan_updates
 from rayrl.trainers.memory_saver import preload_env
 from rayrl.types import Sample
 from rayrl.weights.routes import RankPlace, WeightRoutes, make_sender
+from rayrl.weights.shm import sweep_quietly
 
-FAILURE_GRACE_S = 60.0  # how long surviving ranks get to fail on their own once a peer has died
+logger = logging.getLogger("rayrl.pipeline")
+
+FAILURE_GRACE_S = 60.0  # how long ranks in a collective get to fail on their own once a peer has died
+ALIVE_TIMEOUT_S = 30.0  # how long a rank gets to answer "are you alive" after a failure
 
 
 class TrainerFailure(RuntimeError):
-    """A trainer rank died or raised during a step; the run must stop (replicas may have diverged).
+    """A trainer rank died or raised; the run must stop (replicas may have diverged).
 
-    ``rank0_stepped``: rank 0 finished the step (its weights include it); ``rank0_alive``: rank 0 can
-    still write a checkpoint.
+    ``phase``: what the ranks were doing; ``errors``: rank -> cause; ``survivors``: rank -> policy version
+    of every rank that still answers (the state each holds: a checkpoint can be written from one of them
+    where every rank holds the full state).
     """
 
-    def __init__(self, errors: dict[int, str], rank0_stepped: bool, rank0_alive: bool) -> None:
+    def __init__(self, phase: str, errors: dict[int, str], survivors: dict[int, int]) -> None:
+        self.phase = phase
         self.errors = errors
-        self.rank0_stepped = rank0_stepped
-        self.rank0_alive = rank0_alive
-        detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
-        super().__init__(f"trainer rank failure: {detail}")
+        self.survivors = survivors
+        detail = "; ".join(f"rank {r}: {e}" for r, e in errors.items())
+        super().__init__(f"trainer rank failure in {phase}: {detail}")
+
+
+def _cause(err: BaseException) -> str:
+    """One line: the error's type and first line (a RayTaskError's: what the rank raised)."""
+    cause = getattr(err, "cause", None) or err
+    text = str(cause).strip()
+    return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 @ray.remote(num_cpus=1)
@@ -59,6 +77,7 @@ class TrainerRank:
 
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world_size: int, seed: int,
                  algorithm: Optional[AlgorithmConfig] = None) -> None:
+        sweep_quietly()  # weight buffers of killed processes on this node (rayrl/weights/shm.py)
         self.args = (model_path, cfg, rank, world_size, seed)
         self.algorithm = algorithm
         self.trainer = None
@@ -161,8 +180,10 @@ class TrainerRank:
         if sender is not None:
             self._run(sender.close())
 
-    def save_checkpoint(self, directory: str) -> None:
-        self.trainer.save_checkpoint(directory)
+    def save_checkpoint(self, directory: str, whole: bool = False) -> None:
+        """This rank's checkpoint files; ``whole``: the whole checkpoint, written as rank 0's file (after
+        a rank failure, from a surviving data-parallel rank)."""
+        self.trainer.save_checkpoint(directory, as_rank=0 if whole else None)
 
     def load_checkpoint(self, directory: str) -> int:
         self.trainer.load_checkpoint(directory)
@@ -249,6 +270,88 @@ class TrainerGroup:
         addr, port = ray.get(self.ranks[0].master_address.remote())
         ray.get([r.setup.remote(addr, port) for r in self.ranks])
 
+    # -- every call to the ranks -------------------------------------------------------------------
+
+    def gather(self, phase: str, refs: Sequence[Any], ranks: Optional[Sequence[int]] = None,
+               timeout_s: Optional[float] = None, grace_s: Optional[float] = None,
+               raised_fails: bool = True) -> list[Any]:
+        """The answers of ``ranks`` (default: all) to one call each (``refs``, in that order).
+
+        A rank that died (RayActorError: killed, its node lost) raises :class:`TrainerFailure` for
+        ``phase`` once every other rank has answered; with ``grace_s`` (a collective: the others may be
+        stuck waiting for the dead one) those still running after ``grace_s`` are killed instead. A rank
+        that raised is a failure too, unless ``raised_fails`` is False: then the first such error is
+        raised as it is (a weight push that an engine refused is the weight sync's business). Past
+        ``timeout_s`` without a failure, ray's GetTimeoutError.
+        """
+        ranks = list(range(len(self.ranks))) if ranks is None else list(ranks)
+        index = {ref: r for r, ref in zip(ranks, refs)}
+        results: dict[int, Any] = {}
+        died: dict[int, str] = {}
+        raised: dict[int, BaseException] = {}
+        pending = list(refs)
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        grace_end = None
+        while pending:
+            ends = [t for t in (end, grace_end) if t is not None]
+            wait = None if not ends else max(0.0, min(ends) - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
+            if not ready:
+                break
+            r = index[ready[0]]
+            try:
+                results[r] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as err:  # the rank's process is gone
+                died[r] = _cause(err)
+            except Exception as err:  # RayTaskError: it raised (a collective whose peer died, ...)
+                raised[r] = err
+            if (died or (raised and raised_fails)) and grace_s is not None and grace_end is None:
+                grace_end = time.monotonic() + grace_s
+        if died or (raised and raised_fails):
+            # the dead first: theirs is the cause, the others' errors follow from it
+            errors = {**dict(sorted(died.items())), **{r: _cause(e) for r, e in sorted(raised.items())}}
+            for ref in pending:
+                r = index[ref]
+                if grace_end is not None:
+                    errors[r] = f"no answer {grace_s:.0f} s after another rank failed; killed"
+                    ray.kill(self.ranks[r])
+            raise TrainerFailure(phase, errors, self._survivors(exclude=set(died)))
+        if raised:
+            raise next(iter(raised.values()))
+        if pending:
+            silent = sorted(index[ref] for ref in pending)
+            raise ray.exceptions.GetTimeoutError(f"trainer {phase}: no answer from ranks {silent} within "
+                                                 f"{timeout_s:.0f} s")
+        return [results[r] for r in ranks]
+
+    def _call(self, phase: str, method: str, *args: Any, ranks: Optional[Sequence[int]] = None,
+              timeout_s: Optional[float] = None) -> list[Any]:
+        """``method(*args)`` on ``ranks`` (default: all), through :meth:`gather`."""
+        ranks = list(range(len(self.ranks))) if ranks is None else list(ranks)
+        return self.gather(phase, [getattr(self.ranks[r], method).remote(*args) for r in ranks], ranks,
+                           timeout_s=timeout_s)
+
+    def _survivors(self, exclude: set[int]) -> dict[int, int]:
+        """rank -> policy version of every rank (not in ``exclude``) that answers within ALIVE_TIMEOUT_S."""
+        ranks = [r for r in range(len(self.ranks)) if r not in exclude]
+        refs = {self.ranks[r].policy_version.remote(): r for r in ranks}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=ALIVE_TIMEOUT_S)
+        alive = {}
+        for ref in ready:
+            try:
+                alive[refs[ref]] = int(ray.get(ref))
+            except Exception:  # dead too, or it never set up
+                pass
+        return alive
+
+    @property
+    def full_state_on_every_rank(self) -> bool:
+        """Whether one rank's files are a whole checkpoint: the torch backend is data parallel only (every
+        rank holds the weights and the optimizer state); Megatron shards them over its ranks."""
+        return self.cfg.backend == "torch"
+
+    # -- the phases ------------------------------------------------------------------------------
+
     def train(self, samples: list[Sample], advantages: Sequence[Any]) -> dict[str, Any]:
         """Train the batch on all ranks (its optimizer steps: rayrl/rl/updates.py); returns rank 0's
         metrics, with ``trained_samples`` and ``trained_tokens`` summed over the replicas (one rank each)
@@ -266,7 +369,7 @@ class TrainerGroup:
             rank.train_step.remote([samples[i] for i in idx], [advantages[i] for i in idx], plan)
             for rank, (idx, plan) in zip(self.ranks, plans)
         ]
-        results = self._gather(refs)
+        results = self.gather("train", refs, grace_s=FAILURE_GRACE_S)
         metrics = dict(results[0])
         # a replica's ranks all report its shard: count each replica once
         leads = [results[r] for r in replica_leads(*layout)]
@@ -275,102 +378,79 @@ class TrainerGroup:
         metrics["train_time_s"] = max(r["train_time_s"] for r in results)
         return metrics
 
-    def _gather(self, refs: list[Any]) -> list[dict[str, Any]]:
-        index = {ref: r for r, ref in enumerate(refs)}
-        results: dict[int, dict[str, Any]] = {}
-        errors: dict[int, str] = {}
-        pending = list(refs)
-        deadline = None
-        while pending:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-            if not ready:
-                break
-            r = index[ready[0]]
-            try:
-                results[r] = ray.get(ready[0])
-            except Exception as err:  # RayActorError (rank process died) or RayTaskError (it raised)
-                cause = getattr(err, "cause", None) or err  # RayTaskError wraps what the rank raised
-                text = str(cause).strip()
-                errors[r] = f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}"
-                deadline = deadline or time.monotonic() + FAILURE_GRACE_S
-        if not errors:
-            return [results[r] for r in range(len(refs))]
-        for ref in pending:
-            errors[index[ref]] = f"no answer {FAILURE_GRACE_S:.0f} s after another rank failed; killed"
-            ray.kill(self.ranks[index[ref]])
-        raise TrainerFailure(errors, rank0_stepped=0 in results, rank0_alive=self._alive(0))
-
-    def _alive(self, rank: int) -> bool:
-        try:
-            ray.get(self.ranks[rank].policy_version.remote(), timeout=30)
-            return True
-        except Exception:
-            return False
-
     def export_weights(self, root: str, version: int, dtype: str) -> str:
-        ranks = self.ranks if self.cfg.backend == "megatron" else self.ranks[:1]  # Megatron gathers: all ranks
-        return ray.get([r.export_weights.remote(root, version, dtype) for r in ranks])[0]
+        ranks = range(len(self.ranks)) if self.cfg.backend == "megatron" else [0]  # Megatron: all ranks gather
+        return self._call("weight export", "export_weights", root, version, dtype, ranks=ranks)[0]
 
-    def places(self) -> list[RankPlace]:
-        """Where each rank runs: its node and, in a shared placement, its bundle."""
-        found = ray.get([r.place.remote() for r in self.ranks])
-        bundles = self.bundles or [None] * len(self.ranks)
-        return [RankPlace(int(f["rank"]), str(f["node_id"]), b) for f, b in zip(found, bundles)]
+    def places(self, ranks: Optional[Sequence[int]] = None) -> list[RankPlace]:
+        """Where each of ``ranks`` (default: all) runs: its node and, in a shared placement, its bundle."""
+        ranks = list(range(len(self.ranks))) if ranks is None else list(ranks)
+        found = self._call("placement", "place", ranks=ranks)
+        return [RankPlace(int(f["rank"]), str(f["node_id"]), self.bundles[r] if self.bundles else None)
+                for r, f in zip(ranks, found)]
 
     def connect_weights(self, routes: WeightRoutes, disk_root: str, timeout_s: float) -> None:
         """Give every rank its sender under ``routes`` (rayrl/weights/routes.py) and connect them."""
-        ray.get([r.connect_weights.remote(routes, disk_root, timeout_s) for r in self.ranks], timeout=timeout_s + 60)
+        refs = [r.connect_weights.remote(routes, disk_root, timeout_s) for r in self.ranks]
+        self.gather("weight connect", refs, timeout_s=timeout_s + 60, raised_fails=False)
 
     def push_weights(self, version: int, dtype: str) -> list[Any]:
         """Refs of every rank's part of one weight push (ranks without a sender return at once; Megatron
-        ranks drain the export)."""
+        ranks drain the export); wait for them with :meth:`gather` (``raised_fails=False``)."""
         return [r.push_weights.remote(version, dtype) for r in self.ranks]
 
     def close_weights(self) -> None:
-        ray.get([r.close_weights.remote() for r in self.ranks], timeout=60)
+        """Close every rank's sender; a rank that is gone (the run stopped on its failure, which said so
+        once) has nothing left to close."""
+        try:
+            self._call("weight close", "close_weights", timeout_s=60)
+        except TrainerFailure as failure:
+            logger.debug("closing the weight senders: %s", failure)
 
     def node_leaders(self, ranks: Optional[Sequence[int]] = None) -> list[int]:
         """The lowest of ``ranks`` (default: all) on each node: who handles files for that node."""
-        places = self.places()
-        chosen = set(range(len(self.ranks)) if ranks is None else ranks)
         leaders: dict[str, int] = {}
-        for p in places:
-            if p.rank in chosen:
-                leaders.setdefault(p.node_id, p.rank)
+        for p in self.places(ranks):
+            leaders.setdefault(p.node_id, p.rank)
         return sorted(leaders.values())
 
-    def save_checkpoint(self, directory: str, only_rank0: bool = False, store: Optional[CheckpointStore] = None,
-                        step: int = 0) -> None:
-        """Every rank writes its files into ``directory`` (on its own node); ``only_rank0`` after a rank
-        failure (ranks hold replicas of the optimizer state, so rank 0's file restores all of them). With
-        an S3 ``store`` one rank per node empties the directory first and uploads it after."""
-        ranks = [0] if only_rank0 else list(range(len(self.ranks)))
-        leaders = self.node_leaders(ranks) if store is not None and store.s3 is not None else []
-        ray.get([self.ranks[r].clear_dir.remote(directory) for r in leaders])
-        ray.get([self.ranks[r].save_checkpoint.remote(directory) for r in ranks])
-        ray.get([self.ranks[r].upload_checkpoint.remote(store.location, str(store.staging_root), step, directory)
-                 for r in leaders])
+    def save_checkpoint(self, directory: str, from_rank: Optional[int] = None,
+                        store: Optional[CheckpointStore] = None, step: int = 0) -> None:
+        """Every rank writes its files into ``directory`` (on its own node). ``from_rank``, after a rank
+        failure: that rank alone writes the whole checkpoint as rank 0's file (data-parallel ranks hold
+        replicas of the weights and optimizer state, so it restores all of them); it is given its devices
+        back first (a colocated rank may be offloaded). With an S3 ``store`` one rank per node empties the
+        directory first and uploads it after."""
+        ranks = list(range(len(self.ranks))) if from_rank is None else [from_rank]
+        leaders = self.node_leaders(ranks) if store is not None and store.s3 is not None else ranks[:0]
+        if from_rank is not None:
+            self._call("checkpoint", "onload", ranks=ranks)
+            leaders = ranks  # its staging directory may hold a failed save's files
+        self._call("checkpoint", "clear_dir", directory, ranks=leaders)
+        self._call("checkpoint", "save_checkpoint", directory, from_rank is not None, ranks=ranks)
+        if store is not None and store.s3 is not None:
+            self._call("checkpoint", "upload_checkpoint", store.location, str(store.staging_root), step,
+                       directory, ranks=leaders)
 
     def load_checkpoint(self, directory: str, store: Optional[CheckpointStore] = None, step: int = 0) -> int:
         """Every rank loads step ``step``; with an S3 ``store`` one rank per node downloads it first."""
         if store is not None and store.s3 is not None:
-            found = ray.get([self.ranks[r].download_checkpoint.remote(store.location, str(store.staging_root), step)
-                             for r in self.node_leaders()])
+            found = self._call("resume", "download_checkpoint", store.location, str(store.staging_root), step,
+                               ranks=self.node_leaders())
             directory = found[0]  # the same path on every node
-        return ray.get([r.load_checkpoint.remote(directory) for r in self.ranks])[0]
+        return self._call("resume", "load_checkpoint", directory)[0]
 
     def unseen_by(self, path: str) -> list[int]:
         """Ranks whose node does not see ``path`` (a directory that is not shared across the nodes)."""
-        return [r for r, seen in enumerate(ray.get([r.sees.remote(path) for r in self.ranks])) if not seen]
+        return [r for r, seen in enumerate(self._call("start", "sees", path)) if not seen]
 
     def offload(self) -> bool:
         """Give the devices to the engines (colocated schedule); False where nothing moves (CPU)."""
-        return all(ray.get([r.offload.remote() for r in self.ranks]))
+        return all(self._call("offload", "offload"))
 
     def onload(self) -> bool:
         """Take the devices back before training; False where nothing moves (CPU)."""
-        return all(ray.get([r.onload.remote() for r in self.ranks]))
+        return all(self._call("onload", "onload"))
 
     def shutdown(self) -> None:
         for r in self.ranks:

@@ -13,10 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-import ray
-
 from actors.engine_fleet import EngineFleet
-from actors.trainer import TrainerGroup
+from actors.trainer import TrainerFailure, TrainerGroup
 from rayrl.config import RunConfig
 from rayrl.weights.files import shared_memory_root
 from rayrl.weights.routes import EngineEndpoint, RankPlace, WeightRoutes, plan_routes
@@ -76,8 +74,10 @@ class WeightSync:
                 logger.warning("no engine is up: policy version %d reaches the engines when they return", version)
                 return {"bytes": 0, "seconds": 0.0, "senders": 0}
             refs = self.trainer.push_weights(version, self.cfg.engine.dtype)
-            try:
-                results = ray.get(refs, timeout=self.timeout_s + 30)
+            try:  # a trainer rank that died raises TrainerFailure here; what the engines did is ours
+                results = self.trainer.gather("weight push", refs, timeout_s=self.timeout_s + 30, raised_fails=False)
+            except TrainerFailure:
+                raise
             except Exception as err:
                 self.fleet.refresh()
                 if attempt == 1 and self.fleet.endpoints() != self._connected:

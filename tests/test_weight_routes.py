@@ -8,6 +8,7 @@ from rayrl.weights.broadcast import BroadcastSender
 from rayrl.weights.disk import DiskSender
 from rayrl.weights.handles import HandleSender
 from rayrl.weights.routes import EngineEndpoint, RankPlace, WeightRouteError, make_sender, plan_routes
+from rayrl.weights.shm import owner_tag
 
 
 def _colocated(nodes: list[str]) -> tuple[list[EngineEndpoint], list[RankPlace]]:
@@ -69,7 +70,7 @@ def test_make_sender_gives_each_rank_its_transport(tmp_path):
     kwargs = {"bucket_bytes": 1 << 20, "timeout_s": 5, "master_address": "127.0.0.1", "disk_root": tmp_path,
               "cuda": False}
     disk = make_sender(plan_routes("disk", engines, ranks, "cpu"), 1, **kwargs)
-    assert isinstance(disk, DiskSender) and disk.root == tmp_path / "rank1" and len(disk.engines) == 1
+    assert isinstance(disk, DiskSender) and disk.root == tmp_path / f"rank1-{owner_tag()}" and len(disk.engines) == 1
     assert isinstance(make_sender(plan_routes("auto", engines, ranks, "cpu"), 0, **kwargs), HandleSender)
     broadcast = plan_routes("distributed", engines, ranks, "cpu")
     assert isinstance(make_sender(broadcast, 0, **kwargs), BroadcastSender)

@@ -40,6 +40,7 @@ from rayrl.engines.http_input import (
 )
 from rayrl.engines.weight_routes import WeightEndpoints
 from rayrl.weights.group import WeightGroups
+from rayrl.weights.shm import WEIGHT_BUFFERS
 
 logger = logging.getLogger(__name__)
 
@@ -365,6 +366,7 @@ class EngineServer(WeightEndpoints):
             "enable_memory_saver": False,
             "weight_version": self.engine.weight_version,
             "backend": "rayrl-cpu",
+            "weight_buffers": WEIGHT_BUFFERS,  # it opens rayrl SharedBuffers by name (rayrl/weights/shm.py)
             **self.server_args,
             "internal_states": [stats],
             "control_calls": list(self.control_calls),

@@ -143,6 +143,7 @@ class StrictSGLangServer(EngineServer):
     async def server_info(self, request: web.Request) -> web.Response:
         response = await super().server_info(request)
         info = json.loads(response.body)
+        info.pop("weight_buffers", None)  # SGLang unpickles torch's own handles only: no rayrl buffers
         info["sglang_contract"] = {"version": PINNED_SGLANG, "mixed_weight_generations": 0,
                                    "unseen_version_spans": 0, "contract_violations": 0, **self.counts}
         return web.json_response(info)

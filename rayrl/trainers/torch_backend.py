@@ -346,9 +346,13 @@ class TorchTrainer:
         """HF-named weights for the engines (tied weights once)."""
         yield from export_state_dict(self.model, dtype).items()
 
-    def save_checkpoint(self, directory: str | Path) -> None:
+    def save_checkpoint(self, directory: str | Path, as_rank: int | None = None) -> None:
+        """``rank<r>.pt``: the optimizer, policy version and RNG states, and on rank 0 the model.
+        ``as_rank=0`` writes rank 0's file (model included) from any rank: every rank holds the full state
+        (data parallel), so a surviving rank can write the whole checkpoint after rank 0 died."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        rank = self.rank if as_rank is None else as_rank
         state = {
             "optimizer": self.optimizer.state_dict(),
             "policy_version": self.policy_version,
@@ -357,16 +361,16 @@ class TorchTrainer:
             "numpy_rng": np.random.get_state(),
             "python_rng": random.getstate(),
         }
-        if self.rank == 0:
+        if rank == 0:
             state["model"] = self.model.state_dict()
-        tmp = directory / f".rank{self.rank}.pt.tmp"
+        tmp = directory / f".rank{rank}.pt.tmp"
         torch.save(state, tmp)
-        tmp.replace(directory / f"rank{self.rank}.pt")
+        tmp.replace(directory / f"rank{rank}.pt")
 
     def load_checkpoint(self, directory: str | Path) -> None:
         directory = Path(directory)
         own = directory / f"rank{self.rank}.pt"
-        # after a rank failure only rank 0 saves: its optimizer state is every replica's (data parallel)
+        # after a rank failure one surviving rank saves rank0.pt: its optimizer state is every replica's
         mine = torch.load(own if own.exists() else directory / "rank0.pt", weights_only=False)
         model_state = mine.get("model") or torch.load(directory / "rank0.pt", weights_only=False)["model"]
         self.model.load_state_dict(model_state)

@@ -2,8 +2,9 @@
 
 The default on CPU for engines on the sending rank's node: /dev/shm is memory, so this is a copy in RAM
 either way, with nothing to keep open between updates (about 0.3 s for 135M parameters on this machine's
-kind). Each sending rank writes under its own directory (``root/rank<r>/v<version>``; several nodes of a
-one-machine test cluster share /dev/shm), and only the newest version is kept. The path means nothing on
+kind). Each sending rank writes under its own directory (``root/rank<r>-<pid>-<start>/v<version>``:
+several nodes of a one-machine test cluster share /dev/shm, and a sweep removes the directory of a rank
+that was killed, rayrl/weights/shm.py), and only the newest version is kept. The path means nothing on
 another machine, so rayrl/weights/routes.py only gives this transport engines on the sender's node.
 """
 

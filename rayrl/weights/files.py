@@ -7,7 +7,6 @@ SGLang uses for its disk fallback. Reading checks names and shapes from the head
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,7 +16,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from rayrl.weights.shm import shared_memory_root
 from rayrl.weights.wire import WeightUpdateError, check_names_and_shapes
+
+__all__ = ["export_state_dict", "read_checkpoint", "safetensors_files", "shared_memory_root", "write_weights"]
 
 
 def export_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -34,11 +36,6 @@ def export_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) 
             t = t.to(dtype)
         out[name] = t.contiguous().cpu()
     return out
-
-
-def shared_memory_root() -> Path:
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
 def write_weights(state: dict[str, torch.Tensor], root: Path, version: int) -> Path:

@@ -2,9 +2,10 @@
 
 For engines on the sending rank's own node (colocated: on its own GPU). Each bucket is serialized as
 handles with SGLang's serializer form and posted to ``/update_weights_from_tensor``; the engine maps the
-trainer's memory and copies, so no tensor bytes cross HTTP. On CPU one shared-memory buffer is reused for
-every bucket. A handle means nothing on another machine, which is why rayrl/weights/routes.py only gives
-this transport engines that share the sender's node.
+trainer's memory and copies, so no tensor bytes cross HTTP. On CPU one shared-memory buffer is reused
+for every bucket (rayrl/weights/shm.py: named after this process, removed on close, swept by the next
+trainer or engine to start if this process is killed). A handle means nothing on another machine, which
+is why rayrl/weights/routes.py only gives this transport engines that share the sender's node.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from rayrl.weights.transfer import (
     with_last,
 )
 from rayrl.weights.tp_payloads import PayloadExchange
+from rayrl.weights.shm import WEIGHT_BUFFERS, SharedBuffer
 from rayrl.weights.wire import GPU_MARK, flatten_bucket, serialize_for_engine, shared_cpu_buffer
 
 logger = logging.getLogger(__name__)
@@ -75,27 +77,56 @@ class HandleSender:
         self.bucket_bytes = bucket_bytes
         self.flattened = flattened
         self.timeout_s = timeout_s
-        self._buffer: Optional[torch.Tensor] = None
+        self._buffer: Optional[SharedBuffer] = None  # rayrl's own (engines that open them: connect())
+        self._torch_buffer: Optional[torch.Tensor] = None  # torch's file-name sharing, for the others
+        self._engine_buffers = False
 
     async def connect(self) -> None:
-        """Nothing to set up: each bucket's handles are opened by the engine when it is posted."""
+        """Ask the engines this rank posts to whether they open rayrl's own shared-memory buffers
+        (rayrl/weights/shm.py: ``/get_server_info`` ``weight_buffers``); our CPU engine does. SGLang (and
+        its strict stand-in) unpickle only torch's own handles, so they get torch's file-name sharing. A
+        rank that only makes payloads for another rank to post (``contributes``) uses torch's too."""
+        if not self.engines:
+            return
+        infos = await asyncio.gather(*(e.client.get_server_info() for e in self.engines))
+        self._engine_buffers = all(info.get("weight_buffers") == WEIGHT_BUFFERS for info in infos)
 
     async def close(self) -> None:
-        self._buffer = None
+        self._close_buffer()
+        self._torch_buffer = None
         await close_clients(self.engines)
 
+    def _close_buffer(self) -> None:
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+
+    def _cpu_buffer(self, nbytes: int) -> SharedBuffer:
+        """The shared-memory buffer, replaced by a larger one when a bucket needs more."""
+        if self._buffer is None or self._buffer.nbytes < nbytes:
+            self._close_buffer()
+            self._buffer = SharedBuffer(max(nbytes, self.bucket_bytes))
+        return self._buffer
+
     def _bucket_object(self, bucket: list[tuple[str, torch.Tensor]]) -> Any:
+        if bucket[0][1].device.type != "cpu":  # on GPU: one device copy (flattened), then IPC handles
+            return (flatten_bucket(bucket, require_sglang=self.sglang_engines) if self.flattened
+                    else [(n, t.detach()) for n, t in bucket])
+        # on CPU: fill one shared-memory buffer, reused by every bucket (the engine has copied the previous
+        # one before we get here), so pickling moves no bytes and no new pages are touched
         if self.flattened:
-            if bucket[0][1].device.type != "cpu":  # on GPU: one device copy, then an IPC handle
-                return flatten_bucket(bucket, require_sglang=self.sglang_engines)
-            # on CPU: fill one shared-memory buffer, reused by every bucket (the engine has copied the
-            # previous one before we get here), so pickling moves no bytes and no new pages are touched
+            if self._engine_buffers:  # rayrl's own buffer: it never outlives this process (shm.py)
+                dtype, numel = torch.uint8, sum(t.numel() * t.element_size() for _, t in bucket)
+                return flatten_bucket(bucket, out=self._cpu_buffer(numel).typed(dtype, numel),
+                                      require_sglang=self.sglang_engines)
             nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-            if self._buffer is None or self._buffer.numel() < nbytes:
-                self._buffer = shared_cpu_buffer(max(nbytes, self.bucket_bytes))
-            return flatten_bucket(bucket, out=self._buffer, require_sglang=self.sglang_engines)
+            if self._torch_buffer is None or self._torch_buffer.numel() < nbytes:
+                self._torch_buffer = shared_cpu_buffer(max(nbytes, self.bucket_bytes))
+            return flatten_bucket(bucket, out=self._torch_buffer, require_sglang=self.sglang_engines)
+        if self._engine_buffers:
+            return self._cpu_buffer(SharedBuffer.packed_size([t for _, t in bucket])).pack(bucket)
         # CPU storages are moved into shared memory when pickled: share copies, not the trainer's params.
-        return [(n, t.detach().clone() if t.device.type == "cpu" else t.detach()) for n, t in bucket]
+        return [(n, t.detach().clone()) for n, t in bucket]
 
     async def send(self, named_tensors: NamedTensors, version: str | int) -> TransferStats:
         version = str(version)

@@ -38,6 +38,7 @@ from rayrl.weights.broadcast import BroadcastSender
 from rayrl.weights.disk import DiskSender
 from rayrl.weights.handles import HandleSender
 from rayrl.weights.tp_payloads import PayloadExchange
+from rayrl.weights.shm import owner_tag
 from rayrl.weights.transfer import EngineTarget, WeightSender
 
 Transport = Literal["disk", "tensor", "distributed"]
@@ -193,7 +194,8 @@ def make_sender(
     """The sender rank ``rank`` needs under ``routes`` (None: it feeds no engine). ``connect()`` it before
     the first ``send``. ``disk_root`` is this run's directory for the disk transport (a per-rank directory
     is made under it); ``master_address`` is the address other nodes reach this rank at (broadcast);
-    ``store``: the trainer world's TCP store, where the TP ranks' payloads of an engine meet
+    ``disk_root``'s per-rank directory is ``rank<r>-<pid>-<start>`` (rayrl/weights/shm.py: swept when its
+    owner is killed); ``store``: the trainer world's TCP store, where the TP ranks' payloads of an engine meet
     (rayrl/weights/tp_payloads.py); ``gpu_id``: the logical GPU a CPU rank stands for (marked on its
     handle payloads)."""
     fed = routes.by_rank.get(rank, ())
@@ -203,7 +205,7 @@ def make_sender(
     targets = [EngineTarget(EngineClient(routes.engines[i].url, timeout_s=timeout_s), routes.engines[i].tp_size,
                             i if i in routes.tp_ranks else None) for i in fed]
     if routes.transport == "disk":
-        return DiskSender(targets, Path(disk_root) / f"rank{rank}", timeout_s=timeout_s)
+        return DiskSender(targets, Path(disk_root) / f"rank{rank}-{owner_tag()}", timeout_s=timeout_s)
     if routes.transport == "tensor":
         exchange = None
         if routes.tp_ranks:

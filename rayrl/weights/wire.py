@@ -15,11 +15,14 @@ import binascii
 import io
 import pickle
 from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
+
+from rayrl.weights.shm import buffer_ref, open_buffer
 
 
 class WeightUpdateError(ValueError):
@@ -78,7 +81,8 @@ def copy_into(named_tensors: Mapping[str, torch.Tensor], targets: Mapping[str, t
 # ---------------------------------------------------------------------------------------------------
 # SGLang's serialized_named_tensors form (/update_weights_from_tensor with load_format null, "direct"
 # or "flattened_bucket"): base64 of a multiprocessing pickle whose tensors travel as handles (a CUDA IPC
-# handle on GPU, a shared-memory file name on CPU), never as bytes. Only same-machine senders can use it.
+# handle on GPU, a shared-memory file name on CPU), never as bytes; on CPU a rayrl SharedBuffer goes by its own name, which never outlives its owner
+# (rayrl/weights/shm.py; only engines that say they open them get one). Only same-machine senders can use it.
 # SGLang unpickles it with its SafeUnpickler (CVE-2025-10164), which admits only torch, Python's own
 # types and a few ``sglang.srt.*`` modules; a bucket's metadata must be SGLang's own
 # ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`` (any other class is refused, and on
@@ -201,6 +205,18 @@ def shared_cpu_buffer(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
 
 
+class _EnginePickler(ForkingPickler):
+    """torch's reductions, except that a tensor in a rayrl SharedBuffer travels as the buffer's name
+    (rayrl/weights/shm.py): no torch_<pid>_* file, nothing left behind if the sender is killed."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            ref = buffer_ref(obj)
+            if ref is not None:
+                return open_buffer, ref
+        return NotImplemented
+
+
 def _first_tensor(obj: Any) -> torch.Tensor:
     if isinstance(obj, dict):
         return obj["flattened_tensor"]
@@ -211,8 +227,9 @@ def serialize_for_engine(obj: Any) -> str:
     """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` for ``obj`` (a list of
     ``(name, tensor)`` or a flattened bucket). The caller keeps the tensors alive until the engine has
     answered. On GPU, SGLang's own serializer is used when importable: it names devices by UUID, so an
-    engine with a different CUDA_VISIBLE_DEVICES opens the right GPU. CPU tensors always go by
-    shared-memory file name (see :func:`_cpu_tensors_by_file_name`)."""
+    engine with a different CUDA_VISIBLE_DEVICES opens the right GPU. CPU tensors go by shared-memory
+    file name: a rayrl SharedBuffer's own (what HandleSender sends), any other tensor torch's
+    (see :func:`_cpu_tensors_by_file_name`)."""
     if _first_tensor(obj).is_cuda:
         try:
             from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found]
@@ -222,12 +239,10 @@ def serialize_for_engine(obj: Any) -> str:
             return MultiprocessingSerializer.serialize(obj, output_str=True)
         except ImportError:
             pass
-    from multiprocessing.reduction import ForkingPickler
-
     from torch.multiprocessing import reductions
 
     buf = io.BytesIO()
-    pickler = ForkingPickler(buf)
+    pickler = _EnginePickler(buf)  # a SharedBuffer's tensors by the buffer's name; the rest as torch does
     # SGLang's monkey_patch_torch_reductions (applied once a CUDA payload was made or received in this
     # process) replaces torch's tensor reducer process-wide with one that only handles CUDA tensors
     reduce_tensor = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)
@@ -250,6 +265,7 @@ _ALLOWED_GLOBALS = {
     ("torch.storage", "UntypedStorage"),
     ("torch.storage", "TypedStorage"),
     ("collections", "OrderedDict"),
+    ("rayrl.weights.shm", "open_buffer"),  # a rayrl SharedBuffer by name (checks the name itself)
 }
 _SGLANG_CUDA_REBUILD = ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified")
 _CUDA_GLOBALS = {(_REDUCTIONS, "rebuild_cuda_tensor"), _SGLANG_CUDA_REBUILD}

@@ -3,6 +3,10 @@
 Both engines start together; control calls reach each server and are logged there in order; an engine
 whose actor is killed takes its server with it and is replaced in its seat; an engine whose server dies
 is replaced too; a replacement is not live until it is marked so; shutdown leaves no server behind.
+Engines sweep the weight buffers a killed process left in /dev/shm as they start. A replacement whose
+bundle Ray cannot place (as when its node died and no spare node has come) is not started until Ray
+places it: one death is one restart, never a failed start, and shutdown does not wait for it.
+tests/multinode/test_multinode.py kills a whole node for the same.
 """
 
 from __future__ import annotations
@@ -16,14 +20,19 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
+
+from actors.engine import EngineSeat  # noqa: E402
 from actors.engine_fleet import EngineFleet  # noqa: E402
 from rayrl.config import EngineConfig  # noqa: E402
 from rayrl.engines.client import EngineClient  # noqa: E402
+from tests.shm_support import left_by_a_killed_owner  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # "seat_*": one unit each, so a placement group can be made unplaceable by another holding it
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, resources={"seat_a": 1, "seat_b": 1})
     yield
     ray.shutdown()
 
@@ -58,7 +67,11 @@ def _generate(url: str) -> str:
 def test_fleet_starts_controls_and_replaces_engines(ray_local, tiny_model, tmp_path):
     cfg = EngineConfig(backend="cpu", num_engines=2, dtype="float32", max_batch_size=4, context_length=256,
                        num_threads=1)
-    fleet = EngineFleet(cfg, str(tiny_model), str(tmp_path / "logs"), [None, None], name_prefix="fleet-test")
+    with left_by_a_killed_owner() as (buffer, weights):  # weight buffers of a process killed with SIGKILL
+        fleet = EngineFleet(cfg, str(tiny_model), str(tmp_path / "logs"), [None, None], name_prefix="fleet-test")
+        assert not buffer.exists() and not weights.exists()  # the engines swept them as they started
+    blockers = [placement_group([{r: 1}]) for r in ("seat_a", "seat_b")]
+    groups = [placement_group([{r: 1}]) for r in ("seat_a", "seat_b")]  # pending while a blocker holds r
     try:
         infos = fleet.infos()
         assert [i["index"] for i in infos] == [0, 1] and len(set(fleet.urls)) == 2
@@ -97,8 +110,39 @@ def test_fleet_starts_controls_and_replaces_engines(ray_local, tiny_model, tmp_p
         assert down.index == 0 and "server exited" in down.detail
         fleet.mark_live(0)
         assert fleet.slots[0].info["pid"] != pid and all(_generate(u) == "0" for u in fleet.urls)
+        assert [s.restarts for s in fleet.slots] == [1, 1] and [s.failed_starts for s in fleet.slots] == [0, 0]
+
+        # an engine whose bundle Ray cannot place (as when its node died and no spare node has come): nothing
+        # starts, nothing fails, until Ray places it; shutdown does not wait for it
+        ray.get([b.ready() for b in blockers])
+        for slot, group in zip(fleet.slots, groups):  # their next engine goes on a bundle Ray cannot place
+            slot.seat = EngineSeat(group, (0,), 0.0)
+        ray.kill(fleet.slots[1].actor)
+        events = []
+        _wait_for(fleet, "down", events)
+        for _ in range(30):
+            events += fleet.poll()
+            time.sleep(0.1)
+        slot = fleet.slots[1]
+        assert [e.kind for e in events] == ["down"] and slot.state == "down" and slot.start_ref is None
+        assert slot.restarts == 2 and slot.failed_starts == 0
+        remove_placement_group(blockers[1])  # the bundle is placed (a spare node came): the engine starts
+        _wait_for(fleet, "started", events)
+        assert slot.state == "joining" and slot.info["bundles"] == [0]
+        assert slot.restarts == 2 and slot.failed_starts == 0 and [e.kind for e in events] == ["down", "started"]
+        fleet.mark_live(1)
+        assert _generate(slot.url) == "0"
+        ray.kill(fleet.slots[0].actor)  # its bundle can never be placed while the test lasts
+        _wait_for(fleet, "down", events)
     finally:
         pids = [s.info["pid"] for s in fleet.slots]
-        fleet.shutdown()
+        fleet.shutdown(timeout_s=3600)  # returns at once: it stops the engines that are up, kills the rest
+        for group in [*groups, blockers[0]]:
+            remove_placement_group(group)
     for pid in pids:
         _wait(lambda: not _alive(pid), 30, f"server {pid} to exit")
+
+
+def _wait_for(fleet: EngineFleet, kind: str, events: list) -> None:
+    _wait(lambda: events.extend(fleet.poll()) or any(e.kind == kind for e in events), what=f"a {kind} event")
+

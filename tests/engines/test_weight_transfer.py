@@ -32,6 +32,7 @@ from rayrl.weights.broadcast import BroadcastSender
 from rayrl.weights.disk import DiskSender
 from rayrl.weights.handles import HandleSender
 from rayrl.weights.routes import EngineEndpoint, RankPlace, make_sender, plan_routes
+from rayrl.weights.shm import owner_tag, shared_memory_root
 from rayrl.weights.transfer import EngineTarget, WeightTransferError, iter_buckets
 from rayrl.weights.wire import bucket_classes, serialize_for_engine
 
@@ -137,7 +138,9 @@ def test_shared_memory_handles_then_engine_matches_trainer(engine_proc, trainer,
             sender = HandleSender([EngineTarget(EngineClient(engine_proc.url))], bucket_bytes=BUCKET, flattened=False)
         await sender.connect()
         stats = await sender.send(trainer.named_weights(torch.float32), version)
+        assert len(list(shared_memory_root().glob(f"rayrl-wbuf-{owner_tag()}-*"))) == 1  # one buffer, reused
         await sender.close()
+        assert not list(shared_memory_root().glob(f"rayrl-wbuf-{owner_tag()}-*"))  # closed with the sender
         assert stats.buckets > 1
         got, diff = await _engine_vs_trainer(client, trainer)
         assert got == version and diff < 1e-4
@@ -160,9 +163,9 @@ def test_disk_transport_then_engine_matches_trainer(engine_proc, trainer, tmp_pa
             assert stats.bytes == sum(t.numel() * 4 for _, t in trainer.named_weights(torch.float32))
             got, diff = await _engine_vs_trainer(client, trainer)
             assert got == str(version) and diff < 1e-4
-            assert [p.name for p in (tmp_path / "weights" / "rank0").iterdir()] == [f"v{version:06d}"]
+            assert [p.name for p in (tmp_path / "weights" / f"rank0-{owner_tag()}").iterdir()] == [f"v{version:06d}"]
         await sender.close()
-        assert not (tmp_path / "weights" / "rank0").exists()
+        assert not list((tmp_path / "weights").iterdir())
         await client.close()
 
     asyncio.run(run())

@@ -12,7 +12,11 @@ layouts of one shared placement group, each trained for two real steps on the ti
 Each test asserts where every engine and trainer rank ran (the node of its bundle), that every engine
 served traffic and reports each new policy version, and then kills one node's engine actor in the
 middle of a rollout: the run goes on, the engine comes back on its bundle with the current weights, and
-every episode of every step is there exactly once.
+every episode of every step is there exactly once. The split layout then loses a whole engine node (its
+raylet SIGKILLed with every process of the node, as a machine dies): the run goes on without it, no
+replacement is started while Ray cannot place its bundle, and once a spare node joins, Ray places the
+bundle there and the engine comes back on it with the current weights: one death, one restart, one
+count, one log line. tests/multinode/test_node_loss.py loses a trainer node in every phase.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from tests.pipeline.test_schedules_e2e import pipeline_config
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
+# the GCS declares a node dead ~3 s after its raylet stops answering (Ray's default: ~30 s)
+FAST_NODE_DEATH = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
+                   "health_check_failure_threshold": 3}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +50,8 @@ def three_nodes(tmp_path_factory):
         env = {**S3_TEST_ENV, "AWS_ENDPOINT_URL_S3": s3_url}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # the driver's own boto3 (the checkpoint store's commit and listing)
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 6, "num_gpus": 1})
+        cluster = Cluster(initialize_head=True,
+                          head_node_args={"num_cpus": 6, "num_gpus": 1, "_system_config": FAST_NODE_DEATH})
         workers = [cluster.add_node(num_cpus=3, num_gpus=1) for _ in range(2)]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **env}})
@@ -117,7 +125,57 @@ def _kill_an_engine_mid_rollout(pipe, driver_node: str) -> None:
         assert all(r["status"] == "ok" for r in rows), [r["error"] for r in rows]
 
 
-def test_split_layout_trainer_on_one_node_engines_on_two_others(three_nodes, tiny_model_dir, tmp_path):
+def _lose_an_engine_node(pipe, cluster, caplog) -> None:
+    """Kill the node of an engine (not the driver's, not the trainer's) mid-rollout, as a machine dies; steps go
+    on without it and no replacement starts while its bundle cannot be placed; a spare node joins, the bundle
+    is placed there, and the engine comes back on it with the current weights. One restart, one count, one
+    line; every episode of every step there exactly once."""
+    import logging
+
+    driver_node = ray.get_runtime_context().get_node_id()
+    (rank,) = pipe.trainer.places()
+    slot = next(s for s in pipe.engines.slots if s.info["node_id"] not in (driver_node, rank.node_id))
+    node = next(n for n in cluster.worker_nodes if n.node_id == slot.info["node_id"])
+    restarts, counted = slot.restarts, pipe.failure_counts["engine_restarts"]
+    caplog.set_level(logging.WARNING, logger="rayrl.pipeline")
+    caplog.clear()
+
+    def kill() -> None:
+        while len(pipe.dispatcher.running) < 2:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        cluster.remove_node(node, allow_graceful=False)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    first = pipe.step + 1
+    pipe.run_step()
+    killer.join(60)
+    pipe.run_step()  # a whole step on the other engine; the bundle has no node to go to
+    assert slot.state == "down" and slot.start_ref is None and slot.failed_starts == 0
+    assert pipe.failure_counts["engine_restarts"] == counted + 1 and slot.restarts == restarts + 1
+
+    spare = cluster.add_node(num_cpus=3, num_gpus=1)  # Ray places the lost bundle on it
+    deadline = time.monotonic() + 300
+    while slot.state != "live":
+        assert time.monotonic() < deadline, slot
+        pipe.run_step()
+    pipe.run_step()  # a whole step with the engine back
+    assert slot.info["node_id"] == spare.node_id  # where Ray placed the lost bundle
+    assert slot.info["bundles"] == list(pipe.placement.engine_bundles(slot.index))
+    assert set(pipe.engines.weight_versions().values()) == {str(pipe.version)}  # current weights
+    assert pipe.failure_counts["engine_restarts"] == counted + 1 and slot.restarts == restarts + 1
+    assert slot.failed_starts == 0
+    down = [r for r in caplog.records if "is down" in r.getMessage()]
+    assert len(down) == 1 and f"engine {slot.index} " in down[0].getMessage(), [r.getMessage() for r in down]
+    for step in range(first, pipe.step + 1):
+        rows = _episodes(pipe.cfg, step)
+        assert len(rows) == 8 and len({(r["group_id"], r["index"]) for r in rows}) == 8, rows
+        assert all(r["status"] == "ok" for r in rows), [r["error"] for r in rows]
+
+
+@pytest.mark.timeout(1500)  # a loaded 2-core machine: the pipeline's start, ~10 steps, an engine node's loss
+def test_split_layout_trainer_on_one_node_engines_on_two_others(three_nodes, tiny_model_dir, tmp_path, caplog):
     from actors.pipeline import Pipeline
 
     cluster, _ = three_nodes
@@ -143,10 +201,12 @@ def test_split_layout_trainer_on_one_node_engines_on_two_others(three_nodes, tin
         assert len(served) == 2 and all(w["requests"] > 0 for w in served.values()), served
 
         _kill_an_engine_mid_rollout(pipe, ray.get_runtime_context().get_node_id())
+        _lose_an_engine_node(pipe, cluster, caplog)
     finally:
         pipe.shutdown()
 
 
+@pytest.mark.timeout(1200)
 def test_colocated_layout_spread_over_three_nodes(three_nodes, tiny_model_dir, tmp_path):
     from actors.pipeline import Pipeline
 

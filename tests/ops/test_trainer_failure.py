@@ -1,5 +1,5 @@
-"""A trainer rank that dies mid-run: the step raises TrainerFailure (no hang), the surviving rank 0
-writes a checkpoint, and a fresh trainer group resumes from it with rank 0's exact weights."""
+"""A trainer rank that dies mid-run: the call raises TrainerFailure (no hang) in whatever phase, a surviving
+rank writes a checkpoint, and a fresh trainer group resumes from it with the exact weights."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from safetensors.numpy import load_file
 from actors.trainer import TrainerFailure, TrainerGroup
 from rayrl.config import TrainerConfig
 from rayrl.types import Sample
+from tests.shm_support import left_by_a_killed_owner
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,31 +37,41 @@ def _weights(group: TrainerGroup, root: Path, version: int) -> dict[str, np.ndar
     return merged
 
 
-def test_rank_death_raises_and_rank0_checkpoint_resumes(ray_local, tiny_model_dir, tmp_path):
-    cfg = TrainerConfig(num_ranks=2, lr=1e-3, micro_batch_tokens=256)
-    samples, advantages = _samples(), [1.0, -1.0, 1.0, -1.0]
+def test_rank_death_in_any_phase_raises_and_a_survivor_checkpoint_resumes(ray_local, tiny_model_dir, tmp_path):
+    """Rank 1 dies before a train step, then rank 0 before an onload: each call raises TrainerFailure naming
+    its phase and the survivors' policy versions, and rank 2, the one survivor, writes a whole checkpoint
+    that a fresh group (of two ranks) resumes from with the exact weights. The fresh ranks sweep the
+    weight buffers a killed process left in /dev/shm as they start."""
+    cfg = TrainerConfig(num_ranks=3, lr=1e-3, micro_batch_tokens=256)
+    samples, advantages = _samples(6), [1.0, -1.0] * 3
     group = TrainerGroup(cfg, str(tiny_model_dir), seed=0, name_prefix="tf-a")
     try:
         assert group.train(samples, advantages)["policy_version"] == 1
         before = _weights(group, tmp_path / "w-before", 1)
         ray.kill(group.ranks[1])
-        with pytest.raises(TrainerFailure, match="rank 1") as info:
+        with pytest.raises(TrainerFailure, match="in train: .*rank 1: ActorDiedError") as info:
             group.train(samples, advantages)
-        failure = info.value
-        assert set(failure.errors) >= {1}
-        assert failure.rank0_alive and not failure.rank0_stepped  # rank 0 noticed its peer and did not step
-        group.save_checkpoint(str(tmp_path / "ckpt"), only_rank0=True)
+        assert info.value.phase == "train" and info.value.survivors == {0: 1, 2: 1}  # nobody stepped
+
+        ray.kill(group.ranks[0])
+        with pytest.raises(TrainerFailure, match="in onload: rank 0: ActorDiedError") as info:
+            group.onload()
+        assert info.value.survivors == {2: 1} and set(info.value.errors) == {0, 1}
+        group.save_checkpoint(str(tmp_path / "ckpt"), from_rank=2)
         assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rank0.pt"]
     finally:
         group.shutdown()
 
-    fresh = TrainerGroup(cfg, str(tiny_model_dir), seed=0, name_prefix="tf-b")
+    with left_by_a_killed_owner() as (buffer, weights):  # weight buffers of a rank killed with SIGKILL
+        fresh = TrainerGroup(TrainerConfig(num_ranks=2, lr=1e-3, micro_batch_tokens=256), str(tiny_model_dir),
+                             seed=0, name_prefix="tf-b")
+        assert not buffer.exists() and not weights.exists()  # the new ranks swept them as they started
     try:
         assert fresh.load_checkpoint(str(tmp_path / "ckpt")) == 1
         after = _weights(fresh, tmp_path / "w-after", 1)
         assert before.keys() == after.keys()
         assert all(np.array_equal(before[k], after[k]) for k in before)  # the pre-failure weights, exactly
-        assert fresh.train(samples, advantages)["policy_version"] == 2  # both ranks train again
+        assert fresh.train(samples, advantages)["policy_version"] == 2  # two ranks train on from it
     finally:
         fresh.shutdown()
 
@@ -94,7 +105,8 @@ def test_pipeline_stops_with_a_checkpoint_and_resumes_the_failed_step(ray_local,
         with pytest.raises(TrainerFailure):
             pipeline.run()
         out = capsys.readouterr().out
-        assert "[rayrl] run stopped: trainer rank failure:" in out and "rank 1: ActorDiedError" in out
+        assert "[rayrl] run stopped: trainer rank failure in train:" in out and "rank 1: ActorDiedError" in out
+        assert out.count("run stopped") == 1
         assert f"--config {cfg.run_dir / 'config.yaml'} --resume" in out
         assert pipeline.checkpoints.store.steps() == [1]
         failed_step_tasks = sorted({json.loads(l)["task_id"] for l in
