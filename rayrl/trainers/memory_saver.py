@@ -42,6 +42,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -91,6 +92,7 @@ class HostBackup:
         self.buffer: Optional[torch.Tensor] = None
         self.segments: list[Segment] = []
         self.allocations = 0  # how many host buffers were made (1 in steady state)
+        self._unpin: Optional[weakref.finalize] = None
 
     @property
     def nbytes(self) -> int:
@@ -103,6 +105,10 @@ class HostBackup:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         if self.pin and nbytes:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+            # unpinned before the buffer is freed even when this object is just dropped (a trainer garbage
+            # collected): a freed range the driver still has registered makes the next registration that
+            # lands on those addresses fail with "already mapped"
+            self._unpin = weakref.finalize(self, _unregister_host, buffer)
         self.buffer = buffer
         self.allocations += 1
         return buffer
@@ -131,9 +137,15 @@ class HostBackup:
 
     def release(self) -> None:
         """Drop the host buffer (unpinning it)."""
-        if self.buffer is not None and self.pin and self.buffer.numel():
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr()))
+        if self._unpin is not None:
+            self._unpin()  # once: a finalizer that ran is dead
+            self._unpin = None
         self.buffer = None
+
+
+def _unregister_host(buffer: torch.Tensor) -> None:
+    """Unpin a host buffer :class:`HostBackup` pinned (``cudaHostUnregister``)."""
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
 
 
 class _Intervals:
