@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayrl.checkpoint import CheckpointStore
 from rayrl.config import AlgorithmConfig, TrainerConfig
+from rayrl.pipeline.failures import TrainerFailure
 from rayrl.rl.shard import replica_leads
 from rayrl.rl.updates import UpdatePlan, plan_updates
 from rayrl.trainers.memory_saver import preload_env
@@ -46,22 +47,6 @@ logger = logging.getLogger("rayrl.pipeline")
 
 FAILURE_GRACE_S = 60.0  # how long ranks in a collective get to fail on their own once a peer has died
 ALIVE_TIMEOUT_S = 30.0  # how long a rank gets to answer "are you alive" after a failure
-
-
-class TrainerFailure(RuntimeError):
-    """A trainer rank died or raised; the run must stop (replicas may have diverged).
-
-    ``phase``: what the ranks were doing; ``errors``: rank -> cause; ``survivors``: rank -> policy version
-    of every rank that still answers (the state each holds: a checkpoint can be written from one of them
-    where every rank holds the full state).
-    """
-
-    def __init__(self, phase: str, errors: dict[int, str], survivors: dict[int, int]) -> None:
-        self.phase = phase
-        self.errors = errors
-        self.survivors = survivors
-        detail = "; ".join(f"rank {r}: {e}" for r, e in errors.items())
-        super().__init__(f"trainer rank failure in {phase}: {detail}")
 
 
 def _cause(err: BaseException) -> str:
