@@ -239,9 +239,6 @@ class Pipeline:
     def save_checkpoint(self) -> str:
         return self.checkpoints.save()
 
-    def latest_checkpoint(self) -> str | None:
-        return self.checkpoints.latest()
-
     def resume(self) -> bool:
         """Continue from the newest complete checkpoint: the next step takes exactly the next tasks."""
         if not self.checkpoints.resume():

@@ -146,9 +146,10 @@ class TrainerRank:
             self._run(self.sender.connect())
         return self.sender is not None
 
-    def push_weights(self, version: int, dtype: str) -> dict[str, Any] | None:
-        """Send the current weights as ``version`` to this rank's engines. Megatron ranks drain the
-        gathered export whether or not they send (it runs collectives). Returns the transfer figures."""
+    def push_weights(self, dtype: str) -> dict[str, Any] | None:
+        """Send the current weights, labelled with the policy version this rank holds, to this rank's
+        engines. Megatron ranks drain the gathered export whether or not they send (it runs collectives).
+        Returns the transfer figures."""
         import torch
 
         weights = self.trainer.named_weights(getattr(torch, dtype))
@@ -157,7 +158,7 @@ class TrainerRank:
                 for _ in weights:
                     pass
             return None
-        return self._run(self.sender.send(weights, version)).as_dict()
+        return self._run(self.sender.send(weights, self.trainer.policy_version)).as_dict()
 
     def close_weights(self) -> None:
         """Leave what the sender made (a broadcast group; engines that are gone are skipped)."""
@@ -379,10 +380,11 @@ class TrainerGroup:
         refs = [r.connect_weights.remote(routes, disk_root, timeout_s) for r in self.ranks]
         self.gather("weight connect", refs, timeout_s=timeout_s + 60, raised_fails=False)
 
-    def push_weights(self, version: int, dtype: str) -> list[Any]:
-        """Refs of every rank's part of one weight push (ranks without a sender return at once; Megatron
-        ranks drain the export); wait for them with :meth:`gather` (``raised_fails=False``)."""
-        return [r.push_weights.remote(version, dtype) for r in self.ranks]
+    def push_weights(self, dtype: str) -> list[Any]:
+        """Refs of every rank's part of one weight push, labelled with the policy version the ranks hold
+        (the trainer's own count: it never comes back from the driver); ranks without a sender return at
+        once, Megatron ranks drain the export. Wait for them with :meth:`gather` (``raised_fails=False``)."""
+        return [r.push_weights.remote(dtype) for r in self.ranks]
 
     def close_weights(self) -> None:
         """Close every rank's sender; a rank that is gone (the run stopped on its failure, which said so

@@ -66,7 +66,9 @@ class WeightSync:
         return routes
 
     def push(self, version: int) -> dict[str, Any]:
-        """Send ``version`` to every engine that is up; returns the summed transfer figures.
+        """Send the trainer's current weights to every engine that is up; returns the summed transfer
+        figures. The ranks label them with the policy version they hold; ``version`` is the driver's copy of
+        it, for the messages.
 
         Engines that are down are skipped (a replacement gets the weights when it joins); an engine that
         dies during the update is dropped and the others are sent the weights again, once."""
@@ -76,7 +78,7 @@ class WeightSync:
             if self.routes is None:
                 logger.warning("no engine is up: policy version %d reaches the engines when they return", version)
                 return {"bytes": 0, "seconds": 0.0, "senders": 0}
-            refs = self.trainer.push_weights(version, self.cfg.engine.dtype)
+            refs = self.trainer.push_weights(self.cfg.engine.dtype)
             try:  # a trainer rank that died raises TrainerFailure here; what the engines did is ours
                 results = self.trainer.gather("weight push", refs, timeout_s=self.timeout_s + 30, raised_fails=False)
             except TrainerFailure:

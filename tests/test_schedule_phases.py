@@ -33,6 +33,7 @@ from rayrl.rl.groups import Group
 from rayrl.types import Episode, Sample, Task
 
 Outcome = Callable[[Group, int], Episode]  # (group, episode index) -> the episode as it came back
+STARTED_ON: dict[str, int] = {}  # group id -> the policy version its episodes started on (the fake's record)
 
 
 def scored_by_index(group: Group, index: int) -> Episode:
@@ -41,7 +42,7 @@ def scored_by_index(group: Group, index: int) -> Episode:
 
 
 def _episode(group: Group, reward: float, failure: Optional[str] = None) -> Episode:
-    version = group.version
+    version = STARTED_ON[group.group_id]
     sample = Sample(tokens=[1, 2, 3, 4], prompt_length=2, loss_mask=[1, 1], rollout_logprobs=[-1.0, -1.0],
                     policy_versions=[version, version])
     episode = Episode(session_id="s", task_id=group.task.task_id, group_id=group.group_id, samples=[sample],
@@ -60,6 +61,7 @@ class FakeDispatcher:
 
     def __init__(self, log: Log, group_size: int, outcome: Outcome = scored_by_index) -> None:
         self.log = log
+        self.state = RunState()  # the run's (make_run sets it): the policy version a group starts on
         self.group_size = group_size
         self.outcome = outcome
         self.queue: deque[Group] = deque()
@@ -77,10 +79,10 @@ class FakeDispatcher:
         (self.queue.appendleft if front else self.queue.append)(group)
         self.submitted.append((group_id, task.task_id, front, reruns))
 
-    def poll(self, timeout: float, version: int) -> int:
+    def poll(self, timeout: float) -> int:
         while self.queue:
             group = self.queue.popleft()
-            group.version = version
+            STARTED_ON[group.group_id] = self.state.version
             self.active[group.group_id] = group
         if self.stalled:
             return 0
@@ -306,12 +308,14 @@ class Run:
 
 def make_run(*overrides: str, outcome: Outcome = scored_by_index, tasks: int = 32, engines: int = 2) -> Run:
     cfg = resolve(load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=2", *overrides]))
+    STARTED_ON.clear()
     log = Log()
     sampler = TaskSampler([Task(f"prompt {i}", task_id=f"t{i}") for i in range(tasks)], shuffle=False)  # type: ignore[arg-type]
     dispatcher = FakeDispatcher(log, cfg.rollout.group_size, outcome)
     fleet = FakeEngines(log, engines)
     trainer, weights, gateway = FakeTrainer(log), FakeWeights(log, fleet), FakeGateway(log)
     parts = RunParts(cfg, RunState(), sampler, dispatcher, trainer, fleet, weights, gateway)
+    dispatcher.state = parts.state
     return Run(log, parts, dispatcher, trainer, fleet, weights, gateway, make_schedule(parts))
 
 
@@ -324,7 +328,7 @@ def test_sync_trains_with_nothing_running_then_pushes_to_every_engine():
         mark = len(run.log)
         groups, train = run.step()
         assert [g.task.task_id for g in groups] == [f"t{2 * step - 2}", f"t{2 * step - 1}"]
-        assert all(g.version == step - 1 for g in groups)  # every group started on the current weights
+        assert all(STARTED_ON[g.group_id] == step - 1 for g in groups)  # every group started on the current weights
         assert run.log.since(mark) == ["trainer.train(4)", f"weights.push({step} -> 2)"]
         assert train["train/policy_version"] == step and "time/weight_sync_s" in train
     assert run.state.version == 2 and run.dispatcher.groups_in_flight == 0  # sync queues only what it takes
@@ -382,13 +386,13 @@ def test_async_drops_stale_groups_and_runs_their_tasks_again_first():
     run = make_run("pipeline.schedule=async", "pipeline.max_staleness=0", "pipeline.groups_in_flight=4")
     counts1: Counter = Counter()
     first, _ = run.step(counts1)
-    assert counts1["dropped_stale_groups"] == 0 and [g.version for g in first] == [0, 0]
+    assert counts1["dropped_stale_groups"] == 0 and [STARTED_ON[g.group_id] for g in first] == [0, 0]
     counts2: Counter = Counter()
     second, _ = run.step(counts2)
     # groups t2, t3 started at version 0 (before step 1's update): too old at version 1, so dropped,
     # counted, kept for the records and queued again in front as new groups; what trains is version 1's
     assert counts2["dropped_stale_groups"] == 2 and counts2["dropped_stale_samples"] == 4
-    assert all(g.version == 1 for g in second)
+    assert all(STARTED_ON[g.group_id] == 1 for g in second)
     stale = [g for g in run.state.set_aside]
     assert [g.task.task_id for g in stale] == ["t2", "t3"]
     assert all(e.info["discarded"] == "stale" for g in stale for e in g.episodes.values())

@@ -100,7 +100,7 @@ class Schedule:
         """One turn of the dispatch loop while the driver waits on something else."""
         if self.runs_ahead:
             self.queue_new_groups(self.cfg.pipeline.groups_in_flight)
-        self.parts.dispatcher.poll(POLL_S, self.state.version)
+        self.parts.dispatcher.poll(POLL_S)
         self.membership.tend(self.engines_may_join(), self.state.version, self.update_engines)
 
     def while_dispatching(self, fn: Callable[[], Any]) -> Any:

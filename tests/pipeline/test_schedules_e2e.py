@@ -103,7 +103,7 @@ def test_async_two_steps_drops_stale_groups(ray_local, tiny_model_dir, tmp_path)
             assert len({(r["group_id"], r["index"]) for r in rows}) == 4
         # the checkpoint holds every group not yet trained (queued, running, done): the dropped groups'
         # tasks were queued again, so nothing is lost
-        saved = json.loads((Path(pipeline.latest_checkpoint()) / "pipeline.json").read_text())["schedule"]
+        saved = json.loads((Path(pipeline.checkpoints.latest()) / "pipeline.json").read_text())["schedule"]
         untrained = [g["task"]["task_id"] for g in saved["untrained_groups"]]
         assert saved["schedule"] == "async" and len(untrained) >= 2
         trained = [r["task_id"] for s in (1, 2) for r in _episodes(cfg, s)][::2]  # one row per group
