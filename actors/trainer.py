@@ -15,7 +15,7 @@ which transport it is.
 Every call the group makes to its ranks goes through :meth:`TrainerGroup.gather`, whatever the phase
 (train, onload, offload, weight push, checkpoint, ...): a rank that died (killed, its node lost) there
 becomes a :class:`TrainerFailure` naming the phase and the cause, with the policy version of every
-rank still alive, so the run stops the same way in every phase (actors/run_checkpoint.py).
+rank still alive, so the run stops the same way in every phase (rayrl/pipeline/run_checkpoint.py).
 """
 
 from __future__ import annotations

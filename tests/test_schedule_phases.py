@@ -102,8 +102,8 @@ class FakeDispatcher:
     def fail_unfinished(self, reason: str) -> list[Group]:
         groups = list(self.active.values())
         for group in groups:
-            group.episodes = {i: fail(Episode("", group.task.task_id, group.group_id), "step_deadline", reason)
-                              for i in range(group.size)}
+            group.episodes = {i: fail(Episode("", group.task.task_id, group.group_id), "step_deadline",
+                                      reason) for i in range(group.size)}
         self.active.clear()
         return groups
 
@@ -310,7 +310,8 @@ def make_run(*overrides: str, outcome: Outcome = scored_by_index, tasks: int = 3
     cfg = resolve(load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=2", *overrides]))
     STARTED_ON.clear()
     log = Log()
-    sampler = TaskSampler([Task(f"prompt {i}", task_id=f"t{i}") for i in range(tasks)], shuffle=False)  # type: ignore[arg-type]
+    dataset = [Task(f"prompt {i}", task_id=f"t{i}") for i in range(tasks)]  # what JsonlDataset indexes to
+    sampler = TaskSampler(dataset, shuffle=False)  # type: ignore[arg-type]
     dispatcher = FakeDispatcher(log, cfg.rollout.group_size, outcome)
     fleet = FakeEngines(log, engines)
     trainer, weights, gateway = FakeTrainer(log), FakeWeights(log, fleet), FakeGateway(log)
@@ -328,7 +329,7 @@ def test_sync_trains_with_nothing_running_then_pushes_to_every_engine():
         mark = len(run.log)
         groups, train = run.step()
         assert [g.task.task_id for g in groups] == [f"t{2 * step - 2}", f"t{2 * step - 1}"]
-        assert all(STARTED_ON[g.group_id] == step - 1 for g in groups)  # every group started on the current weights
+        assert all(STARTED_ON[g.group_id] == step - 1 for g in groups)  # each started on the current weights
         assert run.log.since(mark) == ["trainer.train(4)", f"weights.push({step} -> 2)"]
         assert train["train/policy_version"] == step and "time/weight_sync_s" in train
     assert run.state.version == 2 and run.dispatcher.groups_in_flight == 0  # sync queues only what it takes
@@ -370,8 +371,9 @@ def test_colocated_async_follows_the_gpu_order(partial_rollout, drained, mode):
         _, train = run.step()
         give = ["gateway.hold_llm_calls", *([] if partial_rollout else ["gateway.drain"]),
                 f"engines.pause_generation({mode})", "engines.release_memory_occupation", "trainer.onload"]
-        back = ["engines.resume_memory_occupation(weights)", f"weights.push({step} -> 2)", "weights.release_groups",
-                "trainer.offload", "engines.resume_memory_occupation(kv_cache,cuda_graph)",
+        back = ["engines.resume_memory_occupation(weights)", f"weights.push({step} -> 2)",
+                "weights.release_groups", "trainer.offload",
+                "engines.resume_memory_occupation(kv_cache,cuda_graph)",
                 "engines.continue_generation", "gateway.release_llm_calls"]
         assert run.log.since(mark) == [*give, "trainer.train(4)", *back]
         assert {"time/engine_pause_s", "time/weight_sync_s", "gateway/queue_depth"} <= set(train)
@@ -413,7 +415,8 @@ def test_a_group_short_of_scored_episodes_runs_again_until_the_bound_then_is_kep
     counts: Counter = Counter()
     groups, _ = run.step(counts)
     # t0 ran three times (the first run, two reruns), the third is kept as it is; nothing else was drawn
-    assert [(task, reruns) for _, task, _, reruns in run.dispatcher.submitted] == [("t0", 0), ("t0", 1), ("t0", 2)]
+    runs = [(task, reruns) for _, task, _, reruns in run.dispatcher.submitted]
+    assert runs == [("t0", 0), ("t0", 1), ("t0", 2)]
     assert counts["rerun_short_groups"] == 2 and counts["short_groups_kept"] == 1
     assert [g.task.task_id for g in groups] == ["t0"] and groups[0].reruns == 2
     assert [e.info["discarded"] for g in run.state.set_aside for e in g.ordered()] == ["rerun"] * 4
@@ -553,10 +556,12 @@ def test_a_failure_before_the_step_trained_checkpoints_the_previous_step_with_it
     run.trainer.fail_in = None
     checkpoints.after_trainer_failure(failure.value)
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("[rayrl] run stopped: trainer rank failure in") and "Resume with: python driver.py" in line
+    assert line.startswith("[rayrl] run stopped: trainer rank failure in")
+    assert "Resume with: python driver.py" in line
     assert run.state.failures["trainer_rank_failures"] == 1 and run.trainer.saved_from == [1]
     assert (run.state.step, run.state.version) == (1, 1)
-    untrained = [g.task.task_id for g in taken] + [r["task"]["task_id"] for r in run.dispatcher.untrained_tasks()]
+    untrained = [g.task.task_id for g in taken]
+    untrained += [r["task"]["task_id"] for r in run.dispatcher.untrained_tasks()]
     resumed, queue = resumed_queue(tmp_path, *schedule)
     assert (resumed.state.step, resumed.state.version) == (1, 1) and queue == untrained
     assert queue[:2] == [g.task.task_id for g in taken]  # the step's own groups run first
@@ -592,7 +597,8 @@ def test_without_a_rank_holding_the_whole_state_the_newest_checkpoint_is_the_way
     out = capsys.readouterr().out
     assert f"Checkpoint: {checkpoints.store.location_of(2)}" in out and run.trainer.saved_from == [None, None]
     nobody = make_run("pipeline.schedule=sync")
-    make_checkpoints(nobody, tmp_path / "empty").after_trainer_failure(TrainerFailure("train", {0: "gone"}, {}))
+    lost = TrainerFailure("train", {0: "gone"}, {})  # no rank survived
+    make_checkpoints(nobody, tmp_path / "empty").after_trainer_failure(lost)
     assert "Checkpoint: none. Resume with: no checkpoint exists" in capsys.readouterr().out
 
 

@@ -1,9 +1,10 @@
 """The three schedules: how rollout and training share time. One class each, one interface.
 
 Episodes run as groups (``rollout.group_size`` episodes of one task) that a GroupDispatcher
-(actors/dispatch.py, typed here as rayrl/pipeline/parts.py Dispatcher) keeps moving on the rollout workers; each step takes ``prompts_per_step``
-completed groups. The pipeline (actors/pipeline.py) picks the class once from ``pipeline.schedule``
-and then only calls :meth:`Schedule.collect` and :meth:`Schedule.train`. One step of each:
+(actors/dispatch.py; here the ``Dispatcher`` protocol of rayrl/pipeline/parts.py) keeps moving on the
+rollout workers; each step takes ``prompts_per_step`` completed groups. The pipeline (actors/pipeline.py)
+picks the class once from ``pipeline.schedule`` and then only calls :meth:`Schedule.collect` and
+:meth:`Schedule.train`. One step of each:
 
 ``sync``
     1. queue ``prompts_per_step`` new tasks; wait until their groups complete (or the step deadline); a
