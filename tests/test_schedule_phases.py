@@ -514,8 +514,9 @@ def make_checkpoints(run: Run, tmp_path: Path) -> RunCheckpoints:
     return RunCheckpoints(store, run.trainer, run.parts.sampler, run.dispatcher, run.schedule, tmp_path)
 
 
-def run_steps(run: Run, checkpoints: RunCheckpoints, steps: int, save_every: int = 1) -> None:
-    """actors/pipeline.py's loop, as far as checkpoints see it."""
+def run_steps(run: Run, checkpoints: RunCheckpoints, steps: int, save_every: int = 1) -> list[str]:
+    """actors/pipeline.py's loop, as far as checkpoints see it; returns the tasks of the groups trained."""
+    trained: list[str] = []
     for _ in range(steps):
         run.state.step += 1
         checkpoints.start_step()
@@ -524,8 +525,10 @@ def run_steps(run: Run, checkpoints: RunCheckpoints, steps: int, save_every: int
         batch = build_batch([e for g in groups for e in g.ordered()], run.parts.cfg.algorithm)
         run.schedule.train(batch)
         checkpoints.step_trained()
+        trained += [g.task.task_id for g in groups]
         if run.state.step % save_every == 0:
             checkpoints.save(announce=False)
+    return trained
 
 
 def resumed_queue(tmp_path: Path, *overrides: str) -> tuple[Run, list[str]]:
@@ -613,3 +616,23 @@ def test_a_survivor_whose_save_fails_falls_back_to_the_newest_checkpoint(tmp_pat
     run.trainer.fail_in = "checkpoint"
     checkpoints.after_trainer_failure(TrainerFailure("checkpoint", {0: "gone"}, {1: 2}))
     assert f"Checkpoint: {checkpoints.store.location_of(1)}" in capsys.readouterr().out
+
+
+def test_async_resume_after_stale_drops_runs_the_untrained_groups_first_and_nothing_twice(tmp_path):
+    """The fast twin of tests/pipeline/test_schedules_e2e.py::test_async_resume_runs_the_checkpoints_...:
+    the dropped groups' tasks are queued again, the checkpoint holds every untrained group in order, and
+    the resumed run takes only those, none of them trained before."""
+    schedule = ("pipeline.schedule=async", "pipeline.max_staleness=0")
+    run = make_run(*schedule, "pipeline.groups_in_flight=4")
+    checkpoints = make_checkpoints(run, tmp_path)
+    trained = run_steps(run, checkpoints, 2, save_every=2)
+    assert len(trained) == len(set(trained)) == 4
+    assert [g.task.task_id for g in run.state.set_aside]  # step 2 dropped stale groups (queued again)
+    saved = checkpoints.store.read_state(2)["schedule"]
+    untrained = [row["task"]["task_id"] for row in saved["untrained_groups"]]
+    assert saved["schedule"] == "async" and len(untrained) >= 2 and not set(trained) & set(untrained)
+    resumed, queue = resumed_queue(tmp_path, *schedule, f"pipeline.groups_in_flight={len(untrained)}")
+    assert queue == untrained and (resumed.state.step, resumed.state.version) == (2, 2)
+    groups, _ = resumed.step()
+    step3 = {g.task.task_id for g in groups}
+    assert step3 <= set(untrained) and not step3 & set(trained)
