@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 from rayrl.config import RunConfig
 from rayrl.data import TaskSampler
 from rayrl.rl.groups import Group
 from rayrl.types import Sample, Task
-from rayrl.weights.routes import EngineEndpoint, RankPlace, WeightRoutes
+
+if TYPE_CHECKING:  # the weight path imports torch; the schedules only name its types
+    from rayrl.weights.routes import EngineEndpoint, RankPlace, WeightRoutes
 
 
 @dataclass
