@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from rayrl.config import EngineConfig
+from rayrl.ports import free_port
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
 
@@ -43,25 +43,6 @@ def _kill_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free right now on ``host`` (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM ``proc``, SIGKILL it if it has not exited after ``grace_s``, and reap it."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 def cpu_server_command(
