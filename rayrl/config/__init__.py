@@ -17,7 +17,6 @@ from rayrl.config.checks import ConfigError
 from rayrl.config.load import load_config, to_yaml
 from rayrl.config.resolve import Machine, capacity_warnings, resolve
 from rayrl.config.schema import (
-    LAYOUT_MODES,
     AgentCoreConfig,
     DataConfig,
     EngineConfig,
@@ -33,11 +32,9 @@ from rayrl.config.schema import (
     SandboxPoolConfig,
     TrainerConfig,
     TrajectoryConfig,
-    check_layout,
 )
 
 __all__ = [
-    "LAYOUT_MODES",
     "AlgorithmConfig",
     "AgentCoreConfig",
     "ConfigError",
@@ -57,7 +54,6 @@ __all__ = [
     "TrainerConfig",
     "TrajectoryConfig",
     "capacity_warnings",
-    "check_layout",
     "load_config",
     "resolve",
     "to_yaml",

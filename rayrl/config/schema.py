@@ -22,9 +22,6 @@ from rayrl.config.algorithm import AlgorithmConfig
 from rayrl.config.checks import ConfigError, at_least_one, non_negative, positive
 from rayrl.config.host_rules import parse_rules
 
-LAYOUT_MODES = ("colocated", "split")  # the placement modes that lay out a shared placement group
-
-
 @dataclass
 class ModelConfig:
     """Which model the engines serve and the trainer trains."""
@@ -297,46 +294,6 @@ class PlacementConfig:
         non_negative(self, "placement.", "cpus_per_bundle")
 
 
-def check_layout(
-    mode: str,
-    num_gpus: int,
-    *,
-    trainer_ranks: int,
-    num_engines: int,
-    tp_size: int,
-    trainer_gpus: int = 0,
-    trainer_gpu_fraction: float = 0.5,
-) -> None:
-    """Whether trainer ranks and engines fit ``num_gpus`` shared bundles in ``mode`` (colocated | split).
-
-    colocated: every bundle holds one trainer rank and one engine GPU, each claiming its fraction.
-    split: the first ``trainer_gpus`` bundles train, the rest serve. Raises ConfigError naming the field;
-    rayrl/placement.py's ``plan_placement`` calls this before it lays out the bundles.
-    """
-    if mode not in LAYOUT_MODES:
-        raise ConfigError(f"placement.mode: {mode!r} is not one of {', '.join(LAYOUT_MODES)}")
-    if num_gpus < 1:
-        raise ConfigError(f"placement.num_gpus: must be >= 1, got {num_gpus}")
-    engine_gpus = num_engines * tp_size
-    if mode == "colocated":
-        if trainer_ranks != num_gpus or engine_gpus != num_gpus:
-            raise ConfigError(
-                f"placement.num_gpus: colocated needs trainer.num_ranks ({trainer_ranks}) and "
-                f"engine.num_engines x engine.tp_size ({engine_gpus}) both equal to {num_gpus}"
-            )
-        if not 0.0 < trainer_gpu_fraction < 1.0:
-            raise ConfigError("placement.trainer_gpu_fraction: must be in (0, 1) when colocated")
-        return
-    if trainer_gpus < 1 or trainer_gpus >= num_gpus:
-        raise ConfigError(f"placement.trainer_gpus: split needs 1..{num_gpus - 1}, got {trainer_gpus}")
-    if trainer_ranks != trainer_gpus or engine_gpus != num_gpus - trainer_gpus:
-        raise ConfigError(
-            f"placement.trainer_gpus: split gives the trainer {trainer_gpus} GPUs (trainer.num_ranks is "
-            f"{trainer_ranks}) and the engines {num_gpus - trainer_gpus} (num_engines x tp_size is "
-            f"{engine_gpus})"
-        )
-
-
 @dataclass
 class DataConfig:
     """The task dataset (JSONL rows: {"prompt": ..., "metadata": {...}})."""
@@ -460,10 +417,12 @@ class RunConfig:
         if self.pipeline.schedule != "sync" and 0 < groups < self.rollout.prompts_per_step:
             raise ConfigError("pipeline.groups_in_flight: must be 0 or at least rollout.prompts_per_step")
         if self.placement.mode != "none":
-            check_layout(self.placement.mode, self.placement.num_gpus, trainer_ranks=self.trainer.num_ranks,
-                         num_engines=self.engine.num_engines, tp_size=self.engine.tp_size,
-                         trainer_gpus=self.placement.trainer_gpus,
-                         trainer_gpu_fraction=self.placement.trainer_gpu_fraction)
+            from rayrl.placement import plan_placement  # not at import: rayrl.config imports no rayrl module
+
+            plan_placement(self.placement.mode, self.placement.num_gpus, trainer_ranks=self.trainer.num_ranks,
+                           num_engines=self.engine.num_engines, tp_size=self.engine.tp_size,
+                           trainer_gpus=self.placement.trainer_gpus,
+                           trainer_gpu_fraction=self.placement.trainer_gpu_fraction)
         self._check_agentcore()
 
     def _check_algorithm(self) -> None:
