@@ -40,7 +40,8 @@ import os
 from dataclasses import dataclass
 
 from rayrl.config.algorithm import AlgorithmConfig
-from rayrl.config.schema import EngineConfig, RunConfig
+from rayrl.config.schema import RunConfig
+from rayrl.config.serving import EngineConfig
 
 DEFAULT_ASYNC_TIS_CAP = 2.0  # algorithm.tis_cap when unset and the schedule is async or colocated_async
 # (clip_eps, clip_eps_high) when unset, by policy loss: PPO with DAPO's clip-higher; GSPO's paper
