@@ -53,9 +53,12 @@ class EngineConfig:
         at_least_one(self, "engine.", "tp_size")
         if not math.isfinite(self.max_logprob_gap):
             raise ConfigError(f"engine.max_logprob_gap: must be a finite number, got {self.max_logprob_gap!r}")
-        if self.weight_format == "fp16-packed" and self.backend == "sglang":
-            raise ConfigError("engine.weight_format: fp16-packed is the CPU engine's; SGLang takes --dtype and "
-                              "its own quantisation flags (engine.extra_args)")
+        if self.weight_format == "fp16-packed" and self.backend != "auto":
+            from rayrl.engines.backends import engine_backend  # not at import: rayrl.config imports no rayrl module
+
+            if "fp16-packed" not in engine_backend(self.backend).weight_formats:
+                raise ConfigError(f"engine.weight_format: fp16-packed is the CPU engine's; {self.backend} takes "
+                                  "--dtype and its own quantisation flags (engine.extra_args)")
         if self.weight_format == "fp16-packed" and self.dtype in ("bfloat16", "float16"):
             raise ConfigError(f"engine.weight_format: fp16-packed packs float32 weights; engine.dtype is {self.dtype}")
 
