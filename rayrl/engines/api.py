@@ -2,8 +2,8 @@
 
 :data:`ROUTES` is what rayrl calls on an engine (path -> HTTP method); the pinned SGLang serves every one
 (tests/contracts/test_sglang_contract.py reads them from its source) and so does our CPU engine
-(rayrl/engines/server.py). A backend may add routes of its own (:data:`EXTENSION_ROUTES`); the callers
-reach those only through what the backend says it has (rayrl/engines/backends/). :class:`EngineAPI` is
+(rayrl/engines/server.py). A backend may add routes of its own (``EngineBackend.extra_routes``,
+rayrl/engines/backends/); callers reach those only where the backend says it has them. :class:`EngineAPI` is
 the same interface as Python calls, which ``EngineClient`` implements and everything above it (the
 router, the weight senders, the fleet's control calls) is written against.
 """
@@ -34,9 +34,6 @@ ROUTES: dict[str, str] = {
     "/flush_cache": "POST",
     "/release_memory_occupation": "POST",  # tags: weights | kv_cache | cuda_graph (None: all)
     "/resume_memory_occupation": "POST",
-}
-EXTENSION_ROUTES: dict[str, dict[str, str]] = {
-    "cpu": {"/set_weight_format": "POST"},  # EngineBackend.switch_weight_format
 }
 
 
@@ -119,7 +116,7 @@ class EngineAPI(Protocol):
         ...
 
     async def set_weight_format(self, weight_format: str) -> dict[str, Any]:
-        """``/set_weight_format``: an extension route (the CPU engine's; :data:`EXTENSION_ROUTES`)."""
+        """``/set_weight_format``: an extra route (the CPU engine's; ``EngineBackend.switch_weight_format``)."""
         ...
 
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The engine interface is one typed protocol (rayrl/engines/api.py): EngineClient implements it call for
-call, the CPU engine's real server serves every route of it, and every backend's extension routes are
-declared. SGLang's side of the same routes is held by tests/contracts/test_sglang_contract.py."""
+call, the CPU engine's real server serves every route of it and its own extra routes, and every other
+path the client calls is a backend's declared extra route. SGLang's side of the same routes is held by tests/contracts/test_sglang_contract.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from rayrl.engines import client as client_module
-from rayrl.engines.api import EXTENSION_ROUTES, ROUTES, EngineAPI
+from rayrl.engines.api import ROUTES, EngineAPI
 from rayrl.engines.backends import BACKENDS
 from rayrl.engines.client import EngineClient
 from rayrl.engines.server import EngineServer
@@ -36,15 +36,13 @@ def test_engine_client_implements_the_protocol_call_for_call():
 
 def test_every_path_the_client_calls_is_a_route_or_a_declared_extension():
     sent = set(re.findall(r'"(/[a-z_]+)"', Path(client_module.__file__).read_text()))
-    extensions = {path for routes in EXTENSION_ROUTES.values() for path in routes}
-    assert sent == set(ROUTES) | extensions
-    assert set(EXTENSION_ROUTES) <= set(BACKENDS)
-    assert all(backend.switch_weight_format == ("/set_weight_format" in EXTENSION_ROUTES.get(name, {}))
-               for name, backend in BACKENDS.items())
+    extras = {path for backend in BACKENDS.values() for path in backend.extra_routes}
+    assert sent == set(ROUTES) | extras
+    assert not extras & set(ROUTES)
 
 
 def test_the_cpu_engine_serves_every_route_with_its_method(engine):
     server = EngineServer(engine)
     served = {(route.method, route.resource.canonical) for route in server.app.router.routes()}
-    for path, method in {**ROUTES, **EXTENSION_ROUTES["cpu"]}.items():
+    for path, method in {**ROUTES, **BACKENDS["cpu"].extra_routes}.items():
         assert (method, path) in served, (method, path)

@@ -10,8 +10,8 @@ these asks the backend (``engine_backend(cfg.engine.backend)``), never compares 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping, Protocol
 
 if TYPE_CHECKING:
     from rayrl.config import EngineConfig
@@ -40,8 +40,8 @@ class EngineBackend:
     its GPUs (rayrl/weights/routes.py). ``sglang_wire``: its weight endpoints unpickle SGLang's own bucket
     classes only (rayrl/weights/wire.py), so senders must never fall back to ours. ``weight_formats``: the
     ``engine.weight_format`` values it takes beyond ``auto`` (empty: it has no such setting; its own flags
-    go in ``engine.extra_args``); ``switch_weight_format``: it serves ``POST /set_weight_format``, so the
-    pipeline can move it to float32 when its log-probs drift (``engine.max_logprob_gap``).
+    go in ``engine.extra_args``); ``extra_routes``: the routes it serves beyond rayrl/engines/api.py's
+    ``ROUTES`` (path -> method).
     """
 
     name: str
@@ -50,4 +50,10 @@ class EngineBackend:
     on_gpu: bool = False
     sglang_wire: bool = False
     weight_formats: tuple[str, ...] = ()
-    switch_weight_format: bool = False
+    extra_routes: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def switch_weight_format(self) -> bool:
+        """It serves ``POST /set_weight_format``, so the pipeline can move it to float32 when its
+        log-probs drift (``engine.max_logprob_gap``)."""
+        return "/set_weight_format" in self.extra_routes

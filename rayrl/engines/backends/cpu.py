@@ -41,5 +41,5 @@ CPU = EngineBackend(
     name="cpu",
     command=cpu_server_command,
     weight_formats=("float32", "fp16-packed"),
-    switch_weight_format=True,
+    extra_routes={"/set_weight_format": "POST"},  # rayrl/engines/server.py
 )
