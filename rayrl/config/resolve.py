@@ -93,7 +93,7 @@ def compute_dtype(requested: str, cuda: bool, native_bf16: bool) -> str:
 
 
 def _engine_backend(engine: EngineConfig, machine: Machine) -> str:
-    """A backend of rayrl/engines/backends/'s table: ``auto`` means sglang exactly when the machine has CUDA."""
+    """A row of rayrl/engines/backends/'s table: ``auto`` means sglang exactly when the machine has CUDA."""
     from rayrl.engines.backends import auto_backend  # not at import: rayrl.config imports no rayrl module
 
     if engine.backend != "auto":
@@ -174,12 +174,13 @@ def resolve(cfg: RunConfig, machine: Machine | None = None) -> RunConfig:
     engine_threads, trainer_threads = _cpu_threads(cfg, machine.cores)
     groups = _groups_in_flight(cfg)
     backend = _engine_backend(cfg.engine, machine)
+    engine_on_gpu = engine_backend(backend).on_gpu
     replace = dataclasses.replace
     return replace(
         cfg,
         model=replace(cfg.model, tokenizer_path=cfg.model.tokenizer_path or cfg.model.path),
         engine=replace(cfg.engine, backend=backend, num_threads=engine_threads,
-                       dtype=compute_dtype(cfg.engine.dtype, engine_backend(backend).on_gpu, machine.native_bf16)),
+                       dtype=compute_dtype(cfg.engine.dtype, engine_on_gpu, machine.native_bf16)),
         trainer=replace(cfg.trainer, num_threads=trainer_threads,
                         compute_dtype=compute_dtype(cfg.trainer.compute_dtype, machine.cuda, machine.native_bf16)),
         algorithm=resolve_algorithm(cfg),
