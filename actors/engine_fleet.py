@@ -27,6 +27,7 @@ import ray
 
 from actors.engine import EngineActor, EngineSeat, bundle_probe
 from rayrl.config import EngineConfig
+from rayrl.engines.backends import engine_backend
 from rayrl.weights.routes import EngineEndpoint
 
 logger = logging.getLogger("rayrl.engines")
@@ -103,7 +104,7 @@ class EngineFleet:
         options: dict[str, Any] = {"name": f"{self.name_prefix}-engine-{slot.index}-r{slot.restarts}{tries}"}
         if slot.seat is not None:
             options.update(slot.seat.actor_options())
-        elif self.cfg.backend == "sglang":  # no shared placement: Ray still accounts for each GPU
+        elif engine_backend(self.cfg.backend).on_gpu:  # no shared placement: Ray still accounts for each GPU
             options["num_gpus"] = self.cfg.tp_size
         return options
 
@@ -265,7 +266,7 @@ class EngineFleet:
     def set_weight_format(self, weight_format: str) -> int:
         """Every CPU engine's decode weights from now on, replacements included (SGLang has none); returns
         how many engines changed."""
-        if self.cfg.backend == "sglang":
+        if not engine_backend(self.cfg.backend).switch_weight_format:
             return 0
         self.cfg = replace(self.cfg, weight_format=weight_format)
         return sum(changed for _, changed in self._each("set_weight_format", weight_format))

@@ -23,7 +23,7 @@ import ray
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from rayrl.config import SandboxConfig, SandboxPoolConfig
-from rayrl.sandboxes.base import create_sandbox
+from rayrl.sandboxes.factory import create_sandbox
 from rayrl.sandboxes.local import remove_orphans
 from rayrl.sandboxes.pool import LATENCY_BUCKETS_S, Lease, SandboxPool
 

@@ -1,8 +1,9 @@
 """Placement plans: which GPU bundles the trainer ranks and the engines use (pure data, no Ray).
 
-actors/ turns a plan into a Ray placement group. Whether the numbers fit is checked by
-``rayrl.config.check_layout``, which the config also runs at load, so a layout that cannot fit fails
-before anything starts; CPU thread counts are resolved with the rest of the config (rayrl.config.resolve).
+actors/ turns a plan into a Ray placement group. :func:`plan_placement` is the one home of the layout:
+it checks that the numbers fit and lays out the bundles, and the config runs it at load (RunConfig), so a
+layout that cannot fit fails, naming the field, before anything starts; CPU thread counts are resolved
+with the rest of the config (rayrl.config.resolve).
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from rayrl.config import LAYOUT_MODES, check_layout
+from rayrl.config import ConfigError
 
-MODES = LAYOUT_MODES
+LAYOUT_MODES = ("colocated", "split")  # the placement modes that lay out a shared placement group
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,13 @@ def plan_placement(
     trainer_gpus: int = 0,
     trainer_gpu_fraction: float = 0.5,
 ) -> PlacementPlan:
-    """The bundle layout; raises ConfigError (naming the field) when the numbers do not fit
-    (``rayrl.config.check_layout``)."""
-    check_layout(mode, num_gpus, trainer_ranks=trainer_ranks, num_engines=num_engines, tp_size=tp_size,
-                 trainer_gpus=trainer_gpus, trainer_gpu_fraction=trainer_gpu_fraction)
+    """The bundle layout of trainer ranks and engines over ``num_gpus`` shared bundles in ``mode``.
+
+    colocated: every bundle holds one trainer rank and one engine GPU, each claiming its fraction.
+    split: the first ``trainer_gpus`` bundles train, the rest serve. Raises ConfigError naming the field
+    when the numbers do not fit (the config calls this at load for exactly that).
+    """
+    _check_layout(mode, num_gpus, trainer_ranks, num_engines * tp_size, trainer_gpus, trainer_gpu_fraction)
     if mode == "colocated":
         engine_first = 0
         fractions = (trainer_gpu_fraction, round(1.0 - trainer_gpu_fraction, 6))
@@ -57,6 +61,32 @@ def plan_placement(
         trainer_gpu_fraction=fractions[0],
         engine_gpu_fraction=fractions[1],
     )
+
+
+def _check_layout(mode: str, num_gpus: int, trainer_ranks: int, engine_gpus: int, trainer_gpus: int,
+                  trainer_gpu_fraction: float) -> None:
+    """Whether the numbers fit; ConfigError naming the field when not (:func:`plan_placement`)."""
+    if mode not in LAYOUT_MODES:
+        raise ConfigError(f"placement.mode: {mode!r} is not one of {', '.join(LAYOUT_MODES)}")
+    if num_gpus < 1:
+        raise ConfigError(f"placement.num_gpus: must be >= 1, got {num_gpus}")
+    if mode == "colocated":
+        if trainer_ranks != num_gpus or engine_gpus != num_gpus:
+            raise ConfigError(
+                f"placement.num_gpus: colocated needs trainer.num_ranks ({trainer_ranks}) and "
+                f"engine.num_engines x engine.tp_size ({engine_gpus}) both equal to {num_gpus}"
+            )
+        if not 0.0 < trainer_gpu_fraction < 1.0:
+            raise ConfigError("placement.trainer_gpu_fraction: must be in (0, 1) when colocated")
+        return
+    if trainer_gpus < 1 or trainer_gpus >= num_gpus:
+        raise ConfigError(f"placement.trainer_gpus: split needs 1..{num_gpus - 1}, got {trainer_gpus}")
+    if trainer_ranks != trainer_gpus or engine_gpus != num_gpus - trainer_gpus:
+        raise ConfigError(
+            f"placement.trainer_gpus: split gives the trainer {trainer_gpus} GPUs (trainer.num_ranks is "
+            f"{trainer_ranks}) and the engines {num_gpus - trainer_gpus} (num_engines x tp_size is "
+            f"{engine_gpus})"
+        )
 
 
 def order_bundles(bundle_nodes: Sequence[str], bundle_gpus: Sequence[str]) -> list[int]:

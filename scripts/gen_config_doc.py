@@ -1,4 +1,4 @@
-"""Regenerate docs/config.md from rayrl/config/schema.py (field comments are the documentation).
+"""Regenerate docs/config.md from rayrl/config/'s section modules (field comments are the documentation).
 
     python scripts/gen_config_doc.py
 """
@@ -12,6 +12,7 @@ from pathlib import Path
 from rayrl import config as C
 
 ROOT = Path(__file__).resolve().parents[1]
+SECTION_MODULES = ("schema.py", "serving.py", "rollout.py", "training.py", "algorithm.py")  # rayrl/config/
 
 
 INTRO = """\
@@ -20,8 +21,8 @@ Unknown keys, wrong types and invalid values fail at load with the dotted name o
 Fields with a fixed set of values (written `a / b / c` below) are `Literal` types, so any other value
 fails at load too; ranges are checked by each section, rules across sections by `RunConfig`.
 Override any field on the command line: `python driver.py --config FILE trainer.steps=3 rollout.group_size=8`.
-This page is generated from the comments in rayrl/config/schema.py and rayrl/config/algorithm.py by
-scripts/gen_config_doc.py. Keys removed from an older rayrl (`trainer.loss`, `trainer.kl_coef`, ...) fail
+This page is generated from the comments in rayrl/config/ (schema.py, serving.py, rollout.py, training.py,
+algorithm.py) by scripts/gen_config_doc.py. Keys removed from an older rayrl (`trainer.loss`, `trainer.kl_coef`, ...) fail
 at load with what to write instead.
 
 **Resolve.** Values that mean "auto" (`0`, unset, `auto`) stay that way in the loaded config;
@@ -42,7 +43,7 @@ loads the model (its `/get_server_info` says which).
 def field_comments() -> dict[str, dict[str, str]]:
     comments: dict[str, dict[str, str]] = {}
     cls = None
-    sources = [ROOT / "rayrl" / "config" / name for name in ("schema.py", "algorithm.py")]
+    sources = [ROOT / "rayrl" / "config" / name for name in SECTION_MODULES]
     for line in "\n".join(p.read_text() for p in sources).splitlines():
         if m := re.match(r"class (\w+)", line):
             cls = m.group(1)

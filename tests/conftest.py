@@ -69,7 +69,7 @@ def ray_local():
     own modules (tests.e2e_support, ...) import in the workers."""
     import ray
 
-    from rayrl.engines.launcher import free_port
+    from rayrl.ports import free_port
     from tests.ray_support import ROOT
 
     port = free_port()

@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from rayrl.engines.launcher import free_port, stop_process
+from rayrl.ports import free_port
+from rayrl.processes import stop_process
 
 S3_TEST_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",

@@ -182,11 +182,17 @@ def test_sections_check_themselves_wherever_they_are_built():
         dataclasses.replace(RunConfig(), exp_id="..")
 
 
-def test_layout_check_lives_in_the_config():
-    from rayrl.config import check_layout
+def test_layout_has_one_home_the_config_runs_at_load():
+    """plan_placement checks the layout and lays it out; the config runs that same function at load."""
+    import dataclasses
 
-    check_layout("colocated", 2, trainer_ranks=2, num_engines=1, tp_size=2)
+    from rayrl.config import PlacementConfig
+    from rayrl.placement import plan_placement
+
+    plan_placement("colocated", 2, trainer_ranks=2, num_engines=1, tp_size=2)
     with pytest.raises(ConfigError, match="^placement.num_gpus: colocated needs trainer.num_ranks"):
-        check_layout("colocated", 2, trainer_ranks=1, num_engines=1, tp_size=2)
+        plan_placement("colocated", 2, trainer_ranks=1, num_engines=1, tp_size=2)
     with pytest.raises(ConfigError, match="^placement.trainer_gpus: split needs 1..1, got 2"):
-        check_layout("split", 2, trainer_ranks=2, num_engines=0, tp_size=1, trainer_gpus=2)
+        plan_placement("split", 2, trainer_ranks=2, num_engines=0, tp_size=1, trainer_gpus=2)
+    with pytest.raises(ConfigError, match="^placement.num_gpus: colocated needs trainer.num_ranks"):
+        dataclasses.replace(RunConfig(), placement=PlacementConfig(mode="colocated", num_gpus=2))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from jobs.runner import Runner
-from rayrl.engines.launcher import free_port
+from rayrl.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

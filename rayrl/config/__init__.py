@@ -1,8 +1,9 @@
 """One typed run configuration: YAML -> ``RunConfig`` (dataclasses), validated at load, resolved once.
 
-- schema.py: the dataclasses (the ``algorithm`` section in algorithm.py). Every field's type, default
-  and documentation (the comment beside it; docs/config.md is generated from them); ``Literal`` types
-  for fixed choices; each section checks its own ranges, ``RunConfig`` the rules that span sections.
+- schema.py: ``RunConfig`` and the run-level sections; the other sections by area in serving.py,
+  rollout.py, training.py and algorithm.py. Every field's type, default and documentation (the comment
+  beside it; docs/config.md is generated from them); ``Literal`` types for fixed choices; each section
+  checks its own ranges, ``RunConfig`` the rules that span sections.
 - load.py: ``load_config`` (YAML + dotted overrides through OmegaConf) and ``to_yaml``.
 - resolve.py: ``resolve(cfg, machine)`` turns every "auto" value into a concrete one, in one place.
 - checks.py, host_rules.py: ``ConfigError`` with the range checks, and the ``sandbox.allowed_hosts`` parser.
@@ -16,28 +17,12 @@ from rayrl.config.algorithm import AlgorithmConfig
 from rayrl.config.checks import ConfigError
 from rayrl.config.load import load_config, to_yaml
 from rayrl.config.resolve import Machine, capacity_warnings, resolve
-from rayrl.config.schema import (
-    LAYOUT_MODES,
-    AgentCoreConfig,
-    DataConfig,
-    EngineConfig,
-    GatewayConfig,
-    LoggingConfig,
-    ModelConfig,
-    PipelineConfig,
-    PlacementConfig,
-    RayConfig,
-    RolloutConfig,
-    RunConfig,
-    SandboxConfig,
-    SandboxPoolConfig,
-    TrainerConfig,
-    TrajectoryConfig,
-    check_layout,
-)
+from rayrl.config.rollout import AgentCoreConfig, RolloutConfig, SandboxConfig, SandboxPoolConfig
+from rayrl.config.schema import DataConfig, LoggingConfig, PipelineConfig, RayConfig, RunConfig
+from rayrl.config.serving import EngineConfig, GatewayConfig, ModelConfig, TrajectoryConfig
+from rayrl.config.training import PlacementConfig, TrainerConfig
 
 __all__ = [
-    "LAYOUT_MODES",
     "AlgorithmConfig",
     "AgentCoreConfig",
     "ConfigError",
@@ -57,7 +42,6 @@ __all__ = [
     "TrainerConfig",
     "TrajectoryConfig",
     "capacity_warnings",
-    "check_layout",
     "load_config",
     "resolve",
     "to_yaml",

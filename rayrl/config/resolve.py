@@ -3,7 +3,7 @@
 ``load_config`` returns the config as written; a run works on ``resolve(cfg)`` and records that in its
 config.yaml, so what ran is what the file says. Resolved here:
 
-- ``engine.backend`` auto: ``sglang`` when the machine has CUDA, else ``cpu``.
+- ``engine.backend`` auto: ``sglang`` when the machine has CUDA, else ``cpu`` (rayrl/engines/backends/).
 - ``engine.dtype`` and ``trainer.compute_dtype`` auto: ``bfloat16`` where it is computed natively (GPU;
   a CPU with AVX512-BF16 or AMX), ``float32`` elsewhere (:func:`compute_dtype`).
 - ``engine.num_threads`` / ``trainer.num_threads`` 0: on CPU the cores are the devices, shared the way
@@ -40,7 +40,8 @@ import os
 from dataclasses import dataclass
 
 from rayrl.config.algorithm import AlgorithmConfig
-from rayrl.config.schema import EngineConfig, RunConfig
+from rayrl.config.schema import RunConfig
+from rayrl.config.serving import EngineConfig
 
 DEFAULT_ASYNC_TIS_CAP = 2.0  # algorithm.tis_cap when unset and the schedule is async or colocated_async
 # (clip_eps, clip_eps_high) when unset, by policy loss: PPO with DAPO's clip-higher; GSPO's paper
@@ -92,10 +93,12 @@ def compute_dtype(requested: str, cuda: bool, native_bf16: bool) -> str:
 
 
 def _engine_backend(engine: EngineConfig, machine: Machine) -> str:
-    """``cpu`` or ``sglang``: ``auto`` means sglang exactly when the machine has CUDA."""
+    """A row of rayrl/engines/backends/'s table: ``auto`` means sglang exactly when the machine has CUDA."""
+    from rayrl.engines.backends import auto_backend  # not at import: rayrl.config imports no rayrl module
+
     if engine.backend != "auto":
         return engine.backend
-    return "sglang" if machine.cuda else "cpu"
+    return auto_backend(machine.cuda)
 
 
 def _cpu_threads(cfg: RunConfig, cores: int) -> tuple[int, int]:
@@ -164,17 +167,20 @@ def resolve_algorithm(cfg: RunConfig) -> AlgorithmConfig:
 def resolve(cfg: RunConfig, machine: Machine | None = None) -> RunConfig:
     """A copy of ``cfg`` with every auto value concrete (the module docstring lists them) for ``machine``
     (default: :meth:`Machine.detect`); ``cfg`` itself is not changed."""
+    from rayrl.engines.backends import engine_backend  # not at import: rayrl.config imports no rayrl module
+
     machine = machine if machine is not None else Machine.detect()
     cfg = copy.deepcopy(cfg)
     engine_threads, trainer_threads = _cpu_threads(cfg, machine.cores)
     groups = _groups_in_flight(cfg)
     backend = _engine_backend(cfg.engine, machine)
+    engine_on_gpu = engine_backend(backend).on_gpu
     replace = dataclasses.replace
     return replace(
         cfg,
         model=replace(cfg.model, tokenizer_path=cfg.model.tokenizer_path or cfg.model.path),
         engine=replace(cfg.engine, backend=backend, num_threads=engine_threads,
-                       dtype=compute_dtype(cfg.engine.dtype, backend == "sglang", machine.native_bf16)),
+                       dtype=compute_dtype(cfg.engine.dtype, engine_on_gpu, machine.native_bf16)),
         trainer=replace(cfg.trainer, num_threads=trainer_threads,
                         compute_dtype=compute_dtype(cfg.trainer.compute_dtype, machine.cuda, machine.native_bf16)),
         algorithm=resolve_algorithm(cfg),

@@ -3,7 +3,9 @@
 - ``client.EngineClient`` / ``router.Router``: what callers use (SGLang on GPU, the CPU engine here).
 - ``cpu_engine.CPUEngine`` + ``server.EngineServer`` (``python -m rayrl.engines.cpu_server``): a
   transformers model with continuous batching, serving the same endpoints as SGLang.
-- ``launcher.EngineProcess``: one engine server as a managed subprocess.
+- ``launcher.EngineProcess``: one engine server as a managed subprocess; ``backends``: what differs
+  between servers (launch command, environment, GPUs, weight wire), one table.
+- ``api.EngineAPI``: the HTTP API every backend serves, as a typed protocol.
 
 Names are imported lazily so that using the client does not import torch/transformers.
 """
@@ -25,8 +27,10 @@ _EXPORTS = {
     "EngineServer": "server",
     "EngineProcess": "launcher",
     "EngineLaunchError": "launcher",
-    "cpu_server_command": "launcher",
-    "sglang_command": "launcher",
+    "cpu_server_command": "backends.cpu",
+    "sglang_command": "backends.sglang",
+    "EngineBackend": "backends",
+    "engine_backend": "backends",
 }
 
 __all__ = sorted(_EXPORTS)

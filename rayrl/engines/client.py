@@ -106,7 +106,8 @@ def parse_generate_response(body: Mapping[str, Any]) -> GenerateOutput:
 
 
 class EngineClient:
-    """Async client of one engine server at ``base_url``."""
+    """Async client of one engine server at ``base_url``: the engine interface (rayrl/engines/api.py
+    ``EngineAPI``), one method per route, the same for every backend."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")

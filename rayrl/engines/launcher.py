@@ -1,5 +1,8 @@
 """EngineProcess: one engine server as a subprocess (the CPU engine here, SGLang on GPU).
 
+What to run and with which environment is the backend's (rayrl/engines/backends/); this module only
+manages the process.
+
 The process runs in its own process group (so stopping it also stops anything it spawned, e.g. SGLang's
 scheduler processes), writes stdout/stderr to a log file, and counts as started only once ``/health``
 answers 200. If it dies or times out first, :class:`EngineLaunchError` says so with the log's tail —
@@ -15,9 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from rayrl.config import EngineConfig
+from rayrl.engines.backends import engine_backend
+from rayrl.ports import free_port
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
 
@@ -45,85 +48,6 @@ def _kill_with_parent() -> None:
         pass
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free right now on ``host`` (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM ``proc``, SIGKILL it if it has not exited after ``grace_s``, and reap it."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-
-
-def cpu_server_command(
-    cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable, weight_version: str = "0"
-) -> list[str]:
-    """``python -m rayrl.engines.cpu_server ...`` for ``cfg``."""
-    return [
-        python, "-m", "rayrl.engines.cpu_server",
-        "--model-path", str(model_path),
-        "--host", cfg.host,
-        "--port", str(port),
-        "--dtype", cfg.dtype,
-        "--max-batch-size", str(cfg.max_batch_size),
-        "--context-length", str(cfg.context_length),
-        "--num-threads", str(cfg.num_threads),
-        "--prefix-cache-mb", str(cfg.prefix_cache_mb),
-        "--tp-size", str(cfg.tp_size),
-        "--weight-format", cfg.weight_format,
-        "--weight-version", str(weight_version),
-        *cfg.extra_args,
-    ]  # fmt: skip
-
-
-def sglang_command(
-    cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable, weight_version: str = "0"
-) -> list[str]:
-    """``python -m sglang.launch_server ...`` for ``cfg`` (GPU).
-
-    ``--enable-memory-saver`` (on by default) puts the weights, KV cache and CUDA graphs in
-    torch_memory_saver regions, which is what makes ``/release_memory_occupation`` free memory for a
-    colocated trainer. The GPUs come from CUDA_VISIBLE_DEVICES (the placement group's bundles), so
-    ``--tp-size`` GPUs must be visible. ``--weight-version`` is the version the loaded checkpoint has.
-    """
-    return [
-        python, "-m", "sglang.launch_server",
-        "--model-path", str(model_path),
-        "--tp-size", str(cfg.tp_size),
-        "--mem-fraction-static", str(cfg.mem_fraction_static),
-        *(["--enable-memory-saver"] if cfg.enable_memory_saver else []),
-        "--dtype", cfg.dtype,
-        "--context-length", str(cfg.context_length),
-        "--max-running-requests", str(cfg.max_batch_size),
-        "--weight-version", str(weight_version),
-        "--host", cfg.host,
-        "--port", str(port),
-        *cfg.extra_args,
-    ]  # fmt: skip
-
-
-def sglang_env(cfg: EngineConfig) -> dict[str, str]:
-    """Environment of an SGLang engine: NCCL as the trainer ranks use it (rayrl.weights.group.NCCL_ENV),
-    and with the memory saver on, CUDA-graph memory in torch_memory_saver too
-    (``SGLANG_MEMORY_SAVER_CUDA_GRAPH``; without it /release_memory_occupation leaves the graphs' pools
-    on the GPU through every training phase)."""
-    from rayrl.weights.group import NCCL_ENV
-
-    env = dict(NCCL_ENV)
-    if cfg.enable_memory_saver:
-        env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
-    return env
-
-
 class EngineProcess:
     """A managed engine server process. ``start()`` returns once it is healthy."""
 
@@ -142,8 +66,7 @@ class EngineProcess:
     ) -> None:
         """``advertise_host``: the host in :attr:`url` when it differs from the bind address (a server
         bound to 0.0.0.0 is reached at its node's address)."""
-        if backend not in ("cpu", "sglang"):
-            raise ValueError(f"backend must be cpu or sglang, got {backend!r}")
+        self.spec = engine_backend(backend)  # ValueError naming the choices
         self.cfg = cfg
         self.model_path = str(model_path)
         self.log_path = Path(log_path)
@@ -166,16 +89,14 @@ class EngineProcess:
         return self._proc.pid if self._proc is not None else None
 
     def command(self) -> list[str]:
-        build = cpu_server_command if self.backend == "cpu" else sglang_command
-        return build(self.cfg, self.model_path, self.port, weight_version=self.weight_version)
+        return self.spec.command(self.cfg, self.model_path, self.port, weight_version=self.weight_version)
 
     def start(self, timeout_s: Optional[float] = None) -> "EngineProcess":
         """Launch and wait for /health; raises EngineLaunchError (with the log tail) on failure."""
         if self.alive():
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        backend_env = sglang_env(self.cfg) if self.backend == "sglang" else {}
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **backend_env, **self.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env(self.cfg), **self.env}
         with open(self.log_path, "ab") as log:
             log.write(
                 f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.command())}\n".encode()

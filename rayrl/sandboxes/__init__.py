@@ -12,9 +12,8 @@ from rayrl.sandboxes.base import (
     SandboxError,
     SandboxHandle,
     SandboxUnavailable,
-    create_sandbox,
-    open_sandbox,
 )
+from rayrl.sandboxes.factory import create_sandbox, open_sandbox
 from rayrl.sandboxes.pool import Lease, PoolClosed, PoolExhausted, SandboxPool
 
 __all__ = [

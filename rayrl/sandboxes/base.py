@@ -3,8 +3,8 @@
 An episode runs untrusted, model-written commands; everything it touches goes through this small surface
 (exec, write_file, read_file, reset, close) so that the rollout code never depends on how isolation is
 done. A :class:`SandboxHandle` names a live sandbox so that a process other than the one that created it
-(the pool actor creates, the rollout worker uses) can reopen it with :func:`open_sandbox` and run
-commands itself: commands never travel through the pool actor.
+(the pool actor creates, the rollout worker uses) can reopen it with ``open_sandbox`` (factory.py) and
+run commands itself: commands never travel through the pool actor. This module imports no backend.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Sandbox(Protocol):
     def sandbox_id(self) -> str: ...
 
     def handle(self) -> SandboxHandle:
-        """A picklable description another process can pass to :func:`open_sandbox`."""
+        """A picklable description another process can pass to ``open_sandbox`` (factory.py)."""
         ...
 
     def set_lease(self, lease_id: str | None) -> None:
@@ -104,36 +104,6 @@ class Sandbox(Protocol):
     def __enter__(self) -> "Sandbox": ...
 
     def __exit__(self, *exc: object) -> None: ...
-
-
-def create_sandbox(config: SandboxConfig, root: str | None = None) -> Sandbox:
-    """Create a new sandbox of ``config.backend``; the caller owns it and must close it."""
-    if config.backend == "local":
-        from rayrl.sandboxes.local import LocalSandbox
-
-        return LocalSandbox(config, root=root)
-    if config.backend == "e2b":
-        from rayrl.sandboxes.e2b import E2BSandbox
-
-        return E2BSandbox(config)
-    raise SandboxError(f"sandbox.backend: unknown backend {config.backend!r} (expected local or e2b)")
-
-
-def open_sandbox(handle: SandboxHandle) -> Sandbox:
-    """Reopen a sandbox created elsewhere (e.g. by the pool actor) in this process.
-
-    Commands run from the caller's process. Closing the returned object stops only what this process
-    started; the creator (the pool) keeps ownership of the sandbox's lifetime and files.
-    """
-    if handle.backend == "local":
-        from rayrl.sandboxes.local import LocalSandbox
-
-        return LocalSandbox.attach(handle)
-    if handle.backend == "e2b":
-        from rayrl.sandboxes.e2b import E2BSandbox
-
-        return E2BSandbox.attach(handle)
-    raise SandboxError(f"unknown sandbox backend {handle.backend!r} in handle {handle.sandbox_id}")
 
 
 def truncate_output(data: bytes, total: int, cap: int) -> str:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rayrl.config import SandboxConfig, SandboxPoolConfig
-from rayrl.sandboxes.base import Sandbox, SandboxError, SandboxHandle, create_sandbox
+from rayrl.sandboxes.base import Sandbox, SandboxError, SandboxHandle
+from rayrl.sandboxes.factory import create_sandbox
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from rayrl.engines.launcher import free_port
+from rayrl.ports import free_port
 from rayrl.weights.group import broadcast_tensors, destroy_group, dtype_name, init_custom_process_group
 from rayrl.weights.transfer import (
     DEFAULT_BUCKET_BYTES,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
+from rayrl.engines import backends
 from rayrl.engines.client import EngineClient
 from rayrl.weights.broadcast import BroadcastSender
 from rayrl.weights.disk import DiskSender
@@ -76,7 +77,7 @@ class WeightRoutes:
     transport: Transport
     engines: tuple[EngineEndpoint, ...]
     by_rank: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    engine_backend: str = "cpu"  # "sglang": payloads must be SGLang's own bucket classes
+    engine_backend: str = "cpu"  # engine.backend (rayrl/engines/backends/): its GPUs and its weight wire
     # tensor transport on GPUs: engine index -> the trainer rank that makes each TP rank's entry, in TP
     # order (the first posts); engines not listed get one payload for every TP rank
     tp_ranks: dict[int, tuple[int, ...]] = field(default_factory=dict)
@@ -110,8 +111,9 @@ def _local_sender_rank(engine: EngineEndpoint, ranks: Sequence[RankPlace]) -> Op
 
 
 def _on_gpus(engine: EngineEndpoint, engine_backend: str) -> bool:
-    """Whether the engine's memory is a GPU's: an SGLang engine, or any engine placed on Ray's GPUs."""
-    return engine_backend != "cpu" or bool(engine.bundles)
+    """Whether the engine's memory is a GPU's: a GPU backend's engine (SGLang), or any engine placed on
+    Ray's GPUs."""
+    return backends.engine_backend(engine_backend).on_gpu or bool(engine.bundles)
 
 
 def _gpu_ranks(engine: EngineEndpoint, ranks: Sequence[RankPlace]) -> Optional[tuple[int, ...]]:
@@ -214,7 +216,7 @@ def make_sender(
                                        "engine's payloads over the trainer ranks' store, and this rank has none")
             exchange = PayloadExchange(store, routes.session, timeout_s)
         return HandleSender(targets, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
-                            sglang_engines=routes.engine_backend == "sglang", exchange=exchange,
+                            sglang_engines=backends.engine_backend(routes.engine_backend).sglang_wire, exchange=exchange,
                             contributes=contributes, gpu_id=gpu_id)
     return BroadcastSender(targets, backend="nccl" if cuda else "gloo", master_address=master_address,
                            bucket_bytes=bucket_bytes, timeout_s=timeout_s)

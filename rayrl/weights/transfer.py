@@ -22,7 +22,7 @@ from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
-from rayrl.engines.client import EngineClient
+from rayrl.engines.api import EngineAPI
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024  # slime/verl send 0.5-1 GB buckets; memory cost is one bucket
 
@@ -40,7 +40,7 @@ class EngineTarget:
     (rayrl/weights/tp_payloads.py), when trainer ranks on its other GPUs make them; None: one payload for
     every rank."""
 
-    client: EngineClient
+    client: EngineAPI  # EngineClient: the engine interface (rayrl/engines/api.py)
     tp_size: int = 1
     exchange_key: Optional[int] = None
 

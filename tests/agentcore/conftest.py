@@ -14,7 +14,8 @@ from typing import Iterator
 import pytest
 from _agentcore_kit import BUCKET, CREDS, REGION, ROOT, aws_env, wait_http
 
-from rayrl.engines.launcher import free_port, stop_process
+from rayrl.ports import free_port
+from rayrl.processes import stop_process
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto")

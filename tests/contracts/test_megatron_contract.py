@@ -30,7 +30,7 @@ from rayrl.trainers.megatron_backend import _unwrap_for_sharding  # noqa: E402
 def megatron_world(tmp_path_factory):
     import torch.distributed as dist
 
-    from rayrl.engines.launcher import free_port
+    from rayrl.ports import free_port
 
     made = not dist.is_initialized()
     if made:

@@ -11,7 +11,9 @@ import pytest
 
 from rayrl.config import EngineConfig
 from rayrl.engines.client import EngineClient
-from rayrl.engines.launcher import EngineLaunchError, EngineProcess, cpu_server_command, sglang_command
+from rayrl.engines.backends.cpu import cpu_server_command
+from rayrl.engines.backends.sglang import sglang_command
+from rayrl.engines.launcher import EngineLaunchError, EngineProcess
 
 
 def _cfg(**kw) -> EngineConfig:

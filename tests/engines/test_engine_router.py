@@ -9,7 +9,7 @@ from _engine_kit import ServerThread
 
 from rayrl.engines.client import EngineUnavailable
 from rayrl.engines.cpu_engine import CPUEngine
-from rayrl.engines.launcher import free_port
+from rayrl.ports import free_port
 from rayrl.engines.router import Router
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True}

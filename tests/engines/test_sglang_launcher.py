@@ -13,7 +13,8 @@ import pytest
 
 from rayrl.config import EngineConfig
 from rayrl.engines.client import EngineClient
-from rayrl.engines.launcher import EngineLaunchError, EngineProcess, sglang_command
+from rayrl.engines.backends.sglang import sglang_command
+from rayrl.engines.launcher import EngineLaunchError, EngineProcess
 
 STAND_IN = Path(__file__).parent / "fake_sglang"
 ROOT = Path(__file__).resolve().parents[2]

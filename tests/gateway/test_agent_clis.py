@@ -137,7 +137,8 @@ def sandbox_cli_dir() -> str:
 def test_cli_tool_loop_in_local_sandbox(scripted, sandbox_cli_dir, name, call, options):
     """The same tool loop with the CLI running inside a bubblewrap sandbox via Sandbox.exec."""
     from rayrl.config import SandboxConfig
-    from rayrl.sandboxes.base import SandboxUnavailable, create_sandbox
+    from rayrl.sandboxes.base import SandboxUnavailable
+    from rayrl.sandboxes.factory import create_sandbox
 
     stack = scripted(_tool_loop_script(call))
     try:

@@ -11,7 +11,7 @@ import torch
 from _gpu_kit import need, record
 
 from rayrl.config import TrainerConfig
-from rayrl.engines.launcher import free_port
+from rayrl.ports import free_port
 from rayrl.types import Sample
 
 pytestmark = pytest.mark.gpu

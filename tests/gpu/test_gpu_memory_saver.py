@@ -90,7 +90,7 @@ def _megatron_state(trainer) -> dict[str, list[torch.Tensor]]:
 def test_megatron_trainer_offload_frees_what_it_holds(medium_qwen2_dir):
     need("torch_memory_saver", "megatron.core", "mbridge", "transformer_engine.pytorch")
     from rayrl.config import TrainerConfig
-    from rayrl.engines.launcher import free_port
+    from rayrl.ports import free_port
     from rayrl.trainers.megatron_backend import MegatronTrainer
     from rayrl.trainers.memory_saver import gpu_memory_used_bytes
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from rayrl.engines.launcher import free_port
+from rayrl.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

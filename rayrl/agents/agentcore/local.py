@@ -29,7 +29,8 @@ from typing import Any
 
 from rayrl.agents.agentcore.emulator import DEFAULT_LOCAL_ARN
 from rayrl.config import AgentCoreConfig
-from rayrl.engines.launcher import free_port, stop_process
+from rayrl.ports import free_port
+from rayrl.processes import stop_process
 
 LOCAL_CREDENTIALS = {"aws_access_key_id": "rayrl-local", "aws_secret_access_key": "rayrl-local"}
 DEFAULT_LOCAL_BUCKET = "rayrl-local-rollouts"

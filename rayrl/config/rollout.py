@@ -1,0 +1,133 @@
+"""The config sections of rollout: sandboxes, their pool, the episodes (agent, groups) and AgentCore.
+
+Part of the run configuration (rayrl/config/schema.py has the conventions and ``RunConfig``); the
+comment beside each field is its documentation (docs/config.md is generated from them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from rayrl.config.checks import ConfigError, non_negative, positive
+from rayrl.config.host_rules import parse_rules
+
+
+@dataclass
+class SandboxConfig:
+    """One sandbox: isolation and limits."""
+
+    backend: Literal["local", "e2b"] = "local"  # local | e2b
+    isolation: Literal["auto", "bwrap", "unshare", "none"] = "auto"  # auto | bwrap | unshare | none  (none: trusted development only)
+    network: bool = False  # no network unless enabled
+    allowed_hosts: list[str] = field(default_factory=list)  # network on: only these, proxied ([]: host net)
+    memory_mb: int = 1024  # address-space limit per process
+    cpu_seconds: int = 60  # CPU-time limit per exec
+    max_processes: int = 64  # process limit inside the sandbox
+    max_file_mb: int = 64  # largest file a process may write
+    timeout_s: float = 30.0  # default wall-clock limit per exec (the whole process tree is killed)
+    image: Optional[str] = None  # e2b template / container image
+    files: dict[str, str] = field(default_factory=dict)  # path inside the sandbox -> content, preloaded
+
+    def __post_init__(self) -> None:
+        positive(self, "sandbox.", "timeout_s", "memory_mb")
+        try:  # entries are host / host:port / *.domain (rayrl/config/host_rules.py)
+            parse_rules(list(self.allowed_hosts))
+        except ValueError as err:
+            raise ConfigError(f"sandbox.allowed_hosts{err}") from None
+        if self.allowed_hosts and not self.network:
+            raise ConfigError("sandbox.allowed_hosts: set while sandbox.network is false (nothing would be "
+                              "reachable); set sandbox.network: true or drop allowed_hosts")
+
+
+@dataclass
+class SandboxPoolConfig:
+    """The warm pool that leases sandboxes to episodes."""
+
+    min_warm: int = 2  # sandboxes kept ready
+    max_size: int = 32  # hard cap on live sandboxes
+    lease_s: float = 600.0  # a lease expires after this long and its sandbox is reclaimed
+    acquire_timeout_s: float = 60.0  # wait this long for a free sandbox, then fail clearly
+    recycle_after: int = 16  # a sandbox is replaced after this many leases (reset in between)
+    health_interval_s: float = 10.0  # how often idle sandboxes are health-checked
+
+    def __post_init__(self) -> None:
+        positive(self, "sandbox_pool.", "max_size", "lease_s")
+        non_negative(self, "sandbox_pool.", "min_warm")
+        if self.min_warm > self.max_size:
+            raise ConfigError("sandbox_pool.min_warm: must not exceed sandbox_pool.max_size")
+
+
+@dataclass
+class RolloutConfig:
+    """Episodes: which agent, how many, how long."""
+
+    agent: str = "python_tool_agent"  # python_tool_agent | claude_code | codex | agentcore | command | package.module:function (async def agent(task, endpoint) -> str) | package.module:Class (a BaseHarness); docs/agents.md
+    agent_command: list[str] = field(default_factory=list)  # rollout.agent command: the program and its arguments; it reads OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL, gets the task as JSON on stdin and prints the answer (docs/agents.md)
+    tools: list[str] = field(default_factory=lambda: ["calculator"])  # tools of the python agent
+    reward: str = "calculator"  # reward function: calculator | math | gsm8k | agent_reported | hidden_tests | package.module:function (reward(task, result) -> float); docs/agents.md
+    prompts_per_step: int = 4  # distinct tasks per training step
+    group_size: int = 4  # episodes per task (GRPO group)
+    num_workers: int = 1  # rollout worker actors
+    max_concurrent_episodes: int = 0  # episodes in flight per worker (0: every episode of the groups the schedule keeps in flight, over num_workers)
+    episode_timeout_s: float = 180.0  # an episode still running after this is failed
+    max_turns: int = 4  # LLM calls per episode for the python agent
+    temperature: float = 1.0  # sampling temperature the agent requests
+    top_p: float = 1.0  # nucleus sampling the agent requests
+    max_tokens: int = 96  # per LLM call
+    system_prompt: Optional[str] = None  # overrides the python agent's system prompt
+    few_shot_examples: int = 2  # worked tool-use examples the python agent puts before the question
+    tool_delay_s: list[float] = field(default_factory=list)  # [min, max]: each tool call also sleeps that long (uniform) in the sandbox, as slow real tools do; [] none
+    step_deadline_s: float = 0.0  # a step stops waiting for episodes after this (0: no deadline)
+    min_groups_fraction: float = 1.0  # finish the step once this fraction of groups completed
+    min_group_episodes: int = 2  # a group trains only if at least this many (capped at group_size) of its episodes were scored; else its task runs again (only infrastructure failures are not scored; the agent's own count with the reward they got)
+
+    def __post_init__(self) -> None:
+        positive(self, "rollout.", "prompts_per_step", "group_size", "num_workers", "episode_timeout_s",
+                 "max_turns", "max_tokens", "min_group_episodes")
+        non_negative(self, "rollout.", "max_concurrent_episodes", "temperature", "few_shot_examples",
+                     "step_deadline_s")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
+        if not 0.0 < self.min_groups_fraction <= 1.0:
+            raise ConfigError("rollout.min_groups_fraction: must be in (0, 1]")
+        delay = list(self.tool_delay_s)
+        if delay and (len(delay) != 2 or not 0.0 <= delay[0] <= delay[1]):
+            raise ConfigError(f"rollout.tool_delay_s: need [] or [min, max] with 0 <= min <= max, "
+                              f"got {delay}")
+        if self.agent == "command" and not self.agent_command:
+            raise ConfigError("rollout.agent_command: rollout.agent command needs the program to run, e.g. "
+                              "[python, my_agent.py]")
+        if self.agent != "command" and self.agent_command:
+            raise ConfigError(f"rollout.agent_command: only read with rollout.agent: command (it is {self.agent!r})")
+
+
+@dataclass
+class AgentCoreConfig:
+    """Agents hosted on Amazon Bedrock AgentCore Runtime (``rollout.agent: agentcore``); docs/agentcore.md."""
+
+    runtime_arn: str = ""  # the agent runtime's ARN (local mode: may stay empty, a local ARN is used)
+    qualifier: Optional[str] = None  # runtime endpoint qualifier (None: the DEFAULT endpoint)
+    region: str = "us-west-2"  # AWS region of the runtime and the result bucket
+    endpoint_url: Optional[str] = None  # AgentCore Runtime endpoint override (local mode sets the emulator's)
+    s3_bucket: str = ""  # bucket the agents write results to (local mode: created in the moto server)
+    s3_prefix: str = "rollouts"  # results at s3://<bucket>/<prefix>/<exp_id>/<task_id>/<session_id>.json
+    s3_endpoint_url: Optional[str] = None  # S3 endpoint override (local mode sets the moto server's)
+    max_concurrent: int = 100  # AgentCore sessions in flight for the whole run (all rollout workers together)
+    acr_tps_limit: float = 25.0  # invoke requests per second for the whole run, retries included
+    acr_burst: int = 1  # requests the rate limiter lets through back to back after an idle spell
+    max_pool_connections: int = 256  # botocore HTTP connection pool size (>= max_concurrent avoids pool churn)
+    session_timeout_s: float = 900.0  # a session with no result this long after its invoke fails (rollout.episode_timeout_s bounds it too)
+    max_retries: int = 6  # retries of a throttled / 429 / 5xx invoke, exponential backoff with full jitter
+    backoff_base_s: float = 0.5  # the first retry waits up to this long; each further retry doubles it
+    backoff_max_s: float = 20.0  # longest wait between two retries
+    poll_interval_s: float = 2.0  # how often S3 is checked for a session's result
+    connect_timeout_s: float = 10.0  # botocore connect timeout
+    read_timeout_s: float = 60.0  # botocore read timeout of one request
+    gateway_public_host: Optional[str] = None  # host agents use to reach the gateway (None: the host it bound)
+    local_agent_command: list[str] = field(default_factory=list)  # local mode: run this agent app with the emulator and a moto S3 server
+
+    def __post_init__(self) -> None:
+        positive(self, "agentcore.", "max_concurrent", "acr_tps_limit", "acr_burst", "max_pool_connections",
+                 "session_timeout_s", "poll_interval_s", "connect_timeout_s", "read_timeout_s")
+        non_negative(self, "agentcore.", "max_retries", "backoff_base_s", "backoff_max_s")

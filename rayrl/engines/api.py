@@ -1,0 +1,144 @@
+"""The engine interface, written down: SGLang's native HTTP API as every backend serves it.
+
+:data:`ROUTES` is what rayrl calls on an engine (path -> HTTP method); the pinned SGLang serves every one
+(tests/contracts/test_sglang_contract.py reads them from its source) and so does our CPU engine
+(rayrl/engines/server.py). A backend may add routes of its own (``EngineBackend.extra_routes``,
+rayrl/engines/backends/); callers reach those only where the backend says it has them. :class:`EngineAPI` is
+the same interface as Python calls, which ``EngineClient`` implements and everything above it (the
+router, the weight senders, the fleet's control calls) is written against.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from rayrl.engines.client import GenerateOutput
+
+ROUTES: dict[str, str] = {
+    "/generate": "POST",  # input_ids, sampling_params, rid, return_logprob[, logprob_start_len]
+    "/abort_request": "POST",  # rid | abort_all
+    "/health": "GET",
+    "/model_info": "GET",  # carries weight_version
+    "/server_info": "GET",
+    "/update_weights_from_disk": "POST",
+    "/update_weights_from_tensor": "POST",  # serialized_named_tensors: one payload per TP rank
+    "/init_weights_update_group": "POST",
+    "/update_weights_from_distributed": "POST",
+    "/destroy_weights_update_group": "POST",
+    "/update_weight_version": "POST",
+    "/pause_generation": "POST",  # mode: abort | in_place | retract
+    "/continue_generation": "POST",
+    "/flush_cache": "POST",
+    "/release_memory_occupation": "POST",  # tags: weights | kv_cache | cuda_graph (None: all)
+    "/resume_memory_occupation": "POST",
+}
+
+
+class EngineAPI(Protocol):
+    """One engine, as callers see it (``EngineClient``); each method is one call of :data:`ROUTES`."""
+
+    base_url: str
+
+    async def generate(self, input_ids: Sequence[int] | np.ndarray, sampling_params: Optional[Mapping[str, Any]] = None,
+                       rid: Optional[str] = None, return_logprob: bool = True) -> "GenerateOutput":
+        """``/generate``: tokens, their log-probs and the weight version(s) that produced them."""
+        ...
+
+    async def prompt_logprobs(self, input_ids: Sequence[int] | np.ndarray, start: int) -> np.ndarray:
+        """``/generate`` with no new tokens: the log-probs of ``input_ids[start:]``."""
+        ...
+
+    async def abort(self, rid: str) -> None:
+        """``/abort_request`` for one request."""
+        ...
+
+    async def abort_all(self) -> None:
+        """``/abort_request`` for every request."""
+        ...
+
+    async def health(self, timeout_s: float = 10.0) -> bool:
+        """``/health`` answered 200."""
+        ...
+
+    async def get_model_info(self) -> dict[str, Any]:
+        """``/model_info``."""
+        ...
+
+    async def get_server_info(self) -> dict[str, Any]:
+        """``/server_info`` (``weight_buffers``: which weight buffers the engine opens)."""
+        ...
+
+    async def get_weight_version(self) -> str:
+        """The weight version, from ``/model_info``."""
+        ...
+
+    async def update_weights_from_disk(self, path: str, weight_version: Optional[str] = None, *,
+                                       abort_all_requests: bool = False) -> dict[str, Any]:
+        """``/update_weights_from_disk``."""
+        ...
+
+    async def update_weights_from_tensor(self, named_tensors: Mapping[str, Any], weight_version: Optional[str] = None,
+                                         *, flush_cache: bool = True,
+                                         abort_all_requests: bool = False) -> dict[str, Any]:
+        """``/update_weights_from_tensor`` in the CPU engine's safetensors form."""
+        ...
+
+    async def update_weights_from_serialized(self, serialized_named_tensors: Sequence[str], *,
+                                             load_format: Optional[str] = None, flush_cache: bool = True,
+                                             weight_version: Optional[str] = None, abort_all_requests: bool = False,
+                                             timeout_s: Optional[float] = None) -> dict[str, Any]:
+        """``/update_weights_from_tensor`` in SGLang's form: one serialized payload per TP rank."""
+        ...
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl", timeout_s: Optional[float] = None) -> dict[str, Any]:
+        """``/init_weights_update_group``: join the trainer's broadcast group."""
+        ...
+
+    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                              shapes: Sequence[Sequence[int]], *,
+                                              group_name: str = "weight_update_group", flush_cache: bool = True,
+                                              weight_version: Optional[str] = None, load_format: Optional[str] = None,
+                                              timeout_s: Optional[float] = None) -> dict[str, Any]:
+        """``/update_weights_from_distributed``: announce one broadcast bucket."""
+        ...
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        """``/destroy_weights_update_group``."""
+        ...
+
+    async def update_weight_version(self, new_version: str) -> dict[str, Any]:
+        """``/update_weight_version``."""
+        ...
+
+    async def set_weight_format(self, weight_format: str) -> dict[str, Any]:
+        """``/set_weight_format``: an extra route (the CPU engine's; ``EngineBackend.switch_weight_format``)."""
+        ...
+
+    async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        """``/pause_generation``."""
+        ...
+
+    async def continue_generation(self) -> dict[str, Any]:
+        """``/continue_generation``."""
+        ...
+
+    async def flush_cache(self) -> str:
+        """``/flush_cache``."""
+        ...
+
+    async def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
+        """``/release_memory_occupation``."""
+        ...
+
+    async def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
+        """``/resume_memory_occupation``."""
+        ...
+
+    async def close(self) -> None:
+        """Close the HTTP session (no route)."""
+        ...

@@ -1,0 +1,58 @@
+"""The SGLang backend (GPU): ``python -m sglang.launch_server`` with the memory saver, NCCL as the trainer
+has it, and SGLang's own bucket classes on the weight wire. The pinned SGLang's contract is held by
+tests/contracts/ and by rayrl/engines/sglang_standin.py (docs/gpu.md).
+
+``engine.mem_fraction_static`` and ``engine.enable_memory_saver`` are read here only.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+from rayrl.engines.backends.base import EngineBackend
+
+if TYPE_CHECKING:
+    from rayrl.config import EngineConfig
+
+
+def sglang_command(
+    cfg: "EngineConfig", model_path: str, port: int, python: str = sys.executable, weight_version: str = "0"
+) -> list[str]:
+    """``python -m sglang.launch_server ...`` for ``cfg`` (GPU).
+
+    ``--enable-memory-saver`` (on by default) puts the weights, KV cache and CUDA graphs in
+    torch_memory_saver regions, which is what makes ``/release_memory_occupation`` free memory for a
+    colocated trainer. The GPUs come from CUDA_VISIBLE_DEVICES (the placement group's bundles), so
+    ``--tp-size`` GPUs must be visible. ``--weight-version`` is the version the loaded checkpoint has.
+    """
+    return [
+        python, "-m", "sglang.launch_server",
+        "--model-path", str(model_path),
+        "--tp-size", str(cfg.tp_size),
+        "--mem-fraction-static", str(cfg.mem_fraction_static),
+        *(["--enable-memory-saver"] if cfg.enable_memory_saver else []),
+        "--dtype", cfg.dtype,
+        "--context-length", str(cfg.context_length),
+        "--max-running-requests", str(cfg.max_batch_size),
+        "--weight-version", str(weight_version),
+        "--host", cfg.host,
+        "--port", str(port),
+        *cfg.extra_args,
+    ]  # fmt: skip
+
+
+def sglang_env(cfg: "EngineConfig") -> dict[str, str]:
+    """Environment of an SGLang engine: NCCL as the trainer ranks use it (rayrl.weights.group.NCCL_ENV),
+    and with the memory saver on, CUDA-graph memory in torch_memory_saver too
+    (``SGLANG_MEMORY_SAVER_CUDA_GRAPH``; without it /release_memory_occupation leaves the graphs' pools
+    on the GPU through every training phase)."""
+    from rayrl.weights.group import NCCL_ENV
+
+    env = dict(NCCL_ENV)
+    if cfg.enable_memory_saver:
+        env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
+    return env
+
+
+SGLANG = EngineBackend(name="sglang", command=sglang_command, env=sglang_env, on_gpu=True, sglang_wire=True)
