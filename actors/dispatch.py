@@ -82,7 +82,7 @@ class GroupDispatcher:
         self.running[ref] = (group.group_id, index, k)
         self._ran_on[ref] = self.workers[k]
 
-    def pump(self, version: int) -> None:
+    def pump(self) -> None:
         """Start re-queued episodes, then queued groups while fewer than ``limit`` are active."""
         while self.retry:
             group_id, index = self.retry.popleft()
@@ -90,16 +90,15 @@ class GroupDispatcher:
                 self._launch(self.active[group_id], index)
         while self.queue and len(self.active) < self.limit:
             group = self.queue.popleft()
-            group.version, group.started_at = version, time.monotonic()
             self.active[group.group_id] = group
             for index in range(group.size):
                 self._launch(group, index)
 
     # -- results -----------------------------------------------------------------------------------
 
-    def poll(self, timeout: float, version: int) -> int:
+    def poll(self, timeout: float) -> int:
         """Wait up to ``timeout`` s for finished episodes; returns how many came back."""
-        self.pump(version)
+        self.pump()
         if not self.running:
             if timeout > 0:
                 time.sleep(min(timeout, 0.05))
@@ -111,7 +110,7 @@ class GroupDispatcher:
             ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
         for ref in ready:
             self._collect(ref)
-        self.pump(version)
+        self.pump()
         return len(ready)
 
     def _collect(self, ref: Any) -> None:

@@ -7,10 +7,11 @@ creates a new one on the same placement bundle once Ray has that bundle on a liv
 on the bundle returns; when the node died, that is after Ray has placed the bundle again, on a spare
 node, which may never come) and when the caller allows it (a colocated engine's GPU may be lent to the
 trainer). So a node's death is one restart, counted once, and never a replacement queued on a node that
-is gone. The new engine is *not* live until the caller has given it the current weights and calls
-:meth:`EngineFleet.mark_live` (actors/pipeline.py: routers learn its address only then), so no call
-ever reaches an engine with stale weights. Shutdown stops the engines that are up and only kills the
-rest: it never waits on an engine that cannot be placed.
+is gone. The new engine is *not* live until the engine membership (rayrl/pipeline/membership.py, the
+one caller of :meth:`EngineFleet.poll` and :meth:`EngineFleet.mark_live`) has given it the current
+weights and marked it live; the routers learn its address only then, so no call ever reaches an engine
+with stale weights. Shutdown stops the engines that are up and only kills the rest: it never waits on an
+engine that cannot be placed.
 
 Control calls (pause, memory, stats) fan out to the live engines concurrently; one whose actor died
 meanwhile is left out of the answers, not raised: its watch reports it.

@@ -12,7 +12,8 @@ Allocation, in order (each step names what it starts and where):
 5. the sandbox pool;
 6. the rollout workers, kept busy by a GroupDispatcher (4-6 on the driver's node: a local sandbox is a
    process tree on the pool's node, used directly by the worker that leased it);
-7. the schedule (sync, async or colocated_async; actors/schedules.py spells out each one's phases).
+7. the schedule (sync, async or colocated_async; rayrl/pipeline/schedules.py spells out each one's
+   phases).
 
 Then the loop: each step collects its groups (the schedule), builds the batch (the configured
 advantage estimator, rayrl/rl/batch.py; a distillation teacher's per-token scores, rayrl/rl/distill.py),
@@ -38,10 +39,8 @@ from actors.evaluation import evaluate
 from actors.placement_group import SharedPlacement
 from actors.ray_metrics import RayMetricsSink
 from actors.rollout_worker import RolloutWorker, start_workers
-from actors.run_checkpoint import RunCheckpoints
 from actors.runtime import on_driver_node
 from actors.sandbox_pool import SandboxPoolActor
-from actors.schedules import RunParts, RunState, make_schedule
 from actors.trainer import TrainerFailure, TrainerGroup
 from actors.trajectory_manager import start_trajectory_managers
 from actors.weight_sync import WeightSync, WeightSyncError
@@ -51,6 +50,9 @@ from rayrl.config.paths import absolute_outputs
 from rayrl.data import JsonlDataset, TaskSampler
 from rayrl.metrics import CounterDeltas, MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
+from rayrl.pipeline.parts import RunParts, RunState
+from rayrl.pipeline.run_checkpoint import RunCheckpoints
+from rayrl.pipeline.schedules import make_schedule
 from rayrl.preflight import preflight
 from rayrl.records import tokenizer_text, write_episodes, write_inspection
 from rayrl.rl.batch import Batch, build_batch
@@ -236,9 +238,6 @@ class Pipeline:
 
     def save_checkpoint(self) -> str:
         return self.checkpoints.save()
-
-    def latest_checkpoint(self) -> str | None:
-        return self.checkpoints.latest()
 
     def resume(self) -> bool:
         """Continue from the newest complete checkpoint: the next step takes exactly the next tasks."""

@@ -15,7 +15,7 @@ which transport it is.
 Every call the group makes to its ranks goes through :meth:`TrainerGroup.gather`, whatever the phase
 (train, onload, offload, weight push, checkpoint, ...): a rank that died (killed, its node lost) there
 becomes a :class:`TrainerFailure` naming the phase and the cause, with the policy version of every
-rank still alive, so the run stops the same way in every phase (actors/run_checkpoint.py).
+rank still alive, so the run stops the same way in every phase (rayrl/pipeline/run_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayrl.checkpoint import CheckpointStore
 from rayrl.config import AlgorithmConfig, TrainerConfig
+from rayrl.pipeline.failures import TrainerFailure
 from rayrl.rl.shard import replica_leads
 from rayrl.rl.updates import UpdatePlan, plan_updates
 from rayrl.trainers.memory_saver import preload_env
@@ -46,22 +47,6 @@ logger = logging.getLogger("rayrl.pipeline")
 
 FAILURE_GRACE_S = 60.0  # how long ranks in a collective get to fail on their own once a peer has died
 ALIVE_TIMEOUT_S = 30.0  # how long a rank gets to answer "are you alive" after a failure
-
-
-class TrainerFailure(RuntimeError):
-    """A trainer rank died or raised; the run must stop (replicas may have diverged).
-
-    ``phase``: what the ranks were doing; ``errors``: rank -> cause; ``survivors``: rank -> policy version
-    of every rank that still answers (the state each holds: a checkpoint can be written from one of them
-    where every rank holds the full state).
-    """
-
-    def __init__(self, phase: str, errors: dict[int, str], survivors: dict[int, int]) -> None:
-        self.phase = phase
-        self.errors = errors
-        self.survivors = survivors
-        detail = "; ".join(f"rank {r}: {e}" for r, e in errors.items())
-        super().__init__(f"trainer rank failure in {phase}: {detail}")
 
 
 def _cause(err: BaseException) -> str:
@@ -161,9 +146,10 @@ class TrainerRank:
             self._run(self.sender.connect())
         return self.sender is not None
 
-    def push_weights(self, version: int, dtype: str) -> dict[str, Any] | None:
-        """Send the current weights as ``version`` to this rank's engines. Megatron ranks drain the
-        gathered export whether or not they send (it runs collectives). Returns the transfer figures."""
+    def push_weights(self, dtype: str) -> dict[str, Any] | None:
+        """Send the current weights, labelled with the policy version this rank holds, to this rank's
+        engines. Megatron ranks drain the gathered export whether or not they send (it runs collectives).
+        Returns the transfer figures."""
         import torch
 
         weights = self.trainer.named_weights(getattr(torch, dtype))
@@ -172,7 +158,7 @@ class TrainerRank:
                 for _ in weights:
                     pass
             return None
-        return self._run(self.sender.send(weights, version)).as_dict()
+        return self._run(self.sender.send(weights, self.trainer.policy_version)).as_dict()
 
     def close_weights(self) -> None:
         """Leave what the sender made (a broadcast group; engines that are gone are skipped)."""
@@ -394,10 +380,11 @@ class TrainerGroup:
         refs = [r.connect_weights.remote(routes, disk_root, timeout_s) for r in self.ranks]
         self.gather("weight connect", refs, timeout_s=timeout_s + 60, raised_fails=False)
 
-    def push_weights(self, version: int, dtype: str) -> list[Any]:
-        """Refs of every rank's part of one weight push (ranks without a sender return at once; Megatron
-        ranks drain the export); wait for them with :meth:`gather` (``raised_fails=False``)."""
-        return [r.push_weights.remote(version, dtype) for r in self.ranks]
+    def push_weights(self, dtype: str) -> list[Any]:
+        """Refs of every rank's part of one weight push, labelled with the policy version the ranks hold
+        (the trainer's own count: it never comes back from the driver); ranks without a sender return at
+        once, Megatron ranks drain the export. Wait for them with :meth:`gather` (``raised_fails=False``)."""
+        return [r.push_weights.remote(dtype) for r in self.ranks]
 
     def close_weights(self) -> None:
         """Close every rank's sender; a rank that is gone (the run stopped on its failure, which said so

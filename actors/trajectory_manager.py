@@ -91,14 +91,16 @@ class TrajectoryManager:
         return {**self.gateway.counters, **self.totals, **router, "open_sessions": self.gateway.sessions.open_sessions}
 
     async def set_engines(self, urls: list[str]) -> None:
-        """Route LLM calls to exactly these engines (the pipeline calls this as engines die and return)."""
+        """Route LLM calls to exactly these engines (rayrl/pipeline/membership.py calls this as engines die
+        and return)."""
         self.router.set_engines(urls)
 
-    async def pause_generation(self) -> None:
-        """Hold new LLM calls here (colocated schedule: the engines are giving their devices away)."""
+    async def hold_llm_calls(self) -> None:
+        """Queue new LLM calls at this shard's router (a weight update or the trainer's turn on the devices
+        is coming); the engines' own pause is EngineFleet.pause_generation."""
         self.router.pause()
 
-    async def continue_generation(self) -> None:
+    async def release_llm_calls(self) -> None:
         self.router.resume()
 
     async def drain(self, timeout_s: float) -> bool:
@@ -114,7 +116,9 @@ class TrajectoryManager:
 
 
 class TrajectoryManagers:
-    """Client-side handle over the shards: new sessions round-robin, calls routed by session id."""
+    """Client-side handle over the shards: new sessions round-robin, calls routed by session id; to the
+    schedules it is the gateway (rayrl/pipeline/parts.py Gateway): where LLM calls go and whether they
+    wait."""
 
     def __init__(self, handles: list[Any]) -> None:
         self.handles = handles
@@ -148,14 +152,15 @@ class TrajectoryManagers:
         return ray.get([h.stats.remote() for h in self.handles])
 
     def set_engines(self, urls: list[str]) -> None:
+        """Every shard's router sends LLM calls to exactly these engines."""
         ray.get([h.set_engines.remote(list(urls)) for h in self.handles])
 
-    def pause_generation(self) -> None:
-        """Hold new LLM calls at every shard's gateway."""
-        ray.get([h.pause_generation.remote() for h in self.handles])
+    def hold_llm_calls(self) -> None:
+        """Queue new LLM calls at every shard's router until :meth:`release_llm_calls`."""
+        ray.get([h.hold_llm_calls.remote() for h in self.handles])
 
-    def continue_generation(self) -> None:
-        ray.get([h.continue_generation.remote() for h in self.handles])
+    def release_llm_calls(self) -> None:
+        ray.get([h.release_llm_calls.remote() for h in self.handles])
 
     def drain(self, timeout_s: float) -> bool:
         """True once no shard has a call at an engine; False if ``timeout_s`` passed first."""

@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from actors.engine_fleet import EngineFleet
-from actors.trainer import TrainerFailure, TrainerGroup
+from actors.trainer import TrainerGroup
 from rayrl.config import RunConfig
+from rayrl.pipeline.failures import TrainerFailure
+from rayrl.pipeline.parts import EngineEndpoints
 from rayrl.weights.files import shared_memory_root
 from rayrl.weights.routes import EngineEndpoint, RankPlace, WeightRoutes, plan_routes
 
@@ -27,12 +28,14 @@ class WeightSyncError(RuntimeError):
 
 
 class WeightSync:
-    """Connects the trainer's senders to the fleet's engines and pushes versions."""
+    """Connects the trainer's senders to the engines that serve and pushes versions. It reads where the
+    engines are (``engines``: the fleet, as EngineEndpoints) and never changes who serves: that is the
+    engine membership's (rayrl/pipeline/membership.py)."""
 
-    def __init__(self, cfg: RunConfig, trainer: TrainerGroup, fleet: EngineFleet) -> None:
+    def __init__(self, cfg: RunConfig, trainer: TrainerGroup, engines: EngineEndpoints) -> None:
         self.cfg = cfg
         self.trainer = trainer
-        self.fleet = fleet
+        self.engines = engines
         self.timeout_s = cfg.pipeline.weight_sync_timeout_s
         self.disk_root = str(shared_memory_root() / f"rayrl-{cfg.exp_id}-weights")
         self._places: Optional[list[RankPlace]] = None
@@ -49,7 +52,7 @@ class WeightSync:
         and nothing connected while no engine is up)."""
         if self._places is None:  # ranks never move; ask once
             self._places = self.trainer.places()
-        endpoints = self.fleet.endpoints()
+        endpoints = self.engines.endpoints()
         self._connected = endpoints
         if not endpoints:
             self.trainer.close_weights()
@@ -63,24 +66,26 @@ class WeightSync:
         return routes
 
     def push(self, version: int) -> dict[str, Any]:
-        """Send ``version`` to every engine that is up; returns the summed transfer figures.
+        """Send the trainer's current weights to every engine that is up; returns the summed transfer
+        figures. The ranks label them with the policy version they hold; ``version`` is the driver's copy of
+        it, for the messages.
 
         Engines that are down are skipped (a replacement gets the weights when it joins); an engine that
         dies during the update is dropped and the others are sent the weights again, once."""
         for attempt in (1, 2):
-            if self.fleet.endpoints() != self._connected:  # an engine went down or joined since
+            if self.engines.endpoints() != self._connected:  # an engine went down or joined since
                 self.connect()
             if self.routes is None:
                 logger.warning("no engine is up: policy version %d reaches the engines when they return", version)
                 return {"bytes": 0, "seconds": 0.0, "senders": 0}
-            refs = self.trainer.push_weights(version, self.cfg.engine.dtype)
+            refs = self.trainer.push_weights(self.cfg.engine.dtype)
             try:  # a trainer rank that died raises TrainerFailure here; what the engines did is ours
                 results = self.trainer.gather("weight push", refs, timeout_s=self.timeout_s + 30, raised_fails=False)
             except TrainerFailure:
                 raise
             except Exception as err:
-                self.fleet.refresh()
-                if attempt == 1 and self.fleet.endpoints() != self._connected:
+                self.engines.refresh()
+                if attempt == 1 and self.engines.endpoints() != self._connected:
                     logger.warning("an engine went down during the update to policy version %d; sending it again "
                                    "to the others", version)
                     continue

@@ -78,7 +78,7 @@ def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
         # a group's episodes share their prompt, and turn 2 starts with turn 1: the engine reuses that KV
         assert history[1]["engine/prompt_tokens"] > 0 and 0 < history[1]["engine/prefix_cache_hit_rate"] < 1
         assert history[1]["engine/decode_s"] > 0 and 0 < history[1]["engine/busy_fraction"] <= 1
-        checkpoint = pipeline.latest_checkpoint()
+        checkpoint = pipeline.checkpoints.latest()
         assert checkpoint is not None and Path(checkpoint).name == "step000002"
         seen = [e["task_id"] for step in (1, 2)
                 for e in map(json.loads, (cfg.run_dir / "episodes" / f"step{step:06d}.jsonl").read_text().splitlines())]

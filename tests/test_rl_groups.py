@@ -95,7 +95,7 @@ def test_min_group_episodes_is_checked_at_load():
 def test_dynamic_sampling_drops_equal_groups_until_its_bound():
     from collections import Counter
 
-    from actors.schedules import Schedule
+    from rayrl.pipeline.schedules import Schedule
     from rayrl.config import resolve
     from rayrl.rl.groups import equal_reward
 

@@ -23,15 +23,13 @@ from rayrl.types import Episode, Task
 
 @dataclass
 class Group:
-    """One task's episodes; ``version`` is the policy version when its first episode started."""
+    """One task's episodes (how old their tokens are is read from the samples' own policy versions)."""
 
     task: Task
     group_id: str
     size: int
-    version: int = -1
     episodes: dict[int, Episode] = field(default_factory=dict)
     attempts: Counter = field(default_factory=Counter)  # episode index -> re-queues
-    started_at: float = 0.0
     reruns: int = 0  # times this task's group was run again (too stale, or too few episodes succeeded)
 
     @property

@@ -87,10 +87,6 @@ class Node:
     def role(self) -> str:
         return str(self.message.get("role", ""))
 
-    @property
-    def is_generated(self) -> bool:
-        return self.gen is not None
-
 
 def seq_slices(node: Node, start: int, end: int) -> list[np.ndarray]:
     """Views covering tokens ``[start, end)`` of ``node``'s full sequence (prompt + response), in order.

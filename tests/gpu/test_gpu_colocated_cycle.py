@@ -3,12 +3,13 @@ SGLang 0.5.9's own receive path: the engine is our engine on CUDA as the strict 
 (``cpu_server --device cuda --strict-sglang``: payloads through SGLang's MultiprocessingSerializer with
 its patched CUDA rebuild, buckets cut by SGLang's FlattenedTensorBucket), the trainer is the torch
 backend with ``trainer.memory_saver`` (parameters, gradients and Adam's moments in a torch_memory_saver
-region). The cycle is colocated_async's (actors/schedules.py): engines pause and release; trainer onload;
-a GRPO step; engines resume their weights; the push from the trainer's live memory over CUDA IPC; trainer
-offload; engines resume the KV cache and continue. It checks that nothing reads unmapped memory (no CUDA
-error, the process goes on) and that the engine then computes exactly what the trainer computes. Then the
-old order (offload, then push) runs in a subprocess of its own, and its outcome is recorded: there the
-export reads memory the saver has unmapped. Figures in $OUT/colocated_cycle.json."""
+region). The cycle is colocated_async's (rayrl/pipeline/schedules.py): engines pause and release;
+trainer onload; a GRPO step; engines resume their weights; the push from the trainer's live memory over
+CUDA IPC; trainer offload; engines resume the KV cache and continue. It checks that nothing reads
+unmapped memory (no CUDA error, the process goes on) and that the engine then computes exactly what the
+trainer computes. Then the old order (offload, then push) runs in a subprocess of its own, and its
+outcome is recorded: there the export reads memory the saver has unmapped. Figures in
+$OUT/colocated_cycle.json."""
 
 from __future__ import annotations
 

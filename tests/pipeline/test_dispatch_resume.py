@@ -56,7 +56,7 @@ def _poll_until(dispatcher: GroupDispatcher, predicate, timeout_s: float = 60.0)
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, (dispatcher.active, dispatcher.completed)
-        dispatcher.poll(0.1, version=0)
+        dispatcher.poll(0.1)
 
 
 def _task(i: int) -> Task:
@@ -83,7 +83,7 @@ def test_resume_with_groups_in_flight_runs_each_group_once(ray_local):
     _poll_until(dispatcher, lambda: len(dispatcher.completed) == 2)
     taken = dispatcher.take(4)
     for _ in range(10):  # nothing else comes back: the episodes dropped at the resume stay dropped
-        dispatcher.poll(0.1, version=0)
+        dispatcher.poll(0.1)
     taken += dispatcher.take(4)
     assert [g.group_id for g in taken] == ["g000001-t-1", "g000002-t-2"]
     episodes = [(e.group_id, e.info["index"]) for g in taken for e in g.ordered()]

@@ -1,9 +1,10 @@
 """The three schedules: how rollout and training share time. One class each, one interface.
 
 Episodes run as groups (``rollout.group_size`` episodes of one task) that a GroupDispatcher
-(actors/dispatch.py) keeps moving on the rollout workers; each step takes ``prompts_per_step``
-completed groups. The pipeline (actors/pipeline.py) picks the class once from ``pipeline.schedule``
-and then only calls :meth:`Schedule.collect` and :meth:`Schedule.train`. One step of each:
+(actors/dispatch.py; here the ``Dispatcher`` protocol of rayrl/pipeline/parts.py) keeps moving on the
+rollout workers; each step takes ``prompts_per_step`` completed groups. The pipeline (actors/pipeline.py)
+picks the class once from ``pipeline.schedule`` and then only calls :meth:`Schedule.collect` and
+:meth:`Schedule.train`. One step of each:
 
 ``sync``
     1. queue ``prompts_per_step`` new tasks; wait until their groups complete (or the step deadline); a
@@ -44,9 +45,11 @@ and then only calls :meth:`Schedule.collect` and :meth:`Schedule.train`. One ste
        before the offload because offload unmaps the trainer's memory (torch_memory_saver): an export
        after it reads unmapped memory (slime pushes from a host copy instead; docs/gpu.md compares).
 
-While any schedule waits, :meth:`Schedule.tick` keeps the dispatch going and tends the engines: an
-engine that died is taken out of the routers and replaced on its bundle; the replacement gets the
-current weights before the routers learn its address (colocated: only once the devices are back).
+While any schedule waits, :meth:`Schedule.tick` keeps the dispatch going and lets the engine membership
+(rayrl/pipeline/membership.py) tend the engines: an engine that died is taken out of the routers and
+replaced on its bundle; the replacement gets the current weights before the routers learn its address
+(colocated: only once the devices are back). "Hold LLM calls" below is the gateway's routers queueing
+new calls; "pause_generation" is always the engines' own SGLang call.
 """
 
 from __future__ import annotations
@@ -55,53 +58,19 @@ import logging
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 from tqdm import tqdm
 
-from actors.dispatch import GroupDispatcher
-from actors.engine_fleet import EngineFleet
-from actors.trainer import TrainerGroup
-from actors.trajectory_manager import TrajectoryManagers
-from actors.weight_sync import WeightSync
-from rayrl.config import RunConfig
-from rayrl.data import TaskSampler
+from rayrl.pipeline.membership import EngineMembership
+from rayrl.pipeline.parts import RunParts
 from rayrl.rl.batch import Batch
 from rayrl.rl.groups import Group, equal_reward, split_short, split_stale
 
 logger = logging.getLogger("rayrl.pipeline")
 
 POLL_S = 0.2  # how long one dispatch turn waits for finished episodes
-
-
-@dataclass
-class RunState:
-    """What every part of the loop reads and the schedule advances: step, policy version, group ids,
-    failures by kind (cumulative), and the groups set aside during the current step (run again or dropped
-    as stale) whose episodes the pipeline still has to record."""
-
-    step: int = 0
-    version: int = 0
-    group_seq: int = 0  # groups ever queued; part of each group id
-    failures: Counter = field(default_factory=Counter)
-    episodes: int = 0  # episodes of every group the steps took, dropped ones too (pipeline.episode_budget)
-    set_aside: list[Group] = field(default_factory=list)
-
-
-@dataclass
-class RunParts:
-    """The allocated pieces a schedule drives (actors/pipeline.py builds them)."""
-
-    cfg: RunConfig
-    state: RunState
-    sampler: TaskSampler
-    dispatcher: GroupDispatcher
-    trainer: TrainerGroup
-    engines: EngineFleet
-    weights: WeightSync
-    trajectories: TrajectoryManagers
 
 
 class Schedule:
@@ -116,6 +85,7 @@ class Schedule:
         self.cfg = parts.cfg
         self.state = parts.state
         self.dropped: list[Group] = []  # this step's groups dynamic sampling dropped (recorded, not trained)
+        self.membership = EngineMembership(parts.engines, parts.weights, parts.gateway, parts.state.failures)
 
     # -- the dispatch loop ---------------------------------------------------------------------------
 
@@ -131,8 +101,8 @@ class Schedule:
         """One turn of the dispatch loop while the driver waits on something else."""
         if self.runs_ahead:
             self.queue_new_groups(self.cfg.pipeline.groups_in_flight)
-        self.parts.dispatcher.poll(POLL_S, self.state.version)
-        self.tend_engines()
+        self.parts.dispatcher.poll(POLL_S)
+        self.membership.tend(self.engines_may_join(), self.state.version, self.update_engines)
 
     def while_dispatching(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` (a blocking call to the trainer or the gateway) while episodes keep being dispatched
@@ -146,33 +116,9 @@ class Schedule:
     # -- engines that die and come back ------------------------------------------------------------
 
     def engines_may_join(self) -> bool:
-        """Whether a replacement engine may start, take its weights and traffic now."""
+        """Whether a replacement engine may start, take its weights and traffic now (the membership asks
+        at every tick)."""
         return True
-
-    def tend_engines(self) -> None:
-        """Take engines that died out of the routers (their replacement starts on the same bundle); give
-        replacements that have started the current weights, then route to them again."""
-        fleet, failures = self.parts.engines, self.state.failures
-        events = fleet.poll(start_replacements=self.engines_may_join())
-        for event in events:
-            if event.kind == "down":
-                failures["engine_restarts"] += 1
-                logger.warning("engine %d at %s is down (%s); routing around it while it is replaced",
-                               event.index, event.url, event.detail)
-        if any(e.kind == "down" for e in events):
-            self.parts.trajectories.set_engines(fleet.urls)
-        joining = [s for s in fleet.slots if s.state == "joining"]
-        if not joining or not self.engines_may_join():
-            return
-        if self.state.version > 0:  # senders are rebuilt for the new address (and broadcast seat) first
-            self.update_engines()  # as after a step: with nothing generating on the engines already live
-        else:
-            self.parts.weights.connect()
-        for slot in joining:
-            fleet.mark_live(slot.index)
-            logger.warning("engine %d back at %s on node %s with policy version %d", slot.index, slot.url,
-                           str(slot.info.get("node_id", ""))[:12], self.state.version)
-        self.parts.trajectories.set_engines(fleet.urls)
 
     # -- one step ------------------------------------------------------------------------------------
 
@@ -324,13 +270,13 @@ class AsyncSchedule(Schedule):
         """The new weights with nothing generating (step 4 in the module docstring): the gateway holds
         new calls, the engines abort what runs (the gateway continues it after), update, continue."""
         parts = self.parts
-        parts.trajectories.pause_generation()
+        parts.gateway.hold_llm_calls()
         try:
             parts.engines.pause_generation("abort")
             parts.weights.push(self.state.version)
             parts.engines.continue_generation()
         finally:
-            parts.trajectories.continue_generation()
+            parts.gateway.release_llm_calls()
 
 
 class ColocatedAsyncSchedule(AsyncSchedule):
@@ -356,14 +302,14 @@ class ColocatedAsyncSchedule(AsyncSchedule):
         parts.trainer.onload()
         metrics = self.train_on(batch)
         started = time.monotonic()
-        metrics["gateway/queue_depth"] = parts.trajectories.queue_depth()
+        metrics["gateway/queue_depth"] = parts.gateway.queue_depth()
         parts.engines.resume_memory_occupation(["weights"])
         parts.weights.push(self.state.version)  # from live memory: offload unmaps it (module docstring)
         parts.weights.release_groups()  # NCCL groups hold GPU memory: the broadcast group's, then (offload)
         parts.trainer.offload()  # the trainer's own go with its memory
         parts.engines.resume_memory_occupation(["kv_cache", "cuda_graph"])
         parts.engines.continue_generation()
-        parts.trajectories.continue_generation()
+        parts.gateway.release_llm_calls()
         self.devices_with_trainer = False
         metrics["time/weight_sync_s"] = time.monotonic() - started
         metrics["time/engine_pause_s"] = pause_s
@@ -373,11 +319,11 @@ class ColocatedAsyncSchedule(AsyncSchedule):
         """Hold LLM calls at the gateway, stop (or finish) generation, free the engines' memory."""
         parts, pipeline = self.parts, self.cfg.pipeline
         self.devices_with_trainer = True
-        parts.trajectories.pause_generation()
+        parts.gateway.hold_llm_calls()
         mode = "abort"  # partial_rollout: the gateway continues each aborted generation after the update
         if not pipeline.partial_rollout:
             mode = "in_place"  # nothing is running once the gateway drained
-            if not self.while_dispatching(lambda: parts.trajectories.drain(pipeline.generation_wait_timeout_s)):
+            if not self.while_dispatching(lambda: parts.gateway.drain(pipeline.generation_wait_timeout_s)):
                 logger.warning("generations still running at the weight update after %.0f s; aborting them",
                                pipeline.generation_wait_timeout_s)
                 self.state.failures["drain_timeouts"] += 1

@@ -21,11 +21,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from actors.dispatch import GroupDispatcher
-from actors.schedules import Schedule
-from actors.trainer import TrainerFailure, TrainerGroup
 from rayrl.checkpoint import CheckpointError, CheckpointStore
 from rayrl.data import TaskSampler
+from rayrl.pipeline.failures import TrainerFailure
+from rayrl.pipeline.parts import Dispatcher, Trainer
+from rayrl.pipeline.schedules import Schedule
 from rayrl.rl.groups import Group
 
 logger = logging.getLogger("rayrl.pipeline")
@@ -34,8 +34,8 @@ logger = logging.getLogger("rayrl.pipeline")
 class RunCheckpoints:
     """The run's checkpoints over its trainer, sampler, dispatcher and schedule."""
 
-    def __init__(self, store: CheckpointStore, trainer: TrainerGroup, sampler: TaskSampler,
-                 dispatcher: GroupDispatcher, schedule: Schedule, run_dir: Path) -> None:
+    def __init__(self, store: CheckpointStore, trainer: Trainer, sampler: TaskSampler,
+                 dispatcher: Dispatcher, schedule: Schedule, run_dir: Path) -> None:
         self.store = store
         self.trainer = trainer
         self.sampler = sampler

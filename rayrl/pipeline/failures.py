@@ -1,0 +1,19 @@
+"""TrainerFailure: how the trainer says one of its ranks died, to the schedules and the checkpoints."""
+
+from __future__ import annotations
+
+
+class TrainerFailure(RuntimeError):
+    """A trainer rank died or raised; the run must stop (replicas may have diverged).
+
+    ``phase``: what the ranks were doing; ``errors``: rank -> cause; ``survivors``: rank -> policy version
+    of every rank that still answers (the state each holds: a checkpoint can be written from one of them
+    where every rank holds the full state).
+    """
+
+    def __init__(self, phase: str, errors: dict[int, str], survivors: dict[int, int]) -> None:
+        self.phase = phase
+        self.errors = errors
+        self.survivors = survivors
+        detail = "; ".join(f"rank {r}: {e}" for r, e in errors.items())
+        super().__init__(f"trainer rank failure in {phase}: {detail}")

@@ -1,0 +1,638 @@
+"""Every schedule's phase order, the rerun and drop rules, the engine membership and the way back after a
+trainer failure, driven with plain fakes in milliseconds (rayrl/pipeline/, no Ray).
+
+The fakes stand in for the Ray shells (actors/dispatch.py, actors/trainer.py, actors/engine_fleet.py,
+actors/weight_sync.py, actors/trajectory_manager.py) and keep their contracts as the schedules see them
+(rayrl/pipeline/parts.py): the dispatcher completes a queued group at its next poll with episodes whose
+tokens carry the policy version of that moment, the trainer's step advances the version by one, the fleet
+reports engines going down and coming back as events. Each fake writes what it is asked to one shared
+log, so a test reads the exact order of calls across trainer, engines, weights and gateway. The whole-
+pipeline runs (tests/pipeline/test_schedules_e2e.py) check the same orders on the real parts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter, deque
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import pytest
+
+from rayrl.checkpoint import CheckpointStore
+from rayrl.config import load_config, resolve
+from rayrl.data import TaskSampler
+from rayrl.pipeline.failures import TrainerFailure
+from rayrl.pipeline.parts import RunParts, RunState
+from rayrl.pipeline.run_checkpoint import RunCheckpoints
+from rayrl.pipeline.schedules import make_schedule
+from rayrl.rl.batch import build_batch
+from rayrl.rl.failures import AGENT_CRASHED, ENGINE_ERROR, fail
+from rayrl.rl.groups import Group
+from rayrl.types import Episode, Sample, Task
+
+Outcome = Callable[[Group, int], Episode]  # (group, episode index) -> the episode as it came back
+STARTED_ON: dict[str, int] = {}  # group id -> the policy version its episodes started on (the fake's record)
+
+
+def scored_by_index(group: Group, index: int) -> Episode:
+    """Rewards 0, 1, 0, 1, ... within a group: every group varies, so every group trains."""
+    return _episode(group, float(index % 2))
+
+
+def _episode(group: Group, reward: float, failure: Optional[str] = None) -> Episode:
+    version = STARTED_ON[group.group_id]
+    sample = Sample(tokens=[1, 2, 3, 4], prompt_length=2, loss_mask=[1, 1], rollout_logprobs=[-1.0, -1.0],
+                    policy_versions=[version, version])
+    episode = Episode(session_id="s", task_id=group.task.task_id, group_id=group.group_id, samples=[sample],
+                      reward=reward)
+    return fail(episode, failure, "on purpose") if failure else episode
+
+
+class Log(list):
+    def since(self, mark: int) -> list[str]:
+        return list(self[mark:])
+
+
+class FakeDispatcher:
+    """GroupDispatcher's contract: a queued group starts at the next poll (on that poll's policy version)
+    and completes there; ``stalled`` groups never complete (a step deadline test)."""
+
+    def __init__(self, log: Log, group_size: int, outcome: Outcome = scored_by_index) -> None:
+        self.log = log
+        self.state = RunState()  # the run's (make_run sets it): the policy version a group starts on
+        self.group_size = group_size
+        self.outcome = outcome
+        self.queue: deque[Group] = deque()
+        self.active: dict[str, Group] = {}
+        self.completed: deque[Group] = deque()
+        self.stalled = False
+        self.submitted: list[tuple[str, str, bool, int]] = []  # (group id, task id, front, reruns)
+
+    @property
+    def groups_in_flight(self) -> int:
+        return len(self.queue) + len(self.active) + len(self.completed)
+
+    def submit(self, task: Task, group_id: str, front: bool = False, reruns: int = 0) -> None:
+        group = Group(task, group_id, self.group_size, reruns=reruns)
+        (self.queue.appendleft if front else self.queue.append)(group)
+        self.submitted.append((group_id, task.task_id, front, reruns))
+
+    def poll(self, timeout: float) -> int:
+        while self.queue:
+            group = self.queue.popleft()
+            STARTED_ON[group.group_id] = self.state.version
+            self.active[group.group_id] = group
+        if self.stalled:
+            return 0
+        done = list(self.active.values())
+        for group in done:
+            group.episodes = {i: self.outcome(group, i) for i in range(group.size)}
+            del self.active[group.group_id]
+            self.completed.append(group)
+        return len(done)
+
+    def take(self, n: int) -> list[Group]:
+        out = []
+        while self.completed and len(out) < n:
+            out.append(self.completed.popleft())
+        return out
+
+    def fail_unfinished(self, reason: str) -> list[Group]:
+        groups = list(self.active.values())
+        for group in groups:
+            group.episodes = {i: fail(Episode("", group.task.task_id, group.group_id), "step_deadline",
+                                      reason) for i in range(group.size)}
+        self.active.clear()
+        return groups
+
+    def untrained_tasks(self) -> list[dict[str, Any]]:
+        groups = list(self.completed) + list(self.active.values()) + list(self.queue)
+        return [{"task": dataclasses.asdict(g.task), "group_id": g.group_id} for g in groups]
+
+    def restore(self, rows: list[dict[str, Any]]) -> None:
+        self.queue.clear(), self.active.clear(), self.completed.clear()
+        for row in rows:
+            self.submit(Task(**row["task"]), row["group_id"])
+
+
+class FakeTrainer:
+    """TrainerGroup's contract: train advances the policy version by one; a checkpoint is a file holding
+    the version; ``fail_in`` raises TrainerFailure in that phase (``survivors``: rank -> version)."""
+
+    full_state_on_every_rank = True
+
+    def __init__(self, log: Log) -> None:
+        self.log = log
+        self.version = 0
+        self.fail_in: Optional[str] = None
+        self.survivors: dict[int, int] = {}
+        self.during_train: Callable[[], None] = lambda: None
+        self.saved_from: list[Optional[int]] = []
+
+    def _maybe_fail(self, phase: str) -> None:
+        if self.fail_in == phase:
+            raise TrainerFailure(phase, {0: "ActorDiedError: on purpose"}, dict(self.survivors))
+
+    def train(self, samples: list[Sample], advantages: Sequence[Any]) -> dict[str, Any]:
+        self.log.append(f"trainer.train({len(samples)})")
+        self._maybe_fail("train")
+        self.during_train()
+        self.version += 1
+        return {"policy_version": self.version, "loss": 0.0}
+
+    def onload(self) -> bool:
+        self.log.append("trainer.onload")
+        return True
+
+    def offload(self) -> bool:
+        self.log.append("trainer.offload")
+        self._maybe_fail("offload")
+        return True
+
+    def save_checkpoint(self, directory: str, from_rank: Optional[int] = None, store: Any = None,
+                        step: int = 0) -> None:
+        self._maybe_fail("checkpoint")
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        version = self.survivors.get(from_rank, self.version) if from_rank is not None else self.version
+        (Path(directory) / "trainer.txt").write_text(str(version))
+        self.saved_from.append(from_rank)
+
+    def load_checkpoint(self, directory: str, store: Any = None, step: int = 0) -> int:
+        self.version = int((Path(directory) / "trainer.txt").read_text())
+        return self.version
+
+    def unseen_by(self, path: str) -> list[int]:
+        return [] if Path(path).exists() else [0]
+
+
+class FakeSlot:
+    def __init__(self, index: int) -> None:
+        self.index, self.state, self.info = index, "live", {"url": f"http://e{index}", "node_id": "n0"}
+
+    @property
+    def url(self) -> str:
+        return self.info["url"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeEvent:
+    kind: str
+    index: int
+    url: str
+    detail: str = ""
+
+
+class FakeEngines:
+    """EngineFleet's contract: ``down(i)``/``started(i)`` are what its watch and start refs would report;
+    a replacement starts only on a poll that allows it; control calls are logged."""
+
+    def __init__(self, log: Log, n: int = 2) -> None:
+        self.log = log
+        self.slots = [FakeSlot(i) for i in range(n)]
+        self.events: list[FakeEvent] = []
+        self.waiting: list[int] = []  # down, their replacement starts at the next poll that allows it
+        self.polls_refusing = 0
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.slots if s.state == "live"]
+
+    def down(self, index: int) -> None:
+        slot = self.slots[index]
+        self.events.append(FakeEvent("down", index, slot.url, "actor died: on purpose"))
+        slot.state = "down"
+        self.waiting.append(index)
+
+    def poll(self, start_replacements: bool = True) -> list[FakeEvent]:
+        if not start_replacements:
+            self.polls_refusing += int(bool(self.waiting))
+        else:
+            for index in self.waiting:
+                slot = self.slots[index]
+                slot.state, slot.info = "joining", {"url": f"http://e{index}-new", "node_id": "n1"}
+                self.events.append(FakeEvent("started", index, slot.url))
+            self.waiting = []
+        events, self.events = self.events, []
+        return events
+
+    def mark_live(self, index: int) -> None:
+        self.log.append(f"fleet.mark_live({index})")
+        self.slots[index].state = "live"
+
+    def pause_generation(self, mode: str) -> None:
+        self.log.append(f"engines.pause_generation({mode})")
+
+    def continue_generation(self) -> None:
+        self.log.append("engines.continue_generation")
+
+    def release_memory_occupation(self) -> None:
+        self.log.append("engines.release_memory_occupation")
+
+    def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
+        self.log.append(f"engines.resume_memory_occupation({','.join(tags) if tags else 'all'})")
+
+
+class FakeWeights:
+    """WeightSync's contract: push sends the version to the engines now live or joining."""
+
+    def __init__(self, log: Log, engines: FakeEngines) -> None:
+        self.log = log
+        self.engines = engines
+        self.fail_push = False
+
+    def connect(self) -> None:
+        self.log.append("weights.connect")
+
+    def push(self, version: int) -> dict[str, Any]:
+        to = [s.url for s in self.engines.slots if s.state in ("live", "joining")]
+        self.log.append(f"weights.push({version} -> {len(to)})")
+        if self.fail_push:
+            raise RuntimeError("weight update failed on purpose")
+        return {"bytes": 1, "seconds": 0.0, "senders": 1}
+
+    def release_groups(self) -> None:
+        self.log.append("weights.release_groups")
+
+
+class FakeGateway:
+    """TrajectoryManagers as the schedules see it: the routers' engine list and their call holding."""
+
+    def __init__(self, log: Log) -> None:
+        self.log = log
+        self.drained = True
+        self.routed: list[list[str]] = []
+
+    def set_engines(self, urls: list[str]) -> None:
+        self.log.append(f"gateway.set_engines({' '.join(urls)})")
+        self.routed.append(list(urls))
+
+    def hold_llm_calls(self) -> None:
+        self.log.append("gateway.hold_llm_calls")
+
+    def release_llm_calls(self) -> None:
+        self.log.append("gateway.release_llm_calls")
+
+    def drain(self, timeout_s: float) -> bool:
+        self.log.append("gateway.drain")
+        return self.drained
+
+    def queue_depth(self) -> int:
+        return 0
+
+
+@dataclasses.dataclass
+class Run:
+    log: Log
+    parts: RunParts
+    dispatcher: FakeDispatcher
+    trainer: FakeTrainer
+    engines: FakeEngines
+    weights: FakeWeights
+    gateway: FakeGateway
+    schedule: Any
+
+    @property
+    def state(self) -> RunState:
+        return self.parts.state
+
+    def step(self, counts: Optional[Counter] = None) -> tuple[list[Group], Optional[dict[str, Any]]]:
+        """What actors/pipeline.py's run_step does around the schedule: collect, batch, train."""
+        self.state.step += 1
+        groups = self.schedule.collect(counts if counts is not None else Counter())
+        batch = build_batch([e for g in groups for e in g.ordered()], self.parts.cfg.algorithm)
+        train = self.schedule.train(batch) if batch.trains else None
+        return groups, train
+
+
+def make_run(*overrides: str, outcome: Outcome = scored_by_index, tasks: int = 32, engines: int = 2) -> Run:
+    cfg = resolve(load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=2", *overrides]))
+    STARTED_ON.clear()
+    log = Log()
+    dataset = [Task(f"prompt {i}", task_id=f"t{i}") for i in range(tasks)]  # what JsonlDataset indexes to
+    sampler = TaskSampler(dataset, shuffle=False)  # type: ignore[arg-type]
+    dispatcher = FakeDispatcher(log, cfg.rollout.group_size, outcome)
+    fleet = FakeEngines(log, engines)
+    trainer, weights, gateway = FakeTrainer(log), FakeWeights(log, fleet), FakeGateway(log)
+    parts = RunParts(cfg, RunState(), sampler, dispatcher, trainer, fleet, weights, gateway)
+    dispatcher.state = parts.state
+    return Run(log, parts, dispatcher, trainer, fleet, weights, gateway, make_schedule(parts))
+
+
+# -- the phase order of every schedule ---------------------------------------------------------------
+
+
+def test_sync_trains_with_nothing_running_then_pushes_to_every_engine():
+    run = make_run("pipeline.schedule=sync")
+    for step in (1, 2):
+        mark = len(run.log)
+        groups, train = run.step()
+        assert [g.task.task_id for g in groups] == [f"t{2 * step - 2}", f"t{2 * step - 1}"]
+        assert all(STARTED_ON[g.group_id] == step - 1 for g in groups)  # each started on the current weights
+        assert run.log.since(mark) == ["trainer.train(4)", f"weights.push({step} -> 2)"]
+        assert train["train/policy_version"] == step and "time/weight_sync_s" in train
+    assert run.state.version == 2 and run.dispatcher.groups_in_flight == 0  # sync queues only what it takes
+
+
+def test_async_updates_the_engines_with_nothing_generating_and_calls_held_at_the_gateway():
+    run = make_run("pipeline.schedule=async", "pipeline.groups_in_flight=4", "pipeline.max_staleness=1")
+    for step in (1, 2):
+        mark = len(run.log)
+        run.step()
+        assert run.log.since(mark) == [
+            "trainer.train(4)", "gateway.hold_llm_calls", "engines.pause_generation(abort)",
+            f"weights.push({step} -> 2)", "engines.continue_generation", "gateway.release_llm_calls"]
+    assert run.dispatcher.groups_in_flight >= 2  # rollout ran ahead while the trainer trained
+
+
+def test_async_releases_held_calls_when_the_weight_update_fails():
+    run = make_run("pipeline.schedule=async")
+    run.weights.fail_push = True
+    with pytest.raises(RuntimeError, match="on purpose"):
+        run.step()
+    assert run.log[-2:] == ["weights.push(1 -> 2)", "gateway.release_llm_calls"]  # no call waits for ever
+
+
+@pytest.mark.parametrize("partial_rollout, drained, mode", [(True, True, "abort"), (False, True, "in_place"),
+                                                            (False, False, "abort")])
+def test_colocated_async_follows_the_gpu_order(partial_rollout, drained, mode):
+    """Issue 25: train -> engines resume weights -> push from live memory -> release the broadcast group
+    -> trainer offload -> engines resume kv_cache and cuda_graph -> continue; the devices go to the
+    trainer only after the gateway holds calls and the engines paused (drained, or aborted after the
+    wait) and released their memory."""
+    run = make_run("pipeline.schedule=colocated_async", "pipeline.max_staleness=1",
+                   f"pipeline.partial_rollout={str(partial_rollout).lower()}")
+    run.gateway.drained = drained
+    # built: the trainer's broadcast group and memory go before the engines take the devices back
+    assert run.log == ["weights.release_groups", "trainer.offload", "engines.resume_memory_occupation(all)"]
+    for step in (1, 2):
+        mark = len(run.log)
+        _, train = run.step()
+        give = ["gateway.hold_llm_calls", *([] if partial_rollout else ["gateway.drain"]),
+                f"engines.pause_generation({mode})", "engines.release_memory_occupation", "trainer.onload"]
+        back = ["engines.resume_memory_occupation(weights)", f"weights.push({step} -> 2)",
+                "weights.release_groups", "trainer.offload",
+                "engines.resume_memory_occupation(kv_cache,cuda_graph)",
+                "engines.continue_generation", "gateway.release_llm_calls"]
+        assert run.log.since(mark) == [*give, "trainer.train(4)", *back]
+        assert {"time/engine_pause_s", "time/weight_sync_s", "gateway/queue_depth"} <= set(train)
+    assert run.state.failures["drain_timeouts"] == (0 if drained or partial_rollout else 2)
+    assert not run.schedule.devices_with_trainer
+
+
+# -- the rerun and drop rules ------------------------------------------------------------------------
+
+
+def test_async_drops_stale_groups_and_runs_their_tasks_again_first():
+    run = make_run("pipeline.schedule=async", "pipeline.max_staleness=0", "pipeline.groups_in_flight=4")
+    counts1: Counter = Counter()
+    first, _ = run.step(counts1)
+    assert counts1["dropped_stale_groups"] == 0 and [STARTED_ON[g.group_id] for g in first] == [0, 0]
+    counts2: Counter = Counter()
+    second, _ = run.step(counts2)
+    # groups t2, t3 started at version 0 (before step 1's update): too old at version 1, so dropped,
+    # counted, kept for the records and queued again in front as new groups; what trains is version 1's
+    assert counts2["dropped_stale_groups"] == 2 and counts2["dropped_stale_samples"] == 4
+    assert all(STARTED_ON[g.group_id] == 1 for g in second)
+    stale = [g for g in run.state.set_aside]
+    assert [g.task.task_id for g in stale] == ["t2", "t3"]
+    assert all(e.info["discarded"] == "stale" for g in stale for e in g.episodes.values())
+    reruns = [(task, front, reruns) for _, task, front, reruns in run.dispatcher.submitted if front]
+    assert sorted(reruns) == [("t2", True, 1), ("t3", True, 1)]
+    trained = [g.task.task_id for g in first + second]
+    assert len(trained) == len(set(trained))  # no task trained twice
+
+
+def test_a_group_short_of_scored_episodes_runs_again_until_the_bound_then_is_kept():
+    def engine_fails_t0(group: Group, index: int) -> Episode:
+        if group.task.task_id == "t0" and index == 1:
+            return _episode(group, 0.0, ENGINE_ERROR)
+        return scored_by_index(group, index)
+
+    run = make_run("pipeline.schedule=sync", "rollout.prompts_per_step=1", "pipeline.max_group_reruns=2",
+                   outcome=engine_fails_t0)
+    counts: Counter = Counter()
+    groups, _ = run.step(counts)
+    # t0 ran three times (the first run, two reruns), the third is kept as it is; nothing else was drawn
+    runs = [(task, reruns) for _, task, _, reruns in run.dispatcher.submitted]
+    assert runs == [("t0", 0), ("t0", 1), ("t0", 2)]
+    assert counts["rerun_short_groups"] == 2 and counts["short_groups_kept"] == 1
+    assert [g.task.task_id for g in groups] == ["t0"] and groups[0].reruns == 2
+    assert [e.info["discarded"] for g in run.state.set_aside for e in g.ordered()] == ["rerun"] * 4
+
+
+def test_the_agents_own_failures_are_scored_never_run_again():
+    def agent_crashes(group: Group, index: int) -> Episode:
+        return _episode(group, 0.0, AGENT_CRASHED) if index == 0 else _episode(group, 1.0)
+
+    run = make_run("pipeline.schedule=sync", outcome=agent_crashes)
+    counts: Counter = Counter()
+    groups, train = run.step(counts)
+    assert counts["rerun_short_groups"] == 0 and not run.state.set_aside and len(groups) == 2
+    assert train is not None  # the crash scored 0 beside a 1: the group varies and trains
+
+
+def test_dynamic_sampling_replaces_equal_groups_with_new_ones():
+    def t0_equal(group: Group, index: int) -> Episode:
+        return _episode(group, 1.0) if group.task.task_id == "t0" else scored_by_index(group, index)
+
+    run = make_run("pipeline.schedule=sync", "algorithm.dynamic_sampling=true", outcome=t0_equal)
+    counts: Counter = Counter()
+    groups, _ = run.step(counts)
+    assert [g.task.task_id for g in groups] == ["t1", "t2"]  # t0 dropped, t2 drawn in its place
+    assert [g.task.task_id for g in run.schedule.dropped] == ["t0"]
+    assert counts["dynamic_dropped_groups"] == 1 and counts["dynamic_dropped_reward_1"] == 1
+
+
+def test_sync_step_deadline_fails_the_unfinished_groups_and_goes_on():
+    run = make_run("pipeline.schedule=sync", "rollout.step_deadline_s=0.05")
+    run.dispatcher.stalled = True
+    groups, train = run.step()
+    assert len(groups) == 2 and train is None  # every episode failed: nothing trains, nothing is pushed
+    assert all(e.failure == "step_deadline" for g in groups for e in g.ordered())
+    assert "weights.push(1 -> 2)" not in run.log
+
+
+# -- engine membership ---------------------------------------------------------------------------------
+
+
+def test_an_engine_that_dies_leaves_the_routers_and_returns_only_with_the_current_weights():
+    run = make_run("pipeline.schedule=async")
+    run.step()
+    run.engines.down(1)
+    mark = len(run.log)
+    run.schedule.tick()
+    # down: counted once, routed around; its replacement started in the same poll and joins with
+    # version 1 the async way (calls held, engines paused), then is marked live, then routed to
+    assert run.state.failures["engine_restarts"] == 1
+    assert run.log.since(mark) == [
+        "gateway.set_engines(http://e0)",
+        "gateway.hold_llm_calls", "engines.pause_generation(abort)", "weights.push(1 -> 2)",
+        "engines.continue_generation", "gateway.release_llm_calls",
+        "fleet.mark_live(1)", "gateway.set_engines(http://e0 http://e1-new)"]
+    mark = len(run.log)
+    run.schedule.tick()
+    assert run.log.since(mark) == [] and run.state.failures["engine_restarts"] == 1
+
+
+def test_before_the_first_step_a_joining_engine_is_only_connected():
+    run = make_run("pipeline.schedule=sync")
+    run.engines.down(0)
+    run.schedule.tick()
+    assert run.log == ["gateway.set_engines(http://e1)", "weights.connect", "fleet.mark_live(0)",
+                       "gateway.set_engines(http://e0-new http://e1)"]
+
+
+def test_colocated_no_engine_joins_while_the_trainer_holds_the_devices():
+    run = make_run("pipeline.schedule=colocated_async", "pipeline.max_staleness=1")
+
+    def engine_dies_while_training() -> None:
+        run.engines.down(0)
+        deadline = time.monotonic() + 10
+        while not run.engines.polls_refusing and time.monotonic() < deadline:  # the driver ticks meanwhile
+            time.sleep(0.001)
+
+    run.trainer.during_train = engine_dies_while_training
+    mark = len(run.log)
+    run.step()
+    steps = run.log.since(mark)
+    assert run.engines.polls_refusing >= 1  # its replacement waited for the devices
+    assert "fleet.mark_live(0)" not in steps and run.engines.slots[0].state == "down"
+    assert steps.index("gateway.set_engines(http://e1)") < steps.index("trainer.offload")
+    mark = len(run.log)
+    run.schedule.tick()  # devices back with the engines: the replacement starts, takes version 1, serves
+    assert run.log.since(mark)[-2:] == ["fleet.mark_live(0)", "gateway.set_engines(http://e0-new http://e1)"]
+    assert "weights.push(1 -> 2)" in run.log.since(mark)
+
+
+# -- checkpoints and the way back after a trainer failure ----------------------------------------------
+
+
+def make_checkpoints(run: Run, tmp_path: Path) -> RunCheckpoints:
+    store = CheckpointStore(tmp_path / "ckpt", staging_root=tmp_path / "staging")
+    return RunCheckpoints(store, run.trainer, run.parts.sampler, run.dispatcher, run.schedule, tmp_path)
+
+
+def run_steps(run: Run, checkpoints: RunCheckpoints, steps: int, save_every: int = 1) -> list[str]:
+    """actors/pipeline.py's loop, as far as checkpoints see it; returns the tasks of the groups trained."""
+    trained: list[str] = []
+    for _ in range(steps):
+        run.state.step += 1
+        checkpoints.start_step()
+        groups = run.schedule.collect(Counter())
+        checkpoints.untrained_taken = groups
+        batch = build_batch([e for g in groups for e in g.ordered()], run.parts.cfg.algorithm)
+        run.schedule.train(batch)
+        checkpoints.step_trained()
+        trained += [g.task.task_id for g in groups]
+        if run.state.step % save_every == 0:
+            checkpoints.save(announce=False)
+    return trained
+
+
+def resumed_queue(tmp_path: Path, *overrides: str) -> tuple[Run, list[str]]:
+    run = make_run(*overrides)
+    checkpoints = make_checkpoints(run, tmp_path)
+    assert checkpoints.resume()
+    return run, [g.task.task_id for g in run.dispatcher.queue]
+
+
+@pytest.mark.parametrize("phase", ["rollout", "train"])
+def test_a_failure_before_the_step_trained_checkpoints_the_previous_step_with_its_groups_untrained(
+        phase, tmp_path, capsys):
+    schedule = ("pipeline.schedule=async", "pipeline.groups_in_flight=4", "pipeline.max_staleness=1")
+    run = make_run(*schedule)
+    checkpoints = make_checkpoints(run, tmp_path)
+    run_steps(run, checkpoints, 1, save_every=10)  # step 1 trained, never saved
+    run.trainer.survivors = {1: 1}  # rank 0 died; rank 1 holds version 1
+    run.state.step += 1
+    checkpoints.start_step()
+    taken = run.schedule.collect(Counter())
+    checkpoints.untrained_taken = taken
+    run.trainer.fail_in = "train"
+    with pytest.raises(TrainerFailure) as failure:
+        if phase == "train":
+            run.schedule.train(build_batch([e for g in taken for e in g.ordered()], run.parts.cfg.algorithm))
+        else:
+            raise TrainerFailure("rollout", {0: "gone"}, {1: 1})
+    run.trainer.fail_in = None
+    checkpoints.after_trainer_failure(failure.value)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("[rayrl] run stopped: trainer rank failure in")
+    assert "Resume with: python driver.py" in line
+    assert run.state.failures["trainer_rank_failures"] == 1 and run.trainer.saved_from == [1]
+    assert (run.state.step, run.state.version) == (1, 1)
+    untrained = [g.task.task_id for g in taken]
+    untrained += [r["task"]["task_id"] for r in run.dispatcher.untrained_tasks()]
+    resumed, queue = resumed_queue(tmp_path, *schedule)
+    assert (resumed.state.step, resumed.state.version) == (1, 1) and queue == untrained
+    assert queue[:2] == [g.task.task_id for g in taken]  # the step's own groups run first
+
+
+def test_a_failure_after_the_trainer_step_checkpoints_this_step_trained(tmp_path, capsys):
+    run = make_run("pipeline.schedule=colocated_async", "pipeline.max_staleness=1")
+    checkpoints = make_checkpoints(run, tmp_path)
+    run_steps(run, checkpoints, 1)
+    run.trainer.survivors = {1: 2}
+    run.trainer.fail_in = "offload"  # after the push, in the step's offload
+    run.state.step += 1
+    checkpoints.start_step()
+    taken = run.schedule.collect(Counter())
+    checkpoints.untrained_taken = taken
+    with pytest.raises(TrainerFailure) as failure:
+        run.schedule.train(build_batch([e for g in taken for e in g.ordered()], run.parts.cfg.algorithm))
+    assert run.log[-3:] == ["weights.push(2 -> 2)", "weights.release_groups", "trainer.offload"]
+    run.trainer.fail_in = None
+    checkpoints.after_trainer_failure(failure.value)
+    assert (run.state.step, run.state.version) == (2, 2) and checkpoints.untrained_taken == []
+    resumed, queue = resumed_queue(tmp_path, "pipeline.schedule=colocated_async")
+    assert (resumed.state.step, resumed.state.version) == (2, 2)
+    assert not set(queue) & {g.task.task_id for g in taken}  # trained: never run again
+
+
+def test_without_a_rank_holding_the_whole_state_the_newest_checkpoint_is_the_way_back(tmp_path, capsys):
+    run = make_run("pipeline.schedule=sync")
+    checkpoints = make_checkpoints(run, tmp_path)
+    run_steps(run, checkpoints, 2, save_every=1)
+    run.trainer.full_state_on_every_rank = False  # Megatron shards the state over the ranks
+    checkpoints.after_trainer_failure(TrainerFailure("train", {0: "gone"}, {1: 2}))
+    out = capsys.readouterr().out
+    assert f"Checkpoint: {checkpoints.store.location_of(2)}" in out and run.trainer.saved_from == [None, None]
+    nobody = make_run("pipeline.schedule=sync")
+    lost = TrainerFailure("train", {0: "gone"}, {})  # no rank survived
+    make_checkpoints(nobody, tmp_path / "empty").after_trainer_failure(lost)
+    assert "Checkpoint: none. Resume with: no checkpoint exists" in capsys.readouterr().out
+
+
+def test_a_survivor_whose_save_fails_falls_back_to_the_newest_checkpoint(tmp_path, capsys):
+    run = make_run("pipeline.schedule=sync")
+    checkpoints = make_checkpoints(run, tmp_path)
+    run_steps(run, checkpoints, 1)
+    run.state.step += 1
+    checkpoints.start_step()
+    run.trainer.survivors = {1: 2}
+    checkpoints.step_trained()  # step 2 trained, then the checkpoint failed
+    run.trainer.fail_in = "checkpoint"
+    checkpoints.after_trainer_failure(TrainerFailure("checkpoint", {0: "gone"}, {1: 2}))
+    assert f"Checkpoint: {checkpoints.store.location_of(1)}" in capsys.readouterr().out
+
+
+def test_async_resume_after_stale_drops_runs_the_untrained_groups_first_and_nothing_twice(tmp_path):
+    """The fast twin of tests/pipeline/test_schedules_e2e.py::test_async_resume_runs_the_checkpoints_...:
+    the dropped groups' tasks are queued again, the checkpoint holds every untrained group in order, and
+    the resumed run takes only those, none of them trained before."""
+    schedule = ("pipeline.schedule=async", "pipeline.max_staleness=0")
+    run = make_run(*schedule, "pipeline.groups_in_flight=4")
+    checkpoints = make_checkpoints(run, tmp_path)
+    trained = run_steps(run, checkpoints, 2, save_every=2)
+    assert len(trained) == len(set(trained)) == 4
+    assert [g.task.task_id for g in run.state.set_aside]  # step 2 dropped stale groups (queued again)
+    saved = checkpoints.store.read_state(2)["schedule"]
+    untrained = [row["task"]["task_id"] for row in saved["untrained_groups"]]
+    assert saved["schedule"] == "async" and len(untrained) >= 2 and not set(trained) & set(untrained)
+    resumed, queue = resumed_queue(tmp_path, *schedule, f"pipeline.groups_in_flight={len(untrained)}")
+    assert queue == untrained and (resumed.state.step, resumed.state.version) == (2, 2)
+    groups, _ = resumed.step()
+    step3 = {g.task.task_id for g in groups}
+    assert step3 <= set(untrained) and not step3 & set(trained)
