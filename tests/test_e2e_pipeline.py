@@ -11,9 +11,8 @@ import json
 import urllib.request
 from pathlib import Path
 
-
-from tests.ray_support import scrape_metrics
 from rayrl.config import load_config
+from tests.ray_support import scrape_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

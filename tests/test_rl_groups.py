@@ -7,8 +7,17 @@ import pytest
 
 from rayrl.config import ConfigError, load_config
 from rayrl.rl.batch import build_batch
-from rayrl.rl.failures import (AGENT_CRASHED, ENGINE_ERROR, NO_TURNS, REWARD_FAILED, SANDBOX_FAILED, fail,
-                                 failure_kind, is_infra, is_scored)
+from rayrl.rl.failures import (
+    AGENT_CRASHED,
+    ENGINE_ERROR,
+    NO_TURNS,
+    REWARD_FAILED,
+    SANDBOX_FAILED,
+    fail,
+    failure_kind,
+    is_infra,
+    is_scored,
+)
 from rayrl.rl.groups import Group, split_short
 from rayrl.types import Episode, Sample, Task
 
@@ -95,8 +104,8 @@ def test_min_group_episodes_is_checked_at_load():
 def test_dynamic_sampling_drops_equal_groups_until_its_bound():
     from collections import Counter
 
-    from rayrl.pipeline.schedules import Schedule
     from rayrl.config import resolve
+    from rayrl.pipeline.schedules import Schedule
     from rayrl.rl.groups import equal_reward
 
     flat0 = _group("z", _episode("z", 0.0), _episode("z", 0.0), _episode("z", 1.0, ENGINE_ERROR))  # failure ignored

@@ -28,8 +28,8 @@ from rayrl.gateway.sessions import SessionInfo
 from rayrl.rl.failures import (
     AGENT_CRASHED,
     ENGINE_ERROR,
-    NO_TURNS,
     INFRA_KINDS,
+    NO_TURNS,
     REWARD_FAILED,
     SANDBOX_FAILED,
     SERVICE_FAILED,

@@ -41,8 +41,8 @@ from rayrl.trainers.lr_schedule import lr_at, set_lr
 from rayrl.trainers.memory_saver import MemorySaver, init_optimizer_state
 from rayrl.trainers.objective import Objective, TokenBatch, step_metrics
 from rayrl.trainers.policy_losses import entropy_from_logits
-from rayrl.weights.files import export_state_dict
 from rayrl.types import Sample
+from rayrl.weights.files import export_state_dict
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -38,8 +38,8 @@ from rayrl.engines.client import EngineClient
 from rayrl.weights.broadcast import BroadcastSender
 from rayrl.weights.disk import DiskSender
 from rayrl.weights.handles import HandleSender
-from rayrl.weights.tp_payloads import PayloadExchange
 from rayrl.weights.shm import owner_tag
+from rayrl.weights.tp_payloads import PayloadExchange
 from rayrl.weights.transfer import EngineTarget, WeightSender
 
 Transport = Literal["disk", "tensor", "distributed"]

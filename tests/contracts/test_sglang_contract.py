@@ -25,8 +25,8 @@ from aiohttp import web
 
 from rayrl.config import EngineConfig
 from rayrl.engines import client as client_module
-from rayrl.engines.client import EngineClient
 from rayrl.engines.backends.sglang import sglang_command
+from rayrl.engines.client import EngineClient
 from rayrl.weights import bucket as own_bucket
 from rayrl.weights.handles import HandleSender
 from rayrl.weights.transfer import EngineTarget

@@ -24,7 +24,7 @@ def trainer(tiny_qwen2_dir):
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    cfg = TrainerConfig(backend="megatron", dtype="bfloat16", lr=1e-3, micro_batch_tokens=256, 
+    cfg = TrainerConfig(backend="megatron", dtype="bfloat16", lr=1e-3, micro_batch_tokens=256,
                         grad_clip=1.0)  # fmt: skip
     return MegatronTrainer(tiny_qwen2_dir, cfg, rank=0, world_size=1, seed=0, local_rank=0)
 
