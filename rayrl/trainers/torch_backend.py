@@ -377,7 +377,8 @@ class TorchTrainer:
         self.optimizer.load_state_dict(mine["optimizer"])
         self.memory.adopt_optimizer_state(self.optimizer)  # load_state_dict made new tensors, outside it
         self.policy_version = int(mine["policy_version"])
-        self.optimizer_steps = int(mine.get("optimizer_steps", self.policy_version))  # older checkpoints: one per version
+        # older checkpoints: one optimizer step per version
+        self.optimizer_steps = int(mine.get("optimizer_steps", self.policy_version))
         torch.set_rng_state(mine["torch_rng"])
         np.random.set_state(mine["numpy_rng"])
         random.setstate(mine["python_rng"])

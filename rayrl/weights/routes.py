@@ -216,7 +216,7 @@ def make_sender(
                                        "engine's payloads over the trainer ranks' store, and this rank has none")
             exchange = PayloadExchange(store, routes.session, timeout_s)
         return HandleSender(targets, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
-                            sglang_engines=backends.engine_backend(routes.engine_backend).sglang_wire, exchange=exchange,
-                            contributes=contributes, gpu_id=gpu_id)
+                            sglang_engines=backends.engine_backend(routes.engine_backend).sglang_wire,
+                            exchange=exchange, contributes=contributes, gpu_id=gpu_id)
     return BroadcastSender(targets, backend="nccl" if cuda else "gloo", master_address=master_address,
                            bucket_bytes=bucket_bytes, timeout_s=timeout_s)
