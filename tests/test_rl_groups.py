@@ -84,7 +84,8 @@ def test_failure_kinds_and_classes():
     assert not is_infra(_episode("g", 0.0))  # an ok episode is no failure at all
     legacy = Episode(session_id="", task_id="t", group_id="g", status="failed", error="custom thing: detail")
     assert failure_kind(legacy) == "custom thing" and not is_infra(legacy)
-    assert is_scored(crashed) and is_scored(_episode("g", 0.0, REWARD_FAILED)) and not is_scored(_episode("g", 0, ENGINE_ERROR))
+    assert is_scored(crashed) and is_scored(_episode("g", 0.0, REWARD_FAILED))
+    assert not is_scored(_episode("g", 0, ENGINE_ERROR))
 
 
 def test_min_group_episodes_is_capped_at_the_group_size():
@@ -95,7 +96,8 @@ def test_min_group_episodes_is_capped_at_the_group_size():
 
 
 def test_min_group_episodes_is_checked_at_load():
-    cfg = load_config(None, ["rollout.group_size=1", "algorithm.advantage_estimator=reinforce_pp"])  # no group baseline; the default 2 is capped, valid
+    # no group baseline; the default 2 is capped, valid
+    cfg = load_config(None, ["rollout.group_size=1", "algorithm.advantage_estimator=reinforce_pp"])
     assert cfg.rollout.min_group_episodes == 2
     with pytest.raises(ConfigError, match="rollout.min_group_episodes"):
         load_config(None, ["rollout.min_group_episodes=0"])

@@ -32,7 +32,7 @@ def trainer(tiny_qwen2_dir):
 def _samples(n: int, seed: int) -> list[Sample]:
     rng = np.random.default_rng(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         length = int(rng.integers(24, 64))
         tokens = rng.integers(3, 1000, size=length).astype(np.int32)
         resp = length - 8
