@@ -6,11 +6,12 @@ DEPS   := $(VENV)/.deps-installed
 TDEPS  := $(VENV)/.test-deps-installed
 ARGS   ?=
 
-.PHONY: run test test-slow test-all bench model notebook clean-runs help
+.PHONY: run lint test test-slow test-all bench model notebook clean-runs help
 
 help:
 	@echo "make run        install (first time), provision the model, train the calculator agent on CPU"
-	@echo "make test       install test needs, run the default suite (< 15 min on 2 cores)"
+	@echo "make test       install test needs, lint, run the default suite (< 15 min on 2 cores)"
+	@echo "make lint       ruff check . (the rules: pyproject.toml [tool.ruff]; about a second)"
 	@echo "make test-slow  the long tests"
 	@echo "make bench      the benchmarks, alternating sides; writes docs/benchmarks.md (~25 min on 2 cores)"
 	@echo "make notebook   install the notebook's needs (a Jupyter kernel) and run examples/notebooks/quickstart.ipynb"
@@ -42,7 +43,11 @@ model: $(DEPS)
 run: model
 	$(BIN)/python driver.py $(ARGS)
 
-test: $(TDEPS) model
+# ruff's checks (pyproject.toml [tool.ruff]); `make test` runs it first, so CI (.ci/run) lints too
+lint: $(TDEPS)
+	$(BIN)/ruff check .
+
+test: lint model
 	$(BIN)/python -X faulthandler -m pytest -q -ra --durations=25
 
 test-slow: $(TDEPS) model

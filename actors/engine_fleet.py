@@ -123,7 +123,8 @@ class EngineFleet:
             host = urlsplit(slot.url).hostname or ""
             if host in LOOPBACK and slot.info.get("node_ip") != here:
                 raise RuntimeError(
-                    f"engine.host: {self.cfg.host} binds engine {slot.index} to loopback on {slot.info.get('node_ip')}, "
+                    f"engine.host: {self.cfg.host} binds engine {slot.index} to loopback on "
+                    f"{slot.info.get('node_ip')}, "
                     f"which the gateway on {here} cannot reach; set engine.host: 0.0.0.0 when engines run on other "
                     "machines (docs/multinode.md)")
 

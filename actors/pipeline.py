@@ -85,7 +85,8 @@ class Pipeline:
         self.sampler = TaskSampler(dataset, seed=cfg.seed, shuffle=cfg.data.shuffle)
         self.val_dataset = JsonlDataset(cfg.data.val_path, cfg.data.max_prompt_chars) if cfg.data.val_path else None
         store = CheckpointStore(cfg.pipeline.checkpoint_dir or self.run_dir / "checkpoints",
-                                staging_root=self.run_dir / "checkpoint-staging", keep_last=cfg.pipeline.keep_checkpoints)
+                                staging_root=self.run_dir / "checkpoint-staging",
+                                keep_last=cfg.pipeline.keep_checkpoints)
         store.verify()  # a bad bucket fails now, not at the first save
         self.state = RunState()
         name = f"rayrl-{cfg.exp_id}"

@@ -4,7 +4,8 @@ A thin async shell: the pool's blocking work (creating, resetting, health-checki
 small thread pool, and callers that must wait for a free sandbox wait on an asyncio condition, not on a
 thread, so hundreds of waiting episodes cost nothing. A warm acquire never leaves the event loop: it
 takes an idle sandbox directly (``SandboxPool.take_idle``: no thread hop, no I/O, no lease scan, no
-stats copy) and returns; refills, expiry, health checks and metric export happen in the background. A background task expires leases, health-checks idle
+stats copy) and returns; refills, expiry, health checks and metric export happen in the background. A
+background task expires leases, health-checks idle
 sandboxes, keeps ``min_warm`` ready, reclaims the leases of owners whose Ray actor died, and exports Ray
 metrics. Commands never pass through this actor: a lease carries a handle the caller opens locally with
 ``rayrl.sandboxes.open_sandbox`` (same node).

@@ -46,7 +46,8 @@ def report_profile(record: Record, info: dict[str, Any], results: dict[str, dict
         inside = sum(prof["kinds"].values())
         step_ms = 1e3 * prof["decode_s"] / max(prof["steps"], 1)
         rows.append([name, f"{wall:.2f}", f"{prof['prefill_s']:.2f}", f"{step_ms:.1f}",
-                     *(f"{prof['kinds'].get(k, 0.0) / wall:.0%}" for k in kinds), f"{max(wall - inside, 0.0) / wall:.0%}"])
+                     *(f"{prof['kinds'].get(k, 0.0) / wall:.0%}" for k in kinds),
+                     f"{max(wall - inside, 0.0) / wall:.0%}"])
     record.table("ours under torch's profiler, one run per row after the rounds (the profiler slows it a little): "
                  "self time of the ops by kind as a share of the run's wall time, and the time outside any op "
                  "(Python, dispatch, waits)",
@@ -60,7 +61,8 @@ def report_profile(record: Record, info: dict[str, Any], results: dict[str, dict
         top = sorted(share.items(), key=lambda kv: -kv[1])
         ours, llama = results[name]["ours"], results[name]["llama.cpp"]
         record.note(
-            f"{name}: goal missed. Ours: prefill {ours['prefill_s'].median:.2f} s and {ours['decode_ms_step'].median:.1f} "
+            f"{name}: goal missed. Ours: prefill {ours['prefill_s'].median:.2f} s and "
+            f"{ours['decode_ms_step'].median:.1f} "
             f"ms per decode step against llama.cpp's {llama['prefill_s'].median:.2f} s and "
             f"{llama['decode_ms_step'].median:.1f} ms; under the profiler, "
             + ", ".join(f"{kind} {v:.0%}" for kind, v in top)

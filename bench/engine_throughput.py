@@ -117,7 +117,7 @@ def bench_batches(record: Record, engine: CPUEngine, model, tokenizer, batches: 
     for batch in batches:
         prompts = make_prompts(tokenizer, batch, 100, 300, seed=batch)
 
-        def side(fn):
+        def side(fn, prompts=prompts):
             def go() -> dict[str, float]:
                 total, decode = fn(prompts)
                 return {"total": total, "decode": decode}
@@ -127,7 +127,7 @@ def bench_batches(record: Record, engine: CPUEngine, model, tokenizer, batches: 
                          "engine": side(lambda p: engine_generate(engine, p, new_tokens))},
                         label=f"batch {batch}", **rounds)
         tok = batch * new_tokens
-        hf, eng = (res[s]["total"].scaled(lambda x: tok / x) for s in ("generate", "engine"))
+        hf, eng = (res[s]["total"].scaled(lambda x, tok=tok: tok / x) for s in ("generate", "engine"))
         ratio = paired_ratio(eng, hf)
         row = [batch, hf.fmt(1), eng.fmt(1), ratio.fmt(2, "x"), "", ""]
         if batch == 1:  # decode alone, after the first token

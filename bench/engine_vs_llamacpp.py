@@ -202,7 +202,7 @@ class LlamaWorker:
             chunk = pending[lo : lo + self.n_batch]
             picks = self._decode(chunk)
             now = time.perf_counter() - start
-            for (seq, _, _, out), tok in zip([e for e in chunk if e[3]], picks):
+            for (seq, _, _, _), tok in zip([e for e in chunk if e[3]], picks):
                 first[seq], last[seq] = now, int(tok)
                 head[seq].append(int(tok))
         for step in range(1, new_tokens):  # every sequence one token per call

@@ -6,7 +6,8 @@ and through rllm-model-gateway (PyPI), all on loopback.
 The stub engine answers instantly with a fixed completion (8 token ids + log-probs): SGLang's
 ``/generate`` for rayrl (which renders the chat with the model's template, tokenizes, sends token ids,
 reads the answer as SGLang's stream, one chunk per token, and records a TurnRecord per call; the stub's
-own figure is a plain ``/generate``, what a caller without a gateway would send) and vLLM's ``/v1/chat/completions`` with ``prompt_token_ids`` /
+own figure is a plain ``/generate``, what a caller without a gateway would send) and vLLM's
+``/v1/chat/completions`` with ``prompt_token_ids`` /
 ``token_ids`` / logprobs for rllm-model-gateway (a reverse proxy that stores one trace per call).
 rllm-model-gateway runs in its fastest documented configuration: its in-memory trace store
 (``store_worker="memory"``, ``--store memory`` on its command line; SQLite is its default), traces
@@ -95,8 +96,9 @@ RAYRL = textwrap.dedent('''
     from rayrl.gateway.app import Gateway
     async def main(port, stub, tokenizer_dir):
         router = Router([stub])
-        gw = Gateway(GatewayConfig(tool_parser="hermes"), TrajectoryConfig(), AutoTokenizer.from_pretrained(tokenizer_dir),
-                     router, model_name="stub", context_length=4096, admin_token="admin")
+        gw = Gateway(GatewayConfig(tool_parser="hermes"), TrajectoryConfig(),
+                     AutoTokenizer.from_pretrained(tokenizer_dir), router, model_name="stub", context_length=4096,
+                     admin_token="admin")
         await gw.start(port=port)
         try:  # as the gateway's hosts do (a baseline checkout may predate it)
             from rayrl.gateway.app import settle_heap

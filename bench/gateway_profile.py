@@ -162,7 +162,8 @@ def main() -> None:
     rate = result["requests"] / result["seconds"]
     print(f"{started}; load average {load_start[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end; "
           f"{result['requests']} requests in {result['seconds']:.1f} s at {args.clients} clients "
-          f"({rate:.0f}/s under {args.sampler}); gateway CPU per request {1e3 * result['user_s'] / result['requests']:.3f} "
+          f"({rate:.0f}/s under {args.sampler}); "
+          f"gateway CPU per request {1e3 * result['user_s'] / result['requests']:.3f} "
           f"ms user + {1e3 * result['system_s'] / result['requests']:.3f} ms system; profile: {args.out}")
     if args.sampler == "py-spy":
         print(summarize_raw(args.out, args.top))

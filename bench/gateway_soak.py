@@ -294,11 +294,10 @@ async def big_body(root: str, mb: float) -> tuple[int, list[float]]:
 
 
 async def run(args: argparse.Namespace) -> None:
+    from measure import machine as machine_info
     from transformers import AutoTokenizer
 
     from rayrl.models import build_tiny_model
-
-    from measure import machine as machine_info
 
     info = machine_info()
     machine = f"{info['cpu']}, {info['cores']} cores"

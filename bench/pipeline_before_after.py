@@ -73,8 +73,8 @@ def main() -> int:
                     quick=args.quick, record_dir=args.record_dir)
     scratch = Path(tempfile.mkdtemp(prefix="rayrl-before-after-"))
     runs = {"make run": ([] if not args.quick else ["trainer.steps=2"]),
-            "files task": ["--config", "examples/files/config.yaml", f"trainer.steps={2 if args.quick else args.files_steps}",
-                           "pipeline.eval_interval=0"]}
+            "files task": ["--config", "examples/files/config.yaml",
+                           f"trainer.steps={2 if args.quick else args.files_steps}", "pipeline.eval_interval=0"]}
     if args.only:
         runs = {args.only: runs[args.only]}
     results = {}
@@ -102,7 +102,8 @@ def main() -> int:
                  "ratios (above 1: faster after)", ["measurement", "before", "after", "speed-up"], rows)
     record.note(f"before: {git_commit(sides['before'])} ({sides['before']}); after: {git_commit(ROOT)}. "
                 "make run = python driver.py (examples/calculator, 10 steps); files task = examples/files/config.yaml, "
-                f"trainer.steps={2 if args.quick else args.files_steps}, no evaluation. Each run starts its own local Ray."
+                f"trainer.steps={2 if args.quick else args.files_steps}, no evaluation. "
+                "Each run starts its own local Ray."
                 + (f" Only {args.only} measured in this run (--only)." if args.only else ""))
     record.save()
     return 0

@@ -114,7 +114,8 @@ def main() -> None:
     quick = any(json.loads(p.read_text()).get("quick") for p in args.records.glob("*.json"))
     out = args.out or (args.records / "benchmarks.md" if quick else ROOT / "docs" / "benchmarks.md")
     out.write_text(render(args.records, out.read_text() if args.keep and out.exists() else ""))
-    print(f"wrote {out}" + (" (smoke-run records: docs/benchmarks.md left as it was)" if quick and not args.out else ""))
+    kept = " (smoke-run records: docs/benchmarks.md left as it was)" if quick and not args.out else ""
+    print(f"wrote {out}{kept}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Sandbox latencies, each measured side by side with ``subprocess.run(["true"])`` in one run.
 
 (a) Cold start of a local sandbox: create it and run its first command (``true``), until the result is
-    back; also with ``allowed_hosts`` (filtering proxy + in-sandbox forwarder, which every exec starts). The first sandbox of a process also probes which isolation works (once per process; the pool
+    back; also with ``allowed_hosts`` (filtering proxy + in-sandbox forwarder, which every exec starts).
+    The first sandbox of a process also probes which isolation works (once per process; the pool
     actor pays it once at startup), so it is reported apart from the steady-state cold start.
 (b) ``exec("true")`` round trip in a warm sandbox (the string goes through ``/bin/sh -c``).
 (c) Warm acquire: a lease on an idle sandbox, from an in-process ``SandboxPool`` and through the
@@ -134,7 +135,7 @@ def main() -> None:
             sb = LocalSandbox(proxied, root=root)
             assert sb.exec(["true"]).ok
             proxy_colds.append(time.perf_counter() - t0)
-            proxy_execs.append(timed(lambda: sb.exec(["true"]), 1)[0])
+            proxy_execs.append(timed(lambda sb=sb: sb.exec(["true"]), 1)[0])
             sb.close()
         report.add("cold sandbox with allowed_hosts (proxy)", proxy_colds, "< 100 ms")
         report.add("  exec('true') with allowed_hosts (proxy)", proxy_execs)

@@ -81,7 +81,7 @@ def main() -> None:
                              args.question_tokens, tuple(args.response_tokens))
         advantages = [(-1.0) ** i for i in range(len(samples))]
 
-        def step(share: bool):
+        def step(share: bool, samples=samples, advantages=advantages):
             def go() -> dict[str, float]:
                 return {"seconds": trainers[share].train_step(samples, advantages)["train_time_s"]}
             return go

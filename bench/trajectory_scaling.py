@@ -242,7 +242,8 @@ def pass_peer_model(turns: int) -> dict[str, Any]:
         held.extend(data.prompt_ids[len(held):].tolist())
         prompt, output, logprobs = held[:], data.response_ids.tolist(), data.logprobs.tolist()
         messages = request["messages"]
-        text += sum(len(json.dumps(m)) for m in messages[-1 if lengths else 0:]) + len(json.dumps(data.response_message))
+        text += (sum(len(json.dumps(m)) for m in messages[-1 if lengths else 0:])
+                 + len(json.dumps(data.response_message)))
         t0 = time.perf_counter()
         model.record_turn(messages, data.response_message, prompt, output, logprobs)
         record.append(time.perf_counter() - t0)
@@ -310,14 +311,15 @@ def main() -> None:
         if not args.no_peer_model:
             retained = {}
 
-            def peer(t: int = turns) -> dict[str, float]:
+            def peer(t: int = turns, retained: dict = retained) -> dict[str, float]:
                 p = pass_peer_model(t)
                 retained[t] = p["retained"]
                 return _figures(p)
             sides["slime model"] = peer
         res = alternate(sides, label=f"{turns} turns", **rounds)
         m = memory_ours(turns)
-        tokens = turns * (RESPONSE_TOKENS + BRIDGE_TOKENS)  # the last sample: 4,000 prompt + 5,000 per turn - the last bridge
+        # the last sample: 4,000 prompt + 5,000 per turn - the last bridge
+        tokens = turns * (RESPONSE_TOKENS + BRIDGE_TOKENS)
         ours = res["ours"]
         over_parse = paired_ratio(ours["record_last5"], ours["parse_last5"])
         ms = lambda sp: sp.scaled(lambda x: x * 1e3).fmt(2)  # noqa: E731
@@ -326,7 +328,8 @@ def main() -> None:
         budget = 8 * tokens + 2 * m["text"]
         mem_rows.append([turns, f"{m['retained'] / 2**20:.1f} MiB", f"{m['retained'] / tokens:.2f}",
                          f"{m['peak'] / 2**20:.1f} MiB", f"{budget / 2**20:.1f} MiB", f"{m['retained'] / budget:.2f}x"])
-        verdicts += [(f"{turns} turns: record_turn <= 0.5x parse (median of the last 5 turns)", over_parse.median <= 0.5),
+        verdicts += [(f"{turns} turns: record_turn <= 0.5x parse (median of the last 5 turns)",
+                      over_parse.median <= 0.5),
                      (f"{turns} turns: retained <= 8 B/token + 2x text", m["retained"] <= budget)]
         if tokens >= 1_000_000:
             verdicts.append((f"{turns} turns: samples() < 50 ms at 1M tokens", ours["samples"].median < 0.050))

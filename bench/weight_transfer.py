@@ -76,16 +76,16 @@ def run(args: argparse.Namespace) -> None:
         try:
             for sender in senders.values():
                 loop.run_until_complete(sender.connect())
-            res = alternate({name: (lambda s=sender: loop.run_until_complete(send(s))) for name, sender in senders.items()},
-                            label="transports", **rounds)
+            res = alternate({name: (lambda s=sender: loop.run_until_complete(send(s)))
+                             for name, sender in senders.items()}, label="transports", **rounds)
         finally:
             for sender in senders.values():
                 loop.run_until_complete(sender.close())
             loop.run_until_complete(client.close())
             loop.close()
     base = res["disk (/dev/shm safetensors)"]["value"]
-    rows = [[name, r["value"].fmt(3), f"{total / 1e9 / r['value'].median:.2f}", paired_ratio(base, r["value"]).fmt(2, "x")]
-            for name, r in res.items()]
+    rows = [[name, r["value"].fmt(3), f"{total / 1e9 / r['value'].median:.2f}",
+             paired_ratio(base, r["value"]).fmt(2, "x")] for name, r in res.items()]
     record.table(f"model {args.model}: {len(state)} tensors, {total / 1e6:.0f} MB float32; buckets {args.bucket_mb} "
                  "MiB; seconds per full update, median [IQR] (min-max, n), transports alternating; speed against "
                  "disk = median of per-round ratios", ["transport", "seconds", "GB/s", "speed vs disk"], rows)

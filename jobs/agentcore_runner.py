@@ -89,7 +89,8 @@ class AgentCoreRunner(YamlDataclass):
     max_turns: int = 8  # -> rollout.max_turns (handed to the agent in rollout_config)
     # -- wandb ----------------------------------------------------------------------------------------
     wandb_project: str | None = None  # -> logging.wandb_project
-    wandb_key: str | None = None  # WANDB_API_KEY for the job (default: the submitting shell's); wandb is on only with a key
+    wandb_key: str | None = None  # WANDB_API_KEY for the job (default: the submitting shell's); wandb is on only
+    # with a key
     wandb_entity: str | None = None  # WANDB_ENTITY for the job (with a key only)
     # -- escape hatch -------------------------------------------------------------------------------
     extra_flags: list[str] = field(default_factory=list)  # passed verbatim to driver.py, after everything above

@@ -61,7 +61,8 @@ def episode_advantages(episodes: Sequence[Episode], batch: Batch | None) -> list
         return out
     offset = 0
     for i, e in enumerate(episodes):
-        if not is_scored(e) or not e.samples or offset >= len(batch.samples) or batch.samples[offset] is not e.samples[0]:
+        if (not is_scored(e) or not e.samples or offset >= len(batch.samples)
+                or batch.samples[offset] is not e.samples[0]):
             continue  # infrastructure failed, or not trained (set aside, or a group dynamic sampling dropped)
         out[i] = float(batch.advantages[offset])
         offset += len(e.samples)

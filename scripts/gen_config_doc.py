@@ -22,8 +22,8 @@ Fields with a fixed set of values (written `a / b / c` below) are `Literal` type
 fails at load too; ranges are checked by each section, rules across sections by `RunConfig`.
 Override any field on the command line: `python driver.py --config FILE trainer.steps=3 rollout.group_size=8`.
 This page is generated from the comments in rayrl/config/ (schema.py, serving.py, rollout.py, training.py,
-algorithm.py) by scripts/gen_config_doc.py. Keys removed from an older rayrl (`trainer.loss`, `trainer.kl_coef`, ...) fail
-at load with what to write instead.
+algorithm.py) by scripts/gen_config_doc.py. Keys removed from an older rayrl (`trainer.loss`, `trainer.kl_coef`, ...)
+fail at load with what to write instead.
 
 **Resolve.** Values that mean "auto" (`0`, unset, `auto`) stay that way in the loaded config;
 `rayrl.config.resolve(cfg, machine)` turns all of them into concrete values in one place, for the
@@ -42,14 +42,19 @@ loads the model (its `/get_server_info` says which).
 
 def field_comments() -> dict[str, dict[str, str]]:
     comments: dict[str, dict[str, str]] = {}
-    cls = None
+    cls = field = None
     sources = [ROOT / "rayrl" / "config" / name for name in SECTION_MODULES]
     for line in "\n".join(p.read_text() for p in sources).splitlines():
         if m := re.match(r"class (\w+)", line):
-            cls = m.group(1)
+            cls, field = m.group(1), None
             comments[cls] = {}
         elif cls and (m := re.match(r"    (\w+): [^=]+=.*?#\s*(.*)$", line)):
-            comments[cls][m.group(1)] = m.group(2).replace("|", "/")
+            field = m.group(1)
+            comments[cls][field] = m.group(2).replace("|", "/")
+        elif cls and field and (m := re.match(r"    #\s*(.*)$", line)):  # a comment wrapped onto the next lines
+            comments[cls][field] += " " + m.group(1).replace("|", "/")
+        else:
+            field = None
     return comments
 
 
@@ -75,7 +80,8 @@ def main() -> None:
         if not dataclasses.is_dataclass(sub):
             continue
         cname = type(sub).__name__
-        out += ["", f"## `{f.name}`: {(type(sub).__doc__ or '').strip()}", "", "| field | default | meaning |", "|---|---|---|"]
+        doc = " ".join((type(sub).__doc__ or "").split())  # the class docstring, on one line
+        out += ["", f"## `{f.name}`: {doc}", "", "| field | default | meaning |", "|---|---|---|"]
         for g in dataclasses.fields(sub):
             out.append(f"| `{f.name}.{g.name}` | `{getattr(sub, g.name)!r}` | {comments[cname].get(g.name, '')} |")
     (ROOT / "docs" / "config.md").write_text("\n".join(out) + "\n")

@@ -41,9 +41,9 @@ def moto_s3_server(log_path: Path) -> Iterator[str]:
             try:
                 urllib.request.urlopen(f"{url}/moto-api/", timeout=2).close()
                 break
-            except OSError:
+            except OSError as err:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start: {log_path.read_text()[-2000:]}")
+                    raise RuntimeError(f"moto_server did not start: {log_path.read_text()[-2000:]}") from err
                 time.sleep(0.2)
         yield url
     finally:

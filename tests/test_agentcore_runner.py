@@ -39,7 +39,8 @@ def test_runtime_env_carries_pythonpath_and_on_gpu_cuda_device_max_connections(m
     cpu = runner().to_runner().runtime_env()
     assert cpu["env_vars"] == {"PYTHONPATH": "."} and cpu["working_dir"] == str(ROOT)
     gpu = runner(num_gpus=8, pythonpath=[".", "agents"], env_vars={"NCCL_DEBUG": "WARN"}).to_runner().runtime_env()
-    assert gpu["env_vars"] == {"PYTHONPATH": f".{os.pathsep}agents", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_DEBUG": "WARN"}
+    assert gpu["env_vars"] == {"PYTHONPATH": f".{os.pathsep}agents", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+                               "NCCL_DEBUG": "WARN"}
 
 
 def test_wandb_is_forwarded_only_when_a_key_is_set(monkeypatch):
@@ -80,13 +81,16 @@ def test_key_kwargs_reach_the_job_and_the_run_config(monkeypatch):
                      "data.train_path=/data/gsm8k_tiny.jsonl"):
         assert expected in args, expected
     cfg = r.run_config(num_rollout=10)
-    assert (cfg.trainer.steps, cfg.trainer.lr, cfg.trainer.backend, cfg.trainer.num_ranks) == (10, 2.5e-6, "megatron", 8)
+    trainer = cfg.trainer
+    assert (trainer.steps, trainer.lr, trainer.backend, trainer.num_ranks) == (10, 2.5e-6, "megatron", 8)
     assert (cfg.engine.tp_size, cfg.engine.num_engines, cfg.engine.context_length) == (2, 4, 8192)
     assert (cfg.placement.mode, cfg.placement.num_gpus) == ("colocated", 8)
     assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_tokens) == (16, 4, 512)
     assert cfg.rollout.temperature == 0.8 and cfg.rollout.agent == "agentcore"
-    assert (cfg.data.val_path, cfg.pipeline.eval_interval, cfg.pipeline.eval_max_concurrent) == ("/data/val.jsonl", 5, 4)
-    assert (cfg.agentcore.max_concurrent, cfg.agentcore.acr_tps_limit, cfg.agentcore.max_pool_connections) == (64, 10.0, 128)
+    assert (cfg.data.val_path, cfg.pipeline.eval_interval, cfg.pipeline.eval_max_concurrent) == \
+        ("/data/val.jsonl", 5, 4)
+    agentcore = cfg.agentcore
+    assert (agentcore.max_concurrent, agentcore.acr_tps_limit, agentcore.max_pool_connections) == (64, 10.0, 128)
 
 
 def test_extra_flags_pass_through_verbatim_and_last():

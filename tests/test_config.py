@@ -157,7 +157,8 @@ def test_out_of_range_values_name_the_field(override, message):
     [
         (["rollout.group_size=1"], "rollout.group_size: grpo measures each episode against its group"),
         (["engine.backend=sglang", "engine.weight_format=fp16-packed"], "engine.weight_format: fp16-packed is the CPU"),
-        (["engine.dtype=bfloat16", "engine.weight_format=fp16-packed"], "engine.weight_format: fp16-packed packs float32"),
+        (["engine.dtype=bfloat16", "engine.weight_format=fp16-packed"],
+         "engine.weight_format: fp16-packed packs float32"),
         (["pipeline.eval_interval=2"], "pipeline.eval_interval: set data.val_path"),
         (["pipeline.schedule=async", "rollout.prompts_per_step=4", "pipeline.groups_in_flight=2"],
          "pipeline.groups_in_flight: must be 0 or at least rollout.prompts_per_step"),

@@ -69,8 +69,8 @@ def test_your_own_agent_and_reward_are_checked_at_load(args, message):
 
 
 def test_a_module_that_fails_to_import_names_the_field_and_the_line(tmp_path):
-    (tmp_path / "broken_agent.py").write_text("import os\n\nTOOLS = [undefined_name]\n\nasync def solve(task, endpoint):\n"
-                                              "    return ''\n")
+    (tmp_path / "broken_agent.py").write_text("import os\n\nTOOLS = [undefined_name]\n\n"
+                                              "async def solve(task, endpoint):\n    return ''\n")
     out = run_driver(UNIT, "rollout.agent=broken_agent:solve", env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
     assert_one_line_exit_2(out, "config error: rollout.agent: importing 'broken_agent' failed: NameError: name "
                                 f"'undefined_name' is not defined ({tmp_path / 'broken_agent.py'}:3)")

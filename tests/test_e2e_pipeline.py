@@ -11,9 +11,8 @@ import json
 import urllib.request
 from pathlib import Path
 
-
-from tests.ray_support import scrape_metrics
 from rayrl.config import load_config
+from tests.ray_support import scrape_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +54,8 @@ def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
         step1 = history[0]
         # task "t-first" is in step 1: a crashed, a looping and a sandbox-killed episode, all failed and counted
         assert step1["rollout/episodes_failed"] == 3 and step1["rollout/episodes_ok"] == 5
-        episodes = [json.loads(l) for l in (cfg.run_dir / "episodes" / "step000001.jsonl").read_text().splitlines()]
+        episodes = [json.loads(line)
+                    for line in (cfg.run_dir / "episodes" / "step000001.jsonl").read_text().splitlines()]
         errors = sorted(e["error"] or "" for e in episodes if e["status"] == "failed")
         assert any(e.startswith("agent_crashed: RuntimeError: agent bug on purpose") for e in errors)
         assert any(e.startswith("timed_out: episode timed out") for e in errors)
@@ -69,7 +69,7 @@ def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
                 with urllib.request.urlopen(f"{url}/get_weight_version", timeout=10) as resp:
                     assert json.load(resp)["weight_version"] == str(pipeline.version)
         lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
-        assert [json.loads(l)["step"] for l in lines] == [1, 2]
+        assert [json.loads(line)["step"] for line in lines] == [1, 2]
         assert (cfg.run_dir / "reward_curve.png").stat().st_size > 1000
         assert any((cfg.run_dir / "tensorboard").iterdir())
         stats = pipeline.trajectories.stats()
@@ -99,7 +99,8 @@ def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
             with urllib.request.urlopen(f"{url}/get_weight_version", timeout=10) as resp:
                 assert json.load(resp)["weight_version"] == str(version if version else 0)
         resumed.run()
-        step3 = [json.loads(l)["task_id"] for l in (cfg.run_dir / "episodes" / "step000003.jsonl").read_text().splitlines()]
+        step3 = [json.loads(line)["task_id"]
+                 for line in (cfg.run_dir / "episodes" / "step000003.jsonl").read_text().splitlines()]
         assert len(set(step3)) == 2 and not set(step3) & set(seen)  # 8 tasks: no task trained twice in the epoch
     finally:
         resumed.shutdown()

@@ -49,7 +49,8 @@ def test_rows_score_with_the_gsm8k_reward():
 def test_make_data_converts_gsm8k_jsonl(tmp_path):
     src = tmp_path / "test.jsonl"
     rows = [{"question": "Ann has 3 bags of 4 apples. How many apples?", "answer": "3 * 4 = 12\n#### 12"},
-            {"question": "A book costs $1,250 and ships for $50. Total?", "answer": "1,250 + 50 = 1,300\n#### 1,300"}]  # fmt: skip
+            {"question": "A book costs $1,250 and ships for $50. Total?",
+             "answer": "1,250 + 50 = 1,300\n#### 1,300"}]  # fmt: skip
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "tasks.jsonl"
     run = subprocess.run([sys.executable, str(EXAMPLE / "make_data.py"), "--input", str(src), "--out", str(out)],

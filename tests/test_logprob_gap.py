@@ -113,7 +113,8 @@ def test_torch_trainer_reports_the_gap_of_its_first_forward(tiny_model_dir):
         tokens = rng.integers(10, 4000, size=24).astype(np.int32)
         with torch.no_grad():
             logits = trainer.model(torch.from_numpy(tokens[None].astype(np.int64))).logits[0].float()
-        lp = torch.log_softmax(logits, -1)[7:-1].gather(-1, torch.from_numpy(tokens[8:].astype(np.int64))[:, None])[:, 0]
+        targets = torch.from_numpy(tokens[8:].astype(np.int64))[:, None]
+        lp = torch.log_softmax(logits, -1)[7:-1].gather(-1, targets)[:, 0]
         versions = np.zeros(16, np.int32)
         shift = np.full(16, 0.01 * (i + 1), np.float32)  # the "engine" is off by a known amount
         if i == 3:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rayrl.config import AlgorithmConfig, TrainerConfig
-from rayrl.rl.updates import MiniBatch, UpdatePlan
 from rayrl.rl.shard import shard_batch
+from rayrl.rl.updates import MiniBatch, UpdatePlan
 from rayrl.trainers import megatron_backend as mb
 from rayrl.trainers import megatron_packing as mp
 from rayrl.trainers.objective import STATS, Objective

@@ -19,7 +19,8 @@ def test_quickstart_notebook_executes(tiny_model_dir, monkeypatch):
     client = NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(ROOT / "examples" / "notebooks")}})
     client.execute()
-    outputs = {i: "".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for o in c.get("outputs", []))
+    outputs = {i: "".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", ""))
+                          for o in c.get("outputs", []))
                for i, c in enumerate(nb.cells) if c.cell_type == "code"}
     text = "\n".join(outputs.values())
     assert "tokens," in text and "trained" in text

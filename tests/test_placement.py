@@ -173,7 +173,8 @@ def test_trainer_group_uses_the_shared_placement(ray_with_8_logical_gpus, tiny_m
         placement.remove()
 
 
-@pytest.mark.slow  # ~30 s: a whole pipeline; tests/pipeline/test_schedules_e2e.py runs the colocated layout in make test
+# ~30 s: a whole pipeline; tests/pipeline/test_schedules_e2e.py runs the colocated layout in make test
+@pytest.mark.slow
 def test_pipeline_places_trainer_and_engines_on_one_bundle(ray_with_8_logical_gpus, tiny_model_dir, tmp_path):
     """placement.mode=colocated in a real Pipeline: the trainer rank and the engine actor share the bundle
     (each with its fraction of its GPU), weights go by shared-memory handles, and a colocated_async step

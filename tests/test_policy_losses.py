@@ -130,5 +130,6 @@ def test_a_loss_of_ones_own_and_unknown_names():
     assert set(POLICY_LOSSES) == {"ppo_clip", "gspo", "cispo", "sft"}
     cfg = load_config(None, ["algorithm.policy_loss=tests.test_policy_losses:my_loss"])
     assert cfg.algorithm.policy_loss == "tests.test_policy_losses:my_loss"
-    with pytest.raises(ConfigError, match="^algorithm.policy_loss: unknown 'ppo'; registered: cispo, gspo, ppo_clip, sft"):
+    with pytest.raises(ConfigError,
+                       match="^algorithm.policy_loss: unknown 'ppo'; registered: cispo, gspo, ppo_clip, sft"):
         load_config(None, ["algorithm.policy_loss=ppo"])

@@ -33,7 +33,8 @@ UNIT = ROOT / "examples" / "unit_convert" / "config.yaml"
          "rollout.reward: tests.byo_agents:reward_takes_one_argument(result) cannot be called as reward(task, result)"),
         (["rollout.agent=tests.byo_agents:NeedsArguments"],
          "rollout.agent: tests.byo_agents:NeedsArguments is a class but not a rayrl.agents.BaseHarness"),
-        (["rollout.agent=tests.byo_agents:TOOL_LIMIT"], "rollout.agent: 'tests.byo_agents:TOOL_LIMIT' is a int, not a function"),
+        (["rollout.agent=tests.byo_agents:TOOL_LIMIT"],
+         "rollout.agent: 'tests.byo_agents:TOOL_LIMIT' is a int, not a function"),
         (["rollout.agent=pyhton_tool_agent"],
          "rollout.agent: unknown agent 'pyhton_tool_agent' (did you mean 'python_tool_agent'?)"),
         (["rollout.reward=calculater"], "rollout.reward: unknown reward 'calculater' (did you mean 'calculator'?)"),
@@ -57,7 +58,8 @@ def test_each_mistake_names_its_field_on_one_line(overrides, message):
 
 
 def test_the_three_forms_and_the_built_ins_pass():
-    for overrides in ([], ["rollout.agent=command", "rollout.agent_command=[python,examples/unit_convert/agent_program.py]"],
+    for overrides in ([], ["rollout.agent=command",
+                           "rollout.agent_command=[python,examples/unit_convert/agent_program.py]"],
                       ["rollout.agent=tests.e2e_support:FlakyAgent"], ["rollout.agent=tests.byo_agents:plain_def"],
                       ["rollout.agent=python_tool_agent"], ["rollout.agent=claude_code"], ["rollout.agent=codex"]):
         preflight(load_config(UNIT, overrides))

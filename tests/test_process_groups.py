@@ -66,7 +66,8 @@ def _rank(rank: int, port: int, out: str) -> None:
         report["after"] = t.item()
         peer = torch.full((2,), float(rank))
         other = torch.empty(2)
-        ops = [dist.P2POp(dist.isend, peer, 1 - rank, group=group), dist.P2POp(dist.irecv, other, 1 - rank, group=group)]
+        ops = [dist.P2POp(dist.isend, peer, 1 - rank, group=group),
+               dist.P2POp(dist.irecv, other, 1 - rank, group=group)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         report["p2p"] = other.tolist()

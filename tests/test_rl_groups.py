@@ -7,8 +7,17 @@ import pytest
 
 from rayrl.config import ConfigError, load_config
 from rayrl.rl.batch import build_batch
-from rayrl.rl.failures import (AGENT_CRASHED, ENGINE_ERROR, NO_TURNS, REWARD_FAILED, SANDBOX_FAILED, fail,
-                                 failure_kind, is_infra, is_scored)
+from rayrl.rl.failures import (
+    AGENT_CRASHED,
+    ENGINE_ERROR,
+    NO_TURNS,
+    REWARD_FAILED,
+    SANDBOX_FAILED,
+    fail,
+    failure_kind,
+    is_infra,
+    is_scored,
+)
 from rayrl.rl.groups import Group, split_short
 from rayrl.types import Episode, Sample, Task
 
@@ -75,7 +84,8 @@ def test_failure_kinds_and_classes():
     assert not is_infra(_episode("g", 0.0))  # an ok episode is no failure at all
     legacy = Episode(session_id="", task_id="t", group_id="g", status="failed", error="custom thing: detail")
     assert failure_kind(legacy) == "custom thing" and not is_infra(legacy)
-    assert is_scored(crashed) and is_scored(_episode("g", 0.0, REWARD_FAILED)) and not is_scored(_episode("g", 0, ENGINE_ERROR))
+    assert is_scored(crashed) and is_scored(_episode("g", 0.0, REWARD_FAILED))
+    assert not is_scored(_episode("g", 0, ENGINE_ERROR))
 
 
 def test_min_group_episodes_is_capped_at_the_group_size():
@@ -86,7 +96,8 @@ def test_min_group_episodes_is_capped_at_the_group_size():
 
 
 def test_min_group_episodes_is_checked_at_load():
-    cfg = load_config(None, ["rollout.group_size=1", "algorithm.advantage_estimator=reinforce_pp"])  # no group baseline; the default 2 is capped, valid
+    # no group baseline; the default 2 is capped, valid
+    cfg = load_config(None, ["rollout.group_size=1", "algorithm.advantage_estimator=reinforce_pp"])
     assert cfg.rollout.min_group_episodes == 2
     with pytest.raises(ConfigError, match="rollout.min_group_episodes"):
         load_config(None, ["rollout.min_group_episodes=0"])
@@ -95,8 +106,8 @@ def test_min_group_episodes_is_checked_at_load():
 def test_dynamic_sampling_drops_equal_groups_until_its_bound():
     from collections import Counter
 
-    from rayrl.pipeline.schedules import Schedule
     from rayrl.config import resolve
+    from rayrl.pipeline.schedules import Schedule
     from rayrl.rl.groups import equal_reward
 
     flat0 = _group("z", _episode("z", 0.0), _episode("z", 0.0), _episode("z", 1.0, ENGINE_ERROR))  # failure ignored

@@ -27,7 +27,8 @@ def test_required_fields_defaults_and_passthrough():
     assert r.address == "http://127.0.0.1:8265" and r.working_dir == "."
     assert r.driver_args() == ["--config", "examples/calculator/config.yaml", "exp_id=e1", "model.path=/m dir",
                                "trainer.steps=3", "rollout.group_size=8", "--resume"]
-    assert r.entrypoint().startswith("python driver.py --config examples/calculator/config.yaml exp_id=e1 'model.path=/m dir'")
+    assert r.entrypoint().startswith(
+        "python driver.py --config examples/calculator/config.yaml exp_id=e1 'model.path=/m dir'")
     env = r.runtime_env()
     assert env["working_dir"] == "." and env["env_vars"] == {"A": "1"} and ".venv" in env["excludes"]
 

@@ -9,8 +9,8 @@ import torch
 from rayrl.config import TrainerConfig
 from rayrl.engines.cpu_engine import CPUEngine
 from rayrl.trainers.torch_backend import TorchTrainer, autocast_dtype, pack_micro_batches, shared_prefix_length
-from rayrl.weights.files import write_weights
 from rayrl.types import Sample
+from rayrl.weights.files import write_weights
 
 
 def _sample(tokens: np.ndarray, prompt_len: int, trainer: TorchTrainer) -> Sample:

@@ -42,7 +42,8 @@ def main() -> None:
             continue
         seen.add(expr)
         question = f"What is {expr}?"
-        rows.append({"id": f"calc-{len(rows):04d}", "prompt": question, "metadata": {"question": question, "answer": value}})
+        rows.append({"id": f"calc-{len(rows):04d}", "prompt": question,
+                     "metadata": {"question": question, "answer": value}})
     for name, part in (("train.jsonl", rows[:500]), ("val.jsonl", rows[500:])):
         with (out / name).open("w") as fh:
             for row in part:

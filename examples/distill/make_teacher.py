@@ -110,8 +110,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     rng.shuffle(rows)
     samples = [s for row in rows[: args.tasks] for s in samples_for(row, renderer, prefix)]
-    print(f"{len(samples)} samples from {args.tasks} tasks, {sum(s.num_trained_tokens for s in samples)} trained tokens",
-          flush=True)
+    trained = sum(s.num_trained_tokens for s in samples)
+    print(f"{len(samples)} samples from {args.tasks} tasks, {trained} trained tokens", flush=True)
     trainer_cfg = TrainerConfig(lr=args.lr, grad_clip=1.0, micro_batch_tokens=4096,
                                 steps=args.epochs * -(-len(samples) // args.batch))
     trainer = TorchTrainer(model_dir, trainer_cfg, algorithm=AlgorithmConfig(policy_loss="sft"), seed=args.seed)

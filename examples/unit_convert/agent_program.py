@@ -19,9 +19,8 @@ import json
 import os
 import sys
 
-from openai import AsyncOpenAI
-
 from agent import run_agent  # agent.py next to this file (Python puts the script's folder on sys.path)
+from openai import AsyncOpenAI
 
 
 async def main() -> None:

@@ -28,8 +28,8 @@ from rayrl.gateway.sessions import SessionInfo
 from rayrl.rl.failures import (
     AGENT_CRASHED,
     ENGINE_ERROR,
-    NO_TURNS,
     INFRA_KINDS,
+    NO_TURNS,
     REWARD_FAILED,
     SANDBOX_FAILED,
     SERVICE_FAILED,
@@ -49,7 +49,9 @@ class SessionService(Protocol):
 
     def session_stats(self, session_id: str) -> dict[str, Any]: ...
 
-    def finish_session(self, session_id: str, reward: float, metadata: dict[str, Any] | None = None) -> list[Sample]: ...
+    def finish_session(
+        self, session_id: str, reward: float, metadata: dict[str, Any] | None = None
+    ) -> list[Sample]: ...
 
 
 class SandboxService(Protocol):
@@ -97,7 +99,8 @@ class EpisodeRunner:
         thread.start()
         thread.join(max(0.0, ctx.time_left()))
         if thread.is_alive():
-            return AgentResult(status="error", error=f"episode timed out after {self.cfg.episode_timeout_s:.0f} s"), TIMED_OUT
+            timed_out = f"episode timed out after {self.cfg.episode_timeout_s:.0f} s"
+            return AgentResult(status="error", error=timed_out), TIMED_OUT
         if "error" in box:  # a sandbox that died or an InfrastructureError is not the agent's doing
             return AgentResult(status="error", error=box["error"]), box["kind"]
         result = box["result"]
@@ -269,7 +272,8 @@ def write_task_files(sandbox: Sandbox | None, task: Task) -> None:
 COLLECT_MAX_FILES = 200
 COLLECT_MAX_BYTES = 1 << 20
 _LIST_FILES = ["python3", "-c", "import os\nfor b, ds, fs in os.walk('.'):\n    ds[:] = sorted(d for d in ds if not "
-               "d.startswith('.'))\n    for f in sorted(fs):\n        if not f.startswith('.'): print(os.path.join(b, f)[2:])"]
+               "d.startswith('.'))\n    for f in sorted(fs):\n        if not f.startswith('.'): "
+               "print(os.path.join(b, f)[2:])"]
 
 
 def _wants_files(task: Task) -> bool:

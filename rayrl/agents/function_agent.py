@@ -35,7 +35,8 @@ class FunctionAgent(BaseHarness):
     def __init__(self, fn: Callable[[Task, Endpoint], Any], ref: str = "") -> None:
         self.fn = fn
         self.ref = ref or getattr(fn, "__qualname__", "the agent")
-        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+        # a coroutine function, or an object whose __call__ is one
+        self.is_async = inspect.iscoroutinefunction(fn) or (callable(fn) and inspect.iscoroutinefunction(fn.__call__))
 
     def run(self, task: Task, ctx: EpisodeContext) -> AgentResult:
         endpoint = ctx.endpoint()

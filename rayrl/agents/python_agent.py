@@ -57,7 +57,8 @@ class PythonToolAgent(BaseHarness):
                 n += 1
                 messages += [
                     {"role": "assistant", "content": "", "tool_calls": [
-                        {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]},
+                        {"id": call_id, "type": "function",
+                         "function": {"name": name, "arguments": json.dumps(args)}}]},
                     {"role": "tool", "tool_call_id": call_id, "content": output},
                 ]
             messages.append({"role": "assistant", "content": answer})

@@ -71,7 +71,9 @@ class Tool(ABC):
         self.delay_s = tuple(float(d) for d in delay_s)  # (min, max) extra seconds per call; () none
 
     def setup(self, sandbox: Sandbox | None) -> None:
-        """Prepare the sandbox (write helper files) before the episode's first call."""
+        """Prepare the sandbox (write helper files) before the episode's first call; a tool with nothing to
+        prepare keeps this default, which does nothing (so not abstract)."""
+        return None
 
     @abstractmethod
     def call(self, sandbox: Sandbox | None, arguments: dict[str, Any]) -> tuple[str, bool]:

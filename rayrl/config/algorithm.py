@@ -43,32 +43,59 @@ def check_callable_name(field_name: str, value: str, registry_module: str, regis
         raise ConfigError(f"{field_name}: {value!r} is not callable")
 
 
+LossAgg = Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+
+
 @dataclass
 class AlgorithmConfig:
-    """What is optimised: advantage estimator, policy loss and its aggregation, reference model, distillation, batch shaping (docs/algorithms.md)."""
+    """What is optimised: advantage estimator, policy loss and its aggregation, reference model, distillation,
+    batch shaping (docs/algorithms.md)."""
 
-    advantage_estimator: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | package.module:function (contract: rayrl/rl/advantages.py); gae needs a critic, which no backend holds yet (config error)
-    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | cispo | sft | package.module:function (contract: rayrl/trainers/policy_losses.py)
-    loss_agg: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = "auto"  # how per-token losses become one number, over the whole mini-batch on every rank: auto | token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (a constant normaliser, Dr.GRPO) (auto: seq_mean_token_mean for gspo, seq_mean_token_sum_norm for dr_grpo, else token_mean)
-    loss_agg_norm: int = 0  # seq_mean_token_sum_norm: the constant each sequence's token sum is divided by (0: rollout.max_turns x rollout.max_tokens, the most tokens an episode can generate)
-    clip_eps: Optional[float] = None  # lower clip range of the importance ratio (unset: ppo_clip 0.2, gspo 3e-4, cispo 1.0 i.e. no lower bound)
+    advantage_estimator: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline |
+    # package.module:function (contract: rayrl/rl/advantages.py); gae needs a critic, which no backend holds yet (config
+    # error)
+    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | cispo | sft | package.module:function (contract:
+    # rayrl/trainers/policy_losses.py)
+    loss_agg: LossAgg = "auto"  # how per-token losses become one number, over the whole mini-batch on every rank: auto
+    # | token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (a constant normaliser, Dr.GRPO)
+    # (auto: seq_mean_token_mean for gspo, seq_mean_token_sum_norm for dr_grpo, else token_mean)
+    loss_agg_norm: int = 0  # seq_mean_token_sum_norm: the constant each sequence's token sum is divided by (0:
+    # rollout.max_turns x rollout.max_tokens, the most tokens an episode can generate)
+    clip_eps: Optional[float] = None  # lower clip range of the importance ratio (unset: ppo_clip 0.2, gspo 3e-4, cispo
+    # 1.0 i.e. no lower bound)
     clip_eps_high: Optional[float] = None  # upper clip range (unset: ppo_clip 0.28 "clip-higher", gspo 4e-4, cispo 4.0)
-    dual_clip_c: float = 0.0  # ppo_clip: dual-clip bound on the loss of negative-advantage tokens, c x |A| (> 1, 3.0 is usual; 0: off)
-    tis_cap: Optional[float] = None  # truncated importance sampling against the rollout log-probs: cap of the weight (0: off); unset: 0 for sync, 2.0 for the async schedules
-    entropy_coef: float = 0.0  # entropy bonus: subtract this x the policy's per-token entropy (aggregated like the loss)
-    kl_loss_coef: float = 0.0  # KL to the frozen reference model, in the loss (0: off; no reference is loaded unless a KL is on)
-    kl_loss_type: Literal["k1", "k2", "k3"] = "k3"  # the KL estimator in the loss: k1 | k2 | k3 (k3: low-variance, exp(ref - logp) - (ref - logp) - 1)
-    kl_reward_coef: float = 0.0  # KL penalty in the reward: each token's advantage minus this x k1(old policy, reference) (0: off)
-    reference_path: Optional[str] = None  # the reference model (unset: model.path, the initial weights); held on the trainer ranks, freed with the trainer when it offloads
-    sft_coef: float = 0.0  # adds this x the negative log-likelihood of the trained tokens of samples with reward >= sft_min_reward (0: off)
-    sft_min_reward: Optional[float] = None  # the SFT term and the sft loss train only samples whose episode reward is at least this (rejection sampling); unset: every sample
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no GRPO signal) and draw more groups until the step has rollout.prompts_per_step
-    dynamic_sampling_max_groups: int = 0  # dynamic sampling: groups one step may draw in all, kept and dropped; past it equal groups are kept (0: 4 x rollout.prompts_per_step)
-    overlong_max_tokens: int = 0  # DAPO overlong reward shaping: an episode generating more tokens gets -overlong_penalty added to its reward (0: off)
-    overlong_buffer_tokens: int = 0  # the last this many tokens before overlong_max_tokens cost a linearly growing share of overlong_penalty
+    dual_clip_c: float = 0.0  # ppo_clip: dual-clip bound on the loss of negative-advantage tokens, c x |A| (> 1, 3.0 is
+    # usual; 0: off)
+    tis_cap: Optional[float] = None  # truncated importance sampling against the rollout log-probs: cap of the weight
+    # (0: off); unset: 0 for sync, 2.0 for the async schedules
+    entropy_coef: float = 0.0  # entropy bonus: subtract this x the policy's per-token entropy (aggregated like the
+    # loss)
+    kl_loss_coef: float = 0.0  # KL to the frozen reference model, in the loss (0: off; no reference is loaded unless a
+    # KL is on)
+    kl_loss_type: Literal["k1", "k2", "k3"] = "k3"  # the KL estimator in the loss: k1 | k2 | k3 (k3: low-variance,
+    # exp(ref - logp) - (ref - logp) - 1)
+    kl_reward_coef: float = 0.0  # KL penalty in the reward: each token's advantage minus this x k1(old policy,
+    # reference) (0: off)
+    reference_path: Optional[str] = None  # the reference model (unset: model.path, the initial weights); held on the
+    # trainer ranks, freed with the trainer when it offloads
+    sft_coef: float = 0.0  # adds this x the negative log-likelihood of the trained tokens of samples with reward >=
+    # sft_min_reward (0: off)
+    sft_min_reward: Optional[float] = None  # the SFT term and the sft loss train only samples whose episode reward is
+    # at least this (rejection sampling); unset: every sample
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no GRPO signal) and draw more
+    # groups until the step has rollout.prompts_per_step
+    dynamic_sampling_max_groups: int = 0  # dynamic sampling: groups one step may draw in all, kept and dropped; past it
+    # equal groups are kept (0: 4 x rollout.prompts_per_step)
+    overlong_max_tokens: int = 0  # DAPO overlong reward shaping: an episode generating more tokens gets
+    # -overlong_penalty added to its reward (0: off)
+    overlong_buffer_tokens: int = 0  # the last this many tokens before overlong_max_tokens cost a linearly growing
+    # share of overlong_penalty
     overlong_penalty: float = 1.0  # the largest overlong shaping penalty
-    distill_teacher: Optional[str] = None  # on-policy distillation: the teacher, a model path the run serves with an engine of its own, or the http:// URL of a running engine (SGLang or rayrl's CPU engine); same tokenizer as the student
-    distill_coef: float = 1.0  # on-policy distillation: each token's advantage minus this x (student log-prob - teacher log-prob), the sampled reverse KL
+    distill_teacher: Optional[str] = None  # on-policy distillation: the teacher, a model path the run serves with an
+    # engine of its own, or the http:// URL of a running engine (SGLang or rayrl's CPU engine); same tokenizer as the
+    # student
+    distill_coef: float = 1.0  # on-policy distillation: each token's advantage minus this x (student log-prob - teacher
+    # log-prob), the sampled reverse KL
 
     def __post_init__(self) -> None:
         non_negative(self, "algorithm.", "loss_agg_norm", "dual_clip_c", "entropy_coef", "kl_loss_coef",

@@ -21,7 +21,6 @@ from omegaconf.errors import OmegaConfBaseException
 from rayrl.config.checks import ConfigError
 from rayrl.config.schema import RunConfig
 
-
 # keys a config may still carry from an older rayrl, and what to write instead (checked before OmegaConf,
 # whose own message would only say the key is unknown)
 REMOVED_KEYS = {

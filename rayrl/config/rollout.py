@@ -18,7 +18,8 @@ class SandboxConfig:
     """One sandbox: isolation and limits."""
 
     backend: Literal["local", "e2b"] = "local"  # local | e2b
-    isolation: Literal["auto", "bwrap", "unshare", "none"] = "auto"  # auto | bwrap | unshare | none  (none: trusted development only)
+    isolation: Literal["auto", "bwrap", "unshare", "none"] = "auto"  # auto | bwrap | unshare | none  (none: trusted
+    # development only)
     network: bool = False  # no network unless enabled
     allowed_hosts: list[str] = field(default_factory=list)  # network on: only these, proxied ([]: host net)
     memory_mb: int = 1024  # address-space limit per process
@@ -62,14 +63,20 @@ class SandboxPoolConfig:
 class RolloutConfig:
     """Episodes: which agent, how many, how long."""
 
-    agent: str = "python_tool_agent"  # python_tool_agent | claude_code | codex | agentcore | command | package.module:function (async def agent(task, endpoint) -> str) | package.module:Class (a BaseHarness); docs/agents.md
-    agent_command: list[str] = field(default_factory=list)  # rollout.agent command: the program and its arguments; it reads OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL, gets the task as JSON on stdin and prints the answer (docs/agents.md)
+    agent: str = "python_tool_agent"  # python_tool_agent | claude_code | codex | agentcore | command |
+    # package.module:function (async def agent(task, endpoint) -> str) | package.module:Class (a BaseHarness);
+    # docs/agents.md
+    agent_command: list[str] = field(default_factory=list)  # rollout.agent command: the program and its arguments; it
+    # reads OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL, gets the task as JSON on stdin and prints the answer
+    # (docs/agents.md)
     tools: list[str] = field(default_factory=lambda: ["calculator"])  # tools of the python agent
-    reward: str = "calculator"  # reward function: calculator | math | gsm8k | agent_reported | hidden_tests | package.module:function (reward(task, result) -> float); docs/agents.md
+    reward: str = "calculator"  # reward function: calculator | math | gsm8k | agent_reported | hidden_tests |
+    # package.module:function (reward(task, result) -> float); docs/agents.md
     prompts_per_step: int = 4  # distinct tasks per training step
     group_size: int = 4  # episodes per task (GRPO group)
     num_workers: int = 1  # rollout worker actors
-    max_concurrent_episodes: int = 0  # episodes in flight per worker (0: every episode of the groups the schedule keeps in flight, over num_workers)
+    max_concurrent_episodes: int = 0  # episodes in flight per worker (0: every episode of the groups the schedule keeps
+    # in flight, over num_workers)
     episode_timeout_s: float = 180.0  # an episode still running after this is failed
     max_turns: int = 4  # LLM calls per episode for the python agent
     temperature: float = 1.0  # sampling temperature the agent requests
@@ -77,10 +84,13 @@ class RolloutConfig:
     max_tokens: int = 96  # per LLM call
     system_prompt: Optional[str] = None  # overrides the python agent's system prompt
     few_shot_examples: int = 2  # worked tool-use examples the python agent puts before the question
-    tool_delay_s: list[float] = field(default_factory=list)  # [min, max]: each tool call also sleeps that long (uniform) in the sandbox, as slow real tools do; [] none
+    tool_delay_s: list[float] = field(default_factory=list)  # [min, max]: each tool call also sleeps that long
+    # (uniform) in the sandbox, as slow real tools do; [] none
     step_deadline_s: float = 0.0  # a step stops waiting for episodes after this (0: no deadline)
     min_groups_fraction: float = 1.0  # finish the step once this fraction of groups completed
-    min_group_episodes: int = 2  # a group trains only if at least this many (capped at group_size) of its episodes were scored; else its task runs again (only infrastructure failures are not scored; the agent's own count with the reward they got)
+    min_group_episodes: int = 2  # a group trains only if at least this many (capped at group_size) of its episodes were
+    # scored; else its task runs again (only infrastructure failures are not scored; the agent's own count with the
+    # reward they got)
 
     def __post_init__(self) -> None:
         positive(self, "rollout.", "prompts_per_step", "group_size", "num_workers", "episode_timeout_s",
@@ -117,7 +127,8 @@ class AgentCoreConfig:
     acr_tps_limit: float = 25.0  # invoke requests per second for the whole run, retries included
     acr_burst: int = 1  # requests the rate limiter lets through back to back after an idle spell
     max_pool_connections: int = 256  # botocore HTTP connection pool size (>= max_concurrent avoids pool churn)
-    session_timeout_s: float = 900.0  # a session with no result this long after its invoke fails (rollout.episode_timeout_s bounds it too)
+    session_timeout_s: float = 900.0  # a session with no result this long after its invoke fails
+    # (rollout.episode_timeout_s bounds it too)
     max_retries: int = 6  # retries of a throttled / 429 / 5xx invoke, exponential backoff with full jitter
     backoff_base_s: float = 0.5  # the first retry waits up to this long; each further retry doubles it
     backoff_max_s: float = 20.0  # longest wait between two retries
@@ -125,7 +136,8 @@ class AgentCoreConfig:
     connect_timeout_s: float = 10.0  # botocore connect timeout
     read_timeout_s: float = 60.0  # botocore read timeout of one request
     gateway_public_host: Optional[str] = None  # host agents use to reach the gateway (None: the host it bound)
-    local_agent_command: list[str] = field(default_factory=list)  # local mode: run this agent app with the emulator and a moto S3 server
+    local_agent_command: list[str] = field(default_factory=list)  # local mode: run this agent app with the emulator and
+    # a moto S3 server
 
     def __post_init__(self) -> None:
         positive(self, "agentcore.", "max_concurrent", "acr_tps_limit", "acr_burst", "max_pool_connections",

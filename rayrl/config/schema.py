@@ -42,19 +42,31 @@ class DataConfig:
 class PipelineConfig:
     """How rollout and training are scheduled."""
 
-    schedule: Literal["sync", "async", "colocated_async"] = "sync"  # sync | async | colocated_async (order of phases: actors/schedules.py)
+    schedule: Literal["sync", "async", "colocated_async"] = "sync"  # sync | async | colocated_async (order of phases:
+    # actors/schedules.py)
     max_staleness: int = 1  # async schedules: samples from more than this many policy versions ago are dropped
-    groups_in_flight: int = 0  # async schedules: task groups kept running ahead (0: (max_staleness + 1) x rollout.prompts_per_step, as many batches as the staleness bound lets train)
-    partial_rollout: bool = False  # colocated_async: abort generations at a weight update and continue them on the new weights (False: they finish first)
-    generation_wait_timeout_s: float = 600.0  # colocated_async: an LLM call waits at most this long at the gateway while engines are paused
-    weight_sync_timeout_s: float = 300.0  # a weight update to the engines that takes longer fails the step with a clear error
-    weight_transfer: Literal["auto", "disk", "tensor", "distributed"] = "auto"  # how new weights reach the engines: auto | disk | tensor | distributed (auto: tensor, i.e. shared-memory handles on CPU and CUDA IPC on GPU, when every engine has a trainer rank on its node (on GPU: on each of its GPUs, colocated; a tensor-parallel engine gets one payload per TP rank, each from the rank on that GPU), else distributed: a gloo / NCCL broadcast; rayrl/weights/routes.py)
+    groups_in_flight: int = 0  # async schedules: task groups kept running ahead (0: (max_staleness + 1) x
+    # rollout.prompts_per_step, as many batches as the staleness bound lets train)
+    partial_rollout: bool = False  # colocated_async: abort generations at a weight update and continue them on the new
+    # weights (False: they finish first)
+    generation_wait_timeout_s: float = 600.0  # colocated_async: an LLM call waits at most this long at the gateway
+    # while engines are paused
+    weight_sync_timeout_s: float = 300.0  # a weight update to the engines that takes longer fails the step with a clear
+    # error
+    weight_transfer: Literal["auto", "disk", "tensor", "distributed"] = "auto"  # how new weights reach the engines:
+    # auto | disk | tensor | distributed (auto: tensor, i.e. shared-memory handles on CPU and CUDA IPC on GPU, when
+    # every engine has a trainer rank on its node (on GPU: on each of its GPUs, colocated; a tensor-parallel engine gets
+    # one payload per TP rank, each from the rank on that GPU), else distributed: a gloo / NCCL broadcast;
+    # rayrl/weights/routes.py)
     max_episode_retries: int = 2  # an episode whose rollout worker died is re-queued at most this many times
     max_group_reruns: int = 2  # a task whose group had too few successful episodes runs again at most this many times
     checkpoint_interval: int = 0  # save every N steps and at the end (0: only at the end; -1: never, so no --resume)
-    checkpoint_dir: Optional[str] = None  # a directory or s3://bucket/prefix (boto3 config, e.g. AWS_ENDPOINT_URL_S3); default runs/<exp_id>/checkpoints
-    keep_checkpoints: int = 1  # keep only the newest N complete checkpoints (0: keep all); one checkpoint is the weights plus AdamW's two moments, 12 bytes per parameter in float32 (1.6 GB for SmolLM2-135M)
-    episode_budget: int = 0  # stop the run once its steps have taken this many episodes (those dynamic sampling dropped too), checked after each step; compares runs at equal rollout cost (0: trainer.steps alone)
+    checkpoint_dir: Optional[str] = None  # a directory or s3://bucket/prefix (boto3 config, e.g. AWS_ENDPOINT_URL_S3);
+    # default runs/<exp_id>/checkpoints
+    keep_checkpoints: int = 1  # keep only the newest N complete checkpoints (0: keep all); one checkpoint is the
+    # weights plus AdamW's two moments, 12 bytes per parameter in float32 (1.6 GB for SmolLM2-135M)
+    episode_budget: int = 0  # stop the run once its steps have taken this many episodes (those dynamic sampling dropped
+    # too), checked after each step; compares runs at equal rollout cost (0: trainer.steps alone)
     eval_interval: int = 0  # validate on data.val_path before step 1 and every N steps (0: never)
     eval_tasks: int = 64  # validation tasks per evaluation (0: the whole set)
     eval_max_concurrent: int = 16  # episodes in flight during validation
@@ -62,7 +74,8 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         positive(self, "pipeline.", "generation_wait_timeout_s", "weight_sync_timeout_s")
         if self.checkpoint_interval < -1:
-            raise ConfigError(f"pipeline.checkpoint_interval: must be >= -1 (-1: never), got {self.checkpoint_interval}")
+            raise ConfigError("pipeline.checkpoint_interval: must be >= -1 (-1: never), "
+                              f"got {self.checkpoint_interval}")
         non_negative(self, "pipeline.", "keep_checkpoints", "max_staleness",
                      "groups_in_flight", "max_episode_retries", "max_group_reruns", "eval_interval", "eval_tasks",
                      "episode_budget")
@@ -94,7 +107,9 @@ class LoggingConfig:
     wandb_mode: Literal["online", "offline"] = "online"  # online | offline
     plot: bool = True  # write reward_curve.png after each step
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"  # python logging level
-    inspect_episodes_per_step: int = 4  # the first N episodes of each step keep token detail (ids, masks, log-probs, versions, advantages) in runs/<exp_id>/inspect/ for `python -m rayrl.inspect`; every episode keeps its turn tree; 0: no inspection data (docs/inspector.md)
+    inspect_episodes_per_step: int = 4  # the first N episodes of each step keep token detail (ids, masks, log-probs,
+    # versions, advantages) in runs/<exp_id>/inspect/ for `python -m rayrl.inspect`; every episode keeps its turn tree;
+    # 0: no inspection data (docs/inspector.md)
 
     def __post_init__(self) -> None:
         non_negative(self, "logging.", "inspect_episodes_per_step")

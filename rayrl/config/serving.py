@@ -30,21 +30,30 @@ class ModelConfig:
 class EngineConfig:
     """Inference engines: SGLang on GPU, the project's CPU engine elsewhere; same HTTP API."""
 
-    backend: Literal["auto", "cpu", "sglang"] = "auto"  # auto | cpu | sglang  (auto: sglang when CUDA is present, else cpu)
+    backend: Literal["auto", "cpu", "sglang"] = "auto"  # auto | cpu | sglang  (auto: sglang when CUDA is present, else
+    # cpu)
     num_engines: int = 1  # engine servers behind the router
-    dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"  # weights dtype inside the engine: auto | bfloat16 | float32 | float16 (auto: bfloat16 on GPU or a CPU with native bf16, else float32)
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"  # weights dtype inside the engine: auto |
+    # bfloat16 | float32 | float16 (auto: bfloat16 on GPU or a CPU with native bf16, else float32)
     max_batch_size: int = 32  # concurrent sequences decoded together (continuous batching)
     context_length: int = 4096  # longest prompt + response accepted
     num_threads: int = 0  # torch CPU threads per CPU engine (0: auto, the cores the schedule gives the engines)
-    prefix_cache_mb: int = 1024  # CPU engine: KV of known prompt prefixes kept for reuse (0: off); SGLang has its radix cache
-    weight_format: Literal["auto", "float32", "fp16-packed"] = "auto"  # CPU engine decode weights: auto | float32 | fp16-packed (half-precision weights for FBGEMM, float32 math: faster decode, log-probs within about 5e-3; repacked at every weight update). auto: fp16-packed where the engine's own decode path runs the model in float32 on x86, else float32; decided by each engine at load (docs/architecture.md, CPU engine)
-    max_logprob_gap: float = 0.01  # CPU engine: when a step's train/engine_gap/mean_abs (mean absolute engine - trainer log-prob difference over trained tokens) exceeds this, fp16-packed engines switch to float32 for the rest of the run, said once (0: never)
+    prefix_cache_mb: int = 1024  # CPU engine: KV of known prompt prefixes kept for reuse (0: off); SGLang has its radix
+    # cache
+    weight_format: Literal["auto", "float32", "fp16-packed"] = "auto"  # CPU engine decode weights: auto | float32 |
+    # fp16-packed (half-precision weights for FBGEMM, float32 math: faster decode, log-probs within about 5e-3; repacked
+    # at every weight update). auto: fp16-packed where the engine's own decode path runs the model in float32 on x86,
+    # else float32; decided by each engine at load (docs/architecture.md, CPU engine)
+    max_logprob_gap: float = 0.01  # CPU engine: when a step's train/engine_gap/mean_abs (mean absolute engine - trainer
+    # log-prob difference over trained tokens) exceeds this, fp16-packed engines switch to float32 for the rest of the
+    # run, said once (0: never)
     host: str = "127.0.0.1"  # bind address of the engine servers
     startup_timeout_s: float = 300.0  # how long to wait for /health after launch
     request_timeout_s: float = 600.0  # client-side limit for one /generate
     tp_size: int = 1  # SGLang tensor parallel size (GPU)
     mem_fraction_static: float = 0.7  # SGLang --mem-fraction-static (GPU)
-    enable_memory_saver: bool = True  # SGLang --enable-memory-saver: /release_memory_occupation frees GPU memory (colocation)
+    enable_memory_saver: bool = True  # SGLang --enable-memory-saver: /release_memory_occupation frees GPU memory
+    # (colocation)
     extra_args: list[str] = field(default_factory=list)  # passed verbatim to the engine launcher
 
     def __post_init__(self) -> None:
@@ -69,17 +78,21 @@ class GatewayConfig:
 
     host: str = "127.0.0.1"  # bind address; loopback unless you need remote agents
     port: int = 0  # 0 picks a free port
-    tool_parser: Literal["auto", "hermes", "llama3", "deepseek", "none"] = "auto"  # auto | hermes | llama3 | deepseek | none  (auto: from the model family, rayrl/gateway/families.py)
+    tool_parser: Literal["auto", "hermes", "llama3", "deepseek", "none"] = "auto"  # auto | hermes | llama3 | deepseek |
+    # none  (auto: from the model family, rayrl/gateway/families.py)
     reasoning_parser: Literal["auto", "think", "none"] = "auto"  # auto | think | none
     default_max_tokens: int = 512  # when a request sets neither max_tokens nor max_completion_tokens
     max_body_mb: float = 32.0  # larger request bodies get 413
-    max_prompt_tokens: int = 0  # longest prompt in tokens; longer ones get the API's context-length error without being tokenized in full (0: the context length)
+    max_prompt_tokens: int = 0  # longest prompt in tokens; longer ones get the API's context-length error without being
+    # tokenized in full (0: the context length)
     cumulative_token_mode: bool = True  # reuse recorded tokens when a request's history matches exactly
     inject_tool_schemas: bool = True  # chat templates without tool support: describe tools in the system message
     slow_request_log_s: float = 120.0  # requests slower than this are logged (others are not)
     max_tokens_cap: int = 0  # clamp every request's max tokens to this (0: no cap); agent CLIs ask for 32K-64K
-    served_model_names: list[str] = field(default_factory=list)  # model names requests may use; empty accepts any (CLIs send e.g. claude-opus-4-8)
-    max_turns_per_session: int = 0  # LLM calls one session may make; the next gets a 400 in the caller's API dialect, counted (0: no cap)
+    served_model_names: list[str] = field(default_factory=list)  # model names requests may use; empty accepts any (CLIs
+    # send e.g. claude-opus-4-8)
+    max_turns_per_session: int = 0  # LLM calls one session may make; the next gets a 400 in the caller's API dialect,
+    # counted (0: no cap)
 
     def __post_init__(self) -> None:
         positive(self, "gateway.", "default_max_tokens", "max_body_mb")
@@ -90,10 +103,14 @@ class GatewayConfig:
 class TrajectoryConfig:
     """How recorded turns become training samples."""
 
-    fork_merge_max_response_tokens: int = 1024  # merge re-rendered short assistant turns instead of forking; also on_drift=mask's limit (0: neither)
-    on_drift: Literal["split", "raise", "mask"] = "split"  # split | raise | mask : what a token-prefix break (TITO drift) does (mask: a drift inside the previous response, giving up fewer than fork_merge_max_response_tokens tokens, stays in the same sample; docs/trajectory.md)
+    fork_merge_max_response_tokens: int = 1024  # merge re-rendered short assistant turns instead of forking; also
+    # on_drift=mask's limit (0: neither)
+    on_drift: Literal["split", "raise", "mask"] = "split"  # split | raise | mask : what a token-prefix break (TITO
+    # drift) does (mask: a drift inside the previous response, giving up fewer than fork_merge_max_response_tokens
+    # tokens, stays in the same sample; docs/trajectory.md)
     num_shards: int = 1  # trajectory-manager actors; sessions are sharded by session id
-    debug_callback: Optional[str] = None  # package.module:function called with every recorded turn, fork-merge and drift (rayrl.trajectory.TreeEvent), in the trajectory manager, for your own logging
+    debug_callback: Optional[str] = None  # package.module:function called with every recorded turn, fork-merge and
+    # drift (rayrl.trajectory.TreeEvent), in the trajectory manager, for your own logging
 
     def __post_init__(self) -> None:
         non_negative(self, "trajectory.", "fork_merge_max_response_tokens")

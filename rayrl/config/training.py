@@ -16,23 +16,29 @@ from rayrl.config.checks import ConfigError, at_least_one, non_negative, positiv
 class TrainerConfig:
     """Policy optimisation."""
 
-    backend: Literal["torch", "megatron"] = "torch"  # torch (CPU or GPU) | megatron (GPU: megatron-core + mbridge, rayrl[gpu])
+    backend: Literal["torch", "megatron"] = "torch"  # torch (CPU or GPU) | megatron (GPU: megatron-core + mbridge,
+    # rayrl[gpu])
     num_ranks: int = 1  # trainer ranks in the placement group (torch.distributed)
     steps: int = 12  # training steps (one rollout batch each)
     lr: float = 2.0e-5  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
     grad_clip: float = 1.0  # global gradient-norm clip
-    num_steps_per_rollout: int = 1  # optimizer steps per rollout batch: the batch is split into this many mini-batches (the policy version advances once per batch)
+    num_steps_per_rollout: int = 1  # optimizer steps per rollout batch: the batch is split into this many mini-batches
+    # (the policy version advances once per batch)
     epochs_per_rollout: int = 1  # passes over the rollout batch (each makes num_steps_per_rollout optimizer steps)
-    lr_schedule: Literal["constant", "cosine"] = "constant"  # learning rate after warm-up: constant | cosine (decays to lr x lr_min_ratio at the last optimizer step of trainer.steps)
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # learning rate after warm-up: constant | cosine (decays to
+    # lr x lr_min_ratio at the last optimizer step of trainer.steps)
     lr_warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
     lr_min_ratio: float = 0.0  # cosine: the final learning rate as a fraction of lr
     micro_batch_tokens: int = 4096  # tokens per forward/backward micro-batch
     dtype: Literal["float32", "bfloat16"] = "float32"  # master weights dtype
-    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # torch backend: forward/backward under autocast (mixed precision; master weights stay trainer.dtype): auto | float32 | bfloat16 (auto: bfloat16 on CUDA or a CPU with native bf16, else float32)
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # torch backend: forward/backward under autocast
+    # (mixed precision; master weights stay trainer.dtype): auto | float32 | bfloat16 (auto: bfloat16 on CUDA or a CPU
+    # with native bf16, else float32)
     gradient_checkpointing: bool = False  # trade compute for memory
-    share_prefix: bool = True  # torch backend: a micro-batch's common leading tokens (system prompt, a group's prompt) run once, exact gradients (off under gradient_checkpointing)
+    share_prefix: bool = True  # torch backend: a micro-batch's common leading tokens (system prompt, a group's prompt)
+    # run once, exact gradients (off under gradient_checkpointing)
     num_threads: int = 0  # torch CPU threads per rank (0: auto, the cores the schedule gives the trainer)
     tp_size: int = 1  # megatron: tensor-parallel ranks
     pp_size: int = 1  # megatron: pipeline-parallel stages
@@ -40,7 +46,8 @@ class TrainerConfig:
     sequence_packing: bool = True  # megatron: a micro-batch is one packed (THD) sequence, no padding
     distributed_optimizer: bool = True  # megatron: shard optimizer state across data-parallel ranks
     memory_saver: bool = False  # GPU: params, grads and optimizer state in torch_memory_saver regions (colocation)
-    memory_saver_standin: bool = False  # tests, torch backend on CPU: offload makes the weights unreadable until onload, as torch_memory_saver's pause does on GPU (rayrl/trainers/memory_standin.py)
+    memory_saver_standin: bool = False  # tests, torch backend on CPU: offload makes the weights unreadable until
+    # onload, as torch_memory_saver's pause does on GPU (rayrl/trainers/memory_standin.py)
     weight_bucket_mb: int = 512  # weights go to the engines in buckets of this size (CUDA IPC / NCCL)
 
     def __post_init__(self) -> None:
@@ -66,10 +73,12 @@ class TrainerConfig:
 class PlacementConfig:
     """GPU placement: one placement group shared by the trainer ranks and the engines (actors/placement_group.py)."""
 
-    mode: Literal["none", "colocated", "split"] = "none"  # none | colocated | split  (none: each group places itself; CPU runs)
+    mode: Literal["none", "colocated", "split"] = "none"  # none | colocated | split  (none: each group places itself;
+    # CPU runs)
     num_gpus: int = 8  # GPU bundles in the shared placement group
     trainer_gpus: int = 4  # split: bundles that train (the rest serve)
-    trainer_gpu_fraction: float = 0.5  # colocated: the share of its GPU a trainer rank claims in Ray (engines get the rest)
+    trainer_gpu_fraction: float = 0.5  # colocated: the share of its GPU a trainer rank claims in Ray (engines get the
+    # rest)
     cpus_per_bundle: float = 4.0  # CPUs reserved with each GPU bundle
 
     def __post_init__(self) -> None:

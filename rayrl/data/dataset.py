@@ -123,7 +123,8 @@ def row_problem(row: Any) -> str | None:
     if not isinstance(row, dict):
         return f"a row must be a JSON object, got {type(row).__name__}"
     if not isinstance(row.get("prompt"), str):
-        return "each row needs a string 'prompt'" + ("" if "prompt" not in row else f", got {type(row['prompt']).__name__}")
+        got = "" if "prompt" not in row else f", got {type(row['prompt']).__name__}"
+        return "each row needs a string 'prompt'" + got
     if row.get("metadata") is not None and not isinstance(row["metadata"], dict):
         return f"'metadata' must be an object, got {type(row['metadata']).__name__}"
     return None

@@ -33,7 +33,7 @@ _EXPORTS = {
     "engine_backend": "backends",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

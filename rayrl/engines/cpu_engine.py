@@ -45,14 +45,19 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
+from rayrl.engines.decode import DecodeMixin
 from rayrl.engines.engine_weights import DTYPES, WeightsMixin
 from rayrl.engines.kv_cache import ATTENTION_NAME, BatchKV
 from rayrl.engines.lean_decode import LeanDecoder
 from rayrl.engines.prefill import PrefillMixin
 from rayrl.engines.prefix_cache import PrefixCache
-from rayrl.engines.decode import DecodeMixin
 from rayrl.engines.requests import (
-    GenerationResult, RequestHandle, SequenceState, checked_prompt, engine_error, eos_token_ids,
+    GenerationResult,
+    RequestHandle,
+    SequenceState,
+    checked_prompt,
+    engine_error,
+    eos_token_ids,
 )
 from rayrl.engines.sampling import BatchSampler, SamplingParams
 

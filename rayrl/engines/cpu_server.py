@@ -52,7 +52,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu",
                     help="cpu, or cuda[:N] to run the model on a GPU (checks CUDA IPC weight updates)")
     ap.add_argument("--strict-sglang", action="store_true",
-                    help="a stand-in for the pinned SGLang in tests: enforce its contract (rayrl/engines/sglang_standin.py)")
+                    help="a stand-in for the pinned SGLang in tests: enforce its contract "
+                         "(rayrl/engines/sglang_standin.py)")
     ap.add_argument("--slow-request-s", type=float, default=120.0, help="log requests slower than this")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
@@ -127,7 +128,8 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     url = await server.start()
     print(f"rayrl cpu engine ready at {url} (model {path}, dtype {args.dtype}, device {args.device}, "
-          f"decode weights {engine.weight_format}{', strict SGLang stand-in' if args.strict_sglang else ''})", flush=True)
+          f"decode weights {engine.weight_format}{', strict SGLang stand-in' if args.strict_sglang else ''})",
+          flush=True)
     try:
         await stop.wait()
     finally:

@@ -30,6 +30,7 @@ parts are concatenated, each token keeping the policy version that generated it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -302,7 +303,9 @@ class Router:
         never keeps a batch slot busy."""
         return await self._generate_parts(session_key, input_ids, sampling_params, None, on_text)
 
-    async def _routed(self, session_key: Optional[str], call: Callable[[str], Awaitable[GenerateOutput]]) -> GenerateOutput:
+    async def _routed(
+        self, session_key: Optional[str], call: Callable[[str], Awaitable[GenerateOutput]]
+    ) -> GenerateOutput:
         """``call(url)`` on the engine picked for the session, counted in flight. With no engine routed to,
         wait for one. When the engine could not even be connected to (nothing ran there): once on another
         engine; with no other engine, again every 0.25 s for ``reconnect_s`` (an engine being replaced:
@@ -367,8 +370,8 @@ class Router:
             forward = _after_parts(parts, on_text) if on_text is not None and parts else on_text
             pauses = self.pause_stats["pauses"]
             try:
-                out = await self._routed(session_key,
-                                         lambda url: self._stream_on(url, ids, rest, part_rid, forward))
+                out = await self._routed(session_key, functools.partial(self._stream_on, input_ids=ids, params=rest,
+                                                                        rid=part_rid, on_text=forward))
             except EngineUnavailable as err:
                 if not err.connection_lost or lost >= MAX_LOST_CONTINUATIONS:
                     raise

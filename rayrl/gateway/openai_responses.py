@@ -173,7 +173,8 @@ def _reasoning_item(ids: _Ids, text: str) -> dict[str, Any]:
 
 
 def _message_item(ids: _Ids, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    done = status == "completed"
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []
     return {"type": "message", "id": ids.message, "status": status, "role": "assistant", "content": content}
 
 

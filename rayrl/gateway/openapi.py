@@ -155,7 +155,8 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         "tool_choice": "required",
     },
     ("post", "/v1/messages"): {
-        "model": "claude-opus-4-8", "max_tokens": 4, "temperature": 0, "system": [{"type": "text", "text": "Be brief."}],
+        "model": "claude-opus-4-8", "max_tokens": 4, "temperature": 0,
+        "system": [{"type": "text", "text": "Be brief."}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
         "tools": [{"name": "Bash", "input_schema": {"type": "object"}}],
         "tool_choice": {"type": "tool", "name": "Bash", "disable_parallel_tool_use": True},
@@ -199,7 +200,8 @@ def _post(summary: str, schema: dict[str, Any], key: tuple[str, str], ok: str, a
 
 
 def _get(summary: str, security: str | None = None) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "responses": {"200": {"description": "OK", "content": _json({"type": "object"})}}}
+    ok = {"description": "OK", "content": _json({"type": "object"})}
+    op: dict[str, Any] = {"summary": summary, "responses": {"200": ok}}
     if security:
         op["security"] = [{"adminBearer": []}]
         op["responses"].update({k: v for k, v in _errors().items() if k in ("401", "404")})

@@ -106,7 +106,8 @@ def logit_bias(body: dict[str, Any]) -> dict[int, float]:
         if not (key.isascii() and key.isdigit() and len(key) <= 10):
             raise RequestError(f"logit_bias: key {key[:20]!r} is not a token id", param="logit_bias")
         value = raw[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX):
             raise RequestError(f"logit_bias[{key}] must be a number in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]",
                                param="logit_bias")
         out[int(key)] = float(value)
@@ -142,7 +143,8 @@ class TurnSpec:
 
     ``messages``/``tools`` are canonical OpenAI shape (see render.normalize_message); ``max_tokens``
     None means the gateway default. ``tool_choice`` is already applied to ``tools`` (``none`` hides
-    them); a choice that forces a call is enforced by the turn pipeline. ``id_prefix`` names tool-call ids the way the client's API does
+    them); a choice that forces a call is enforced by the turn pipeline. ``id_prefix`` names tool-call ids
+    the way the client's API does
     (``call_`` for OpenAI, ``toolu_`` for Anthropic) so echoed ids look native and still round-trip.
     """
 

@@ -40,7 +40,6 @@ from rayrl.gateway.upstream import StreamingUpstream
 from rayrl.types import TurnRecord
 
 
-
 class DeltaSink(Protocol):
     """Where a streaming API writes deltas as they become certain."""
 

@@ -143,7 +143,8 @@ def _tree_problem(tree: Any) -> str | None:
         if parent is not None and not (isinstance(parent, int) and 0 <= parent < i):
             return f"turn tree node {i} names parent {parent!r}, which does not come before it"
         gen = n.get("gen")
-        if gen is not None and not (isinstance(gen, dict) and _ints([gen.get(k) for k in ("turn", "prompt_len", "response_len")])):
+        if gen is not None and not (isinstance(gen, dict)
+                                    and _ints([gen.get(k) for k in ("turn", "prompt_len", "response_len")])):
             return f"turn tree node {i}'s LLM call is malformed"
     return None
 

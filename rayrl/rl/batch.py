@@ -22,10 +22,10 @@ import numpy as np
 
 from rayrl.config.algorithm import AlgorithmConfig
 from rayrl.rl.advantages import EstimatorInput, estimate
+from rayrl.rl.failures import is_scored
 from rayrl.rl.shaping import shaped_rewards
 from rayrl.rl.staleness import sample_staleness
 from rayrl.rl.updates import sample_trains
-from rayrl.rl.failures import is_scored
 from rayrl.types import Episode, Sample
 
 

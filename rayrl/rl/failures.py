@@ -33,7 +33,9 @@ SESSION_FAILED = "session_failed"  # the trajectory manager could not record or 
 REWARD_FAILED = "reward_failed"  # the reward function raised (the episode scores 0.0)
 WORKER_DIED = "worker_died"  # the rollout worker died more often than pipeline.max_episode_retries
 STEP_DEADLINE = "step_deadline"  # the step's deadline came before the episode finished (sync)
-SERVICE_FAILED = "service_failed"  # a service the episode relies on failed: a hosted agent's (AgentCore: invoke, timeout, result), or any InfrastructureError an agent or reward raised
+# a service the episode relies on failed: a hosted agent's (AgentCore: invoke, timeout, result), or any
+# InfrastructureError an agent or reward raised
+SERVICE_FAILED = "service_failed"
 AGENT_CRASHED = "agent_crashed"  # the agent raised, or reported that it failed
 NO_TURNS = "no_turns"  # the agent ended without any LLM call recorded
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from rayrl.rl.staleness import sample_staleness
 from rayrl.rl.failures import failure_kind, is_scored
+from rayrl.rl.staleness import sample_staleness
 from rayrl.types import Episode, Task
 
 

@@ -389,7 +389,8 @@ class MegatronTrainer:
         full = [Sample(tokens=s.tokens, prompt_length=s.prompt_length,
                        loss_mask=np.ones(len(s.tokens) - s.prompt_length, np.int8),
                        rollout_logprobs=np.zeros(len(s.tokens) - s.prompt_length, np.float32),
-                       policy_versions=np.zeros(len(s.tokens) - s.prompt_length, np.int32)) for s in samples]  # fmt: skip
+                       policy_versions=np.zeros(len(s.tokens) - s.prompt_length, np.int32))
+                for s in samples]  # fmt: skip
         batch = pack_samples(full, None, self.align).to(device)
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
                                  max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)  # fmt: skip

@@ -41,8 +41,8 @@ from rayrl.trainers.lr_schedule import lr_at, set_lr
 from rayrl.trainers.memory_saver import MemorySaver, init_optimizer_state
 from rayrl.trainers.objective import Objective, TokenBatch, step_metrics
 from rayrl.trainers.policy_losses import entropy_from_logits
-from rayrl.weights.files import export_state_dict
 from rayrl.types import Sample
+from rayrl.weights.files import export_state_dict
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -377,7 +377,8 @@ class TorchTrainer:
         self.optimizer.load_state_dict(mine["optimizer"])
         self.memory.adopt_optimizer_state(self.optimizer)  # load_state_dict made new tensors, outside it
         self.policy_version = int(mine["policy_version"])
-        self.optimizer_steps = int(mine.get("optimizer_steps", self.policy_version))  # older checkpoints: one per version
+        # older checkpoints: one optimizer step per version
+        self.optimizer_steps = int(mine.get("optimizer_steps", self.policy_version))
         torch.set_rng_state(mine["torch_rng"])
         np.random.set_state(mine["numpy_rng"])
         random.setstate(mine["python_rng"])

@@ -269,7 +269,8 @@ class TrajectoryTree:
     ) -> list[Sample]:
         """Linearize every root-to-leaf path into Samples (``[]`` for an empty tree).
 
-        Every sample gets the episode's ``reward`` (its GRPO advantage is the episode's). ``metadata`` is copied into every sample's metadata, under the
+        Every sample gets the episode's ``reward`` (its GRPO advantage is the episode's). ``metadata`` is
+        copied into every sample's metadata, under the
         linearizer's own keys (``num_turns``, ``turn_indices``, ``trained_turns``, ``merged_turns``,
         ``merged_tokens``, ``drift``, ``leaf``), which win on a clash. Raises :class:`TITODriftError`
         on drift when ``on_drift="raise"`` (recording never raises, so nothing is lost before that).

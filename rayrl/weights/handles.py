@@ -17,6 +17,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from rayrl.weights.shm import WEIGHT_BUFFERS, SharedBuffer
+from rayrl.weights.tp_payloads import PayloadExchange
 from rayrl.weights.transfer import (
     DEFAULT_BUCKET_BYTES,
     EngineTarget,
@@ -29,8 +31,6 @@ from rayrl.weights.transfer import (
     verify_version,
     with_last,
 )
-from rayrl.weights.tp_payloads import PayloadExchange
-from rayrl.weights.shm import WEIGHT_BUFFERS, SharedBuffer
 from rayrl.weights.wire import GPU_MARK, flatten_bucket, serialize_for_engine, shared_cpu_buffer
 
 logger = logging.getLogger(__name__)

@@ -38,8 +38,8 @@ from rayrl.engines.client import EngineClient
 from rayrl.weights.broadcast import BroadcastSender
 from rayrl.weights.disk import DiskSender
 from rayrl.weights.handles import HandleSender
-from rayrl.weights.tp_payloads import PayloadExchange
 from rayrl.weights.shm import owner_tag
+from rayrl.weights.tp_payloads import PayloadExchange
 from rayrl.weights.transfer import EngineTarget, WeightSender
 
 Transport = Literal["disk", "tensor", "distributed"]
@@ -216,7 +216,7 @@ def make_sender(
                                        "engine's payloads over the trainer ranks' store, and this rank has none")
             exchange = PayloadExchange(store, routes.session, timeout_s)
         return HandleSender(targets, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
-                            sglang_engines=backends.engine_backend(routes.engine_backend).sglang_wire, exchange=exchange,
-                            contributes=contributes, gpu_id=gpu_id)
+                            sglang_engines=backends.engine_backend(routes.engine_backend).sglang_wire,
+                            exchange=exchange, contributes=contributes, gpu_id=gpu_id)
     return BroadcastSender(targets, backend="nccl" if cuda else "gloo", master_address=master_address,
                            bucket_bytes=bucket_bytes, timeout_s=timeout_s)

@@ -25,10 +25,10 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import uuid
 import weakref
 from pathlib import Path
-import tempfile
 from typing import Optional, Sequence
 
 import torch

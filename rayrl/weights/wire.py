@@ -81,7 +81,8 @@ def copy_into(named_tensors: Mapping[str, torch.Tensor], targets: Mapping[str, t
 # ---------------------------------------------------------------------------------------------------
 # SGLang's serialized_named_tensors form (/update_weights_from_tensor with load_format null, "direct"
 # or "flattened_bucket"): base64 of a multiprocessing pickle whose tensors travel as handles (a CUDA IPC
-# handle on GPU, a shared-memory file name on CPU), never as bytes; on CPU a rayrl SharedBuffer goes by its own name, which never outlives its owner
+# handle on GPU, a shared-memory file name on CPU), never as bytes; on CPU a rayrl SharedBuffer goes by its
+# own name, which never outlives its owner
 # (rayrl/weights/shm.py; only engines that say they open them get one). Only same-machine senders can use it.
 # SGLang unpickles it with its SafeUnpickler (CVE-2025-10164), which admits only torch, Python's own
 # types and a few ``sglang.srt.*`` modules; a bucket's metadata must be SGLang's own

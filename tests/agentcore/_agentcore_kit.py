@@ -28,7 +28,8 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None
 
 def aws_env(s3_url: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update({"AWS_ACCESS_KEY_ID": CREDS["aws_access_key_id"], "AWS_SECRET_ACCESS_KEY": CREDS["aws_secret_access_key"],
+    env.update({"AWS_ACCESS_KEY_ID": CREDS["aws_access_key_id"],
+                "AWS_SECRET_ACCESS_KEY": CREDS["aws_secret_access_key"],
                 "AWS_DEFAULT_REGION": REGION, "AWS_ENDPOINT_URL_S3": s3_url, "PYTHONPATH": str(ROOT)})
     return env
 

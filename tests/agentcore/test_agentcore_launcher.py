@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import pytest
-
 from _agentcore_kit import BUCKET, CREDS, REGION, max_per_window
+
 from rayrl.agents.agentcore.emulator import DEFAULT_LOCAL_ARN, FakeAgentCoreRuntime, Faults
 from rayrl.agents.agentcore.launcher import RolloutLauncher
 from rayrl.agents.agentcore.protocol import ROLLOUT_CONFIG_KEY, AgentRolloutConfig, result_key

@@ -25,8 +25,8 @@ from aiohttp import web
 
 from rayrl.config import EngineConfig
 from rayrl.engines import client as client_module
-from rayrl.engines.client import EngineClient
 from rayrl.engines.backends.sglang import sglang_command
+from rayrl.engines.client import EngineClient
 from rayrl.weights import bucket as own_bucket
 from rayrl.weights.handles import HandleSender
 from rayrl.weights.transfer import EngineTarget
@@ -61,7 +61,8 @@ def _sglang_reconstruct(obj: dict) -> list[tuple[str, torch.Tensor]]:
     """What 0.5.9's model_runner._update_weights_from_flattened_bucket does with a payload."""
     meta = [tensor_bucket.FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
                                                   end_idx=m.end_idx, numel=m.numel) for m in obj["metadata"]]
-    return tensor_bucket.FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=meta).reconstruct_tensors()
+    bucket = tensor_bucket.FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=meta)
+    return bucket.reconstruct_tensors()
 
 
 @pytest.mark.parametrize("shared_buffer", [False, True], ids=["new-bucket", "reused-shared-buffer"])
@@ -103,7 +104,8 @@ def test_the_handle_sender_posts_payloads_sglang_deserializes(loop_thread):
     async def update(request: web.Request) -> web.Response:
         body = await request.json()
         assert body["load_format"] == "flattened_bucket" and len(body["serialized_named_tensors"]) == 1
-        named = _sglang_reconstruct(sglang_utils.MultiprocessingSerializer.deserialize(body["serialized_named_tensors"][0]))
+        wire = body["serialized_named_tensors"][0]
+        named = _sglang_reconstruct(sglang_utils.MultiprocessingSerializer.deserialize(wire))
         received.append([(n, t.clone()) for n, t in named])  # load_weights copies; the buffer is reused
         return web.json_response({"success": True, "message": "ok"})
 
@@ -165,7 +167,8 @@ _PARSE = r"""
 import argparse, enum, importlib.machinery, json, sys, types
 # torchvision: only sglang's multimodal configs import it at module level (InternVL's image transforms);
 # PyPI's Linux wheels link CUDA torch, so on this CPU machine a stand-in module takes its place
-tv, tr, fn = (types.ModuleType(n) for n in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"))
+tv, tr, fn = (types.ModuleType(n)
+              for n in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"))
 fn.InterpolationMode = enum.Enum("InterpolationMode", "NEAREST BILINEAR BICUBIC")
 tv.transforms, tr.functional = tr, fn
 for m in (tv, tr, fn):

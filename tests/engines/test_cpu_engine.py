@@ -288,7 +288,8 @@ def test_sampled_frequencies_follow_the_tempered_distribution():
 
     probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
     logits = torch.log(probs).expand(4, -1).clone()
-    sampler = BatchSampler([RowState(SamplingParams.from_dict({"temperature": t}), [], 6) for t in (1.0, 1.0, 0.5, 2.0)])
+    sampler = BatchSampler([RowState(SamplingParams.from_dict({"temperature": t}), [], 6)
+                            for t in (1.0, 1.0, 0.5, 2.0)])
     gen = torch.Generator().manual_seed(0)
     counts = torch.zeros(4, 6)
     for _ in range(5000):

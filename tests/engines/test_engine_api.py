@@ -1,6 +1,7 @@
 """The engine interface is one typed protocol (rayrl/engines/api.py): EngineClient implements it call for
 call, the CPU engine's real server serves every route of it and its own extra routes, and every other
-path the client calls is a backend's declared extra route. SGLang's side of the same routes is held by tests/contracts/test_sglang_contract.py."""
+path the client calls is a backend's declared extra route. SGLang's side of the same routes is held by
+tests/contracts/test_sglang_contract.py."""
 
 from __future__ import annotations
 

@@ -140,7 +140,7 @@ def test_fleet_starts_controls_and_replaces_engines(ray_local, tiny_model, tmp_p
         for group in [*groups, blockers[0]]:
             remove_placement_group(group)
     for pid in pids:
-        _wait(lambda: not _alive(pid), 30, f"server {pid} to exit")
+        _wait(lambda pid=pid: not _alive(pid), 30, f"server {pid} to exit")
 
 
 def _wait_for(fleet: EngineFleet, kind: str, events: list) -> None:

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from rayrl.config import EngineConfig
-from rayrl.engines.client import EngineClient
 from rayrl.engines.backends.cpu import cpu_server_command
 from rayrl.engines.backends.sglang import sglang_command
+from rayrl.engines.client import EngineClient
 from rayrl.engines.launcher import EngineLaunchError, EngineProcess
 
 

@@ -9,8 +9,8 @@ from _engine_kit import ServerThread
 
 from rayrl.engines.client import EngineUnavailable
 from rayrl.engines.cpu_engine import CPUEngine
-from rayrl.ports import free_port
 from rayrl.engines.router import Router
+from rayrl.ports import free_port
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True}
 

@@ -242,7 +242,8 @@ def test_real_smollm2_log_probs_hold_to_transformers(smollm2):
     together, every output token's log-prob against one transformers forward in float32."""
     path, reference, prompts = smollm2
     params = [dict(GREEDY, max_new_tokens=20), {"temperature": 0.7, "max_new_tokens": 20, "sampling_seed": 1},
-              dict(GREEDY, max_new_tokens=16), {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 20, "sampling_seed": 2}]
+              dict(GREEDY, max_new_tokens=16),
+              {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 20, "sampling_seed": 2}]
     formats = [("float32", 1e-4, 1e-5)] + ([("fp16-packed", 1e-2, 2e-3)] if fp16_packing_available() else [])
     with CPUEngine(path, dtype="float32", max_batch_size=8, weight_format="float32") as eng:
         for fmt, max_tol, mean_tol in formats:
@@ -254,7 +255,8 @@ def test_real_smollm2_log_probs_hold_to_transformers(smollm2):
                 expected = forward_logprobs(reference, prompt, res.output_ids)
                 gaps.append((torch.tensor(res.output_logprobs) - expected).abs())
             gap = torch.cat(gaps)
-            assert float(gap.max()) <= max_tol and float(gap.mean()) <= mean_tol, (fmt, float(gap.max()), float(gap.mean()))
+            assert float(gap.max()) <= max_tol and float(gap.mean()) <= mean_tol, \
+                (fmt, float(gap.max()), float(gap.mean()))
 
 
 @packed_only
@@ -287,7 +289,8 @@ def test_set_weight_format_over_http(tiny_model):
             assert code == 200 and body["success"] and body["weight_format"] == "float32"
             assert body["previous_weight_format"] == "fp16-packed"
             stats = eng.stats()
-            assert stats["weight_format"] == "float32" and stats["packed_weight_bytes"] == 0 and stats["weight_packs"] == 1
+            assert stats["weight_format"] == "float32" and stats["packed_weight_bytes"] == 0
+            assert stats["weight_packs"] == 1
             dense = eng.generate(PROMPTS[1], GREEDY, timeout=30)
             torch.testing.assert_close(torch.tensor(dense.output_logprobs),
                                        forward_logprobs(_reference(tiny_model), PROMPTS[1], dense.output_ids),

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rayrl.config import EngineConfig
-from rayrl.engines.client import EngineClient
 from rayrl.engines.backends.sglang import sglang_command
+from rayrl.engines.client import EngineClient
 from rayrl.engines.launcher import EngineLaunchError, EngineProcess
 
 STAND_IN = Path(__file__).parent / "fake_sglang"

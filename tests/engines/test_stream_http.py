@@ -58,7 +58,8 @@ async def _raw_server(answer) -> tuple[asyncio.AbstractServer, str, list]:
         connections.append(writer)
         try:
             head = await reader.readuntil(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
             await reader.readexactly(length)
             await answer(writer)
         except (asyncio.IncompleteReadError, ConnectionError):

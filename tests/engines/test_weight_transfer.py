@@ -230,7 +230,8 @@ def test_bad_weight_transfer_requests(engine_proc, tmp_path):
     bucket = {"flattened_tensor": torch.zeros(6, dtype=torch.uint8),  # metadata that does not fit its slice
               "metadata": [metadata_cls("model.norm.weight", torch.Size([4]), torch.float32, 0, 6, 6)]}  # fmt: skip
     status, body = _post(url, "/update_weights_from_tensor",
-                         {"serialized_named_tensors": [serialize_for_engine(bucket)], "load_format": "flattened_bucket"})  # fmt: skip
+                         {"serialized_named_tensors": [serialize_for_engine(bucket)],
+                          "load_format": "flattened_bucket"})  # fmt: skip
     assert status == 400 and body["object"] == "error" and "bad bucket metadata" in body["message"]
     status, body = _post(url, "/destroy_weights_update_group", {"group_name": "never-made"})
     assert status == 400 and body["success"] is False

@@ -133,7 +133,8 @@ def test_a_prompt_that_does_not_fit_gets_the_numbers_in_each_dialect(scripted):
                    "Please reduce the length of the messages.",
         "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
     r = httpx.post(stack.root + "/v1/messages", json={"max_tokens": 8, "messages": [long]}, headers=hdr)
-    assert r.json()["error"] == {"type": "invalid_request_error", "message": f"prompt is too long: {n} tokens > 64 maximum"}
+    assert r.json()["error"] == {"type": "invalid_request_error",
+                                 "message": f"prompt is too long: {n} tokens > 64 maximum"}
 
 
 def test_max_prompt_tokens_limits_prompts_below_the_context(scripted):

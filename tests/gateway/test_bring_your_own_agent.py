@@ -17,7 +17,7 @@ from rayrl.agents import agent_factory
 from rayrl.agents.episode import EpisodeRunner
 from rayrl.config import RolloutConfig
 from rayrl.rewards import get_reward_fn
-from rayrl.rl.failures import (AGENT_CRASHED, REWARD_FAILED, SERVICE_FAILED, TIMED_OUT, is_infra, is_scored)
+from rayrl.rl.failures import AGENT_CRASHED, REWARD_FAILED, SERVICE_FAILED, TIMED_OUT, is_infra, is_scored
 from rayrl.types import Task
 from tests.gateway.episode_kit import InProcessSessions
 

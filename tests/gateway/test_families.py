@@ -115,13 +115,15 @@ def test_qwen3_tools_calls_system_prompt_and_dropped_reasoning(qwen3):
     assert text.startswith("<|im_start|>system\n# Tools")  # no default system prompt, tools listed
     assert "You are Qwen" not in text
     assert "<think>" not in text  # both assistant turns precede the last user message: reasoning dropped
-    assert '<|im_start|>assistant\nOn it.\n<tool_call>\n{"name": "calc", "arguments": {"e": "1+1"}}\n</tool_call>' in text
+    assert ('<|im_start|>assistant\nOn it.\n<tool_call>\n{"name": "calc", "arguments": {"e": "1+1"}}\n</tool_call>'
+            in text)
     assert "<|im_start|>user\n<tool_response>\n2\n</tool_response><|im_end|>" in text
     # the same turns as the tail of a tool loop (no later user message) keep their reasoning
     loop = renderer.render_text(messages[:4], chat_tools([CALC]), add_generation_prompt=False)
     assert "<think>\nuse calc\n</think>\n\nOn it." in loop and "<think>\nit said 2\n</think>" in loop
     # what a Qwen3 model writes parses into reasoning, content and the call
-    completion = '<think>\nuse calc\n</think>\n\nOn it.\n<tool_call>\n{"name": "calc", "arguments": {"e": "1+1"}}\n</tool_call>'
+    completion = ('<think>\nuse calc\n</think>\n\nOn it.\n'
+                  '<tool_call>\n{"name": "calc", "arguments": {"e": "1+1"}}\n</tool_call>')
     parsed = parse_completion(completion, HermesToolParser(), ThinkReasoningParser())
     assert parsed.reasoning == "use calc" and parsed.content == "On it."
     assert [json.loads(c["function"]["arguments"]) for c in parsed.tool_calls] == [{"e": "1+1"}]
@@ -203,7 +205,8 @@ def _episode(stack, client_model: str = "m") -> tuple[object, list]:
         messages.append({"role": "user", "content": question})
         first = client.chat.completions.create(model=client_model, messages=messages, tools=[CALC])
         (call,) = first.choices[0].message.tool_calls
-        messages += [{"role": "assistant", "content": first.choices[0].message.content, "tool_calls": [call.model_dump()]},
+        messages += [{"role": "assistant", "content": first.choices[0].message.content,
+                      "tool_calls": [call.model_dump()]},
                      {"role": "tool", "tool_call_id": call.id, "content": result}]
         answer = client.chat.completions.create(model=client_model, messages=messages, tools=[CALC])
         assert answer.choices[0].message.content == f"It is {result}."

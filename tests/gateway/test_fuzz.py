@@ -94,13 +94,15 @@ def _check(resp: httpx.Response, path: str) -> None:
 def test_fuzz_operation(stack, method, path):
     keeper = stack.open(role="bystander")
     bystander = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    r = httpx.post(stack.root + "/v1/chat/completions", json=bystander, headers={"Authorization": f"Bearer {keeper.token}"})
+    r = httpx.post(stack.root + "/v1/chat/completions", json=bystander,
+                   headers={"Authorization": f"Bearer {keeper.token}"})
     assert r.status_code == 200
     example = EXAMPLES[(method, path)]
     victim = stack.open(role="fuzzed")
     statuses: list[int] = []
 
-    @settings(max_examples=int(os.environ.get("RAYRL_FUZZ_EXAMPLES", EXAMPLES_PER_OPERATION)), deadline=None, derandomize=os.environ.get("RAYRL_FUZZ_RANDOM") is None,
+    @settings(max_examples=int(os.environ.get("RAYRL_FUZZ_EXAMPLES", EXAMPLES_PER_OPERATION)), deadline=None,
+              derandomize=os.environ.get("RAYRL_FUZZ_RANDOM") is None,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
     @given(case=st.one_of(
         st.builds(lambda b: ("raw", b), st.binary(max_size=64)),
@@ -125,9 +127,11 @@ def test_fuzz_operation(stack, method, path):
     assert any(c < 300 for c in statuses) and any(400 <= c < 500 for c in statuses), sorted(set(statuses))
     assert stack.gateway.counters["errors_internal"] == 0
     # the bystander is unaffected: its history still extends exactly, its tree has its one turn + this one
-    again = {"messages": bystander["messages"] + [r.json()["choices"][0]["message"], {"role": "user", "content": "more"}],
+    again = {"messages": bystander["messages"] + [r.json()["choices"][0]["message"],
+                                                  {"role": "user", "content": "more"}],
              "max_tokens": 4}
-    r2 = httpx.post(stack.root + "/v1/chat/completions", json=again, headers={"Authorization": f"Bearer {keeper.token}"})
+    r2 = httpx.post(stack.root + "/v1/chat/completions", json=again,
+                    headers={"Authorization": f"Bearer {keeper.token}"})
     assert r2.status_code == 200
     stats = stack.stats(keeper)
     assert stats["turns"] == 2 and stats["cumulative_hits"] == 1
@@ -161,7 +165,8 @@ def test_oversized_body_gets_json_413(scripted):
     ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": [1]}]}),
     ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
                       "tools": [{"name": "f", "input_schema": "object"}]}),
-    ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": [{"input_schema": {}}]}),
+    ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                      "tools": [{"input_schema": {}}]}),
     ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
 ])

@@ -77,7 +77,8 @@ def qwen_tokenizer():
     bpe.decoder = decoders.ByteLevel()
     corpus = [QWEN25_TEMPLATE, json.dumps(CALC), "What is 1+1? The answer is 2. Let me compute both.",
               'user assistant system {"name": "calc", "arguments": {"e": "1+1"}} tool_response'] * 4
-    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     bpe.train_from_iterator(corpus, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",

@@ -30,7 +30,8 @@ def test_normalize_canonical_shape():
     assert msgs[0] == {"role": "system", "content": "be brief"}
     assert msgs[1] == {"role": "user", "content": "hi"}
     assert msgs[2] == {"role": "assistant", "content": "",
-                       "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}
+                       "tool_calls": [{"id": "c1", "type": "function",
+                                       "function": {"name": "f", "arguments": '{"x": 1}'}}]}
     assert msgs[3] == {"role": "tool", "content": "2", "tool_call_id": "c1"}
 
 
@@ -98,7 +99,8 @@ def test_render_writes_tool_calls_for_templates_without_tool_support(tokenizer):
             {"role": "system", "content": "sys"},
             {"role": "user", "content": "q"},
             {"role": "assistant", "content": None,
-             "tool_calls": [{"id": "1", "type": "function", "function": {"name": "calc", "arguments": "{\"e\": \"2\"}"}}]},
+             "tool_calls": [{"id": "1", "type": "function",
+                             "function": {"name": "calc", "arguments": "{\"e\": \"2\"}"}}]},
             {"role": "tool", "tool_call_id": "1", "content": "2"},
         ]
     )

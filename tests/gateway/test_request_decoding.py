@@ -160,7 +160,8 @@ def test_openai_tool_pairing_matches_the_real_api(stack):
     base = [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
     ok = {"messages": base + [{"role": "tool", "tool_call_id": "call_1", "content": "1"}]}
     assert _post(stack, info, "/v1/chat/completions", json.dumps(ok).encode()).status_code == 200
-    for messages, field in [(base + [{"role": "tool", "tool_call_id": "call_2", "content": "1"}], "messages[2].tool_call_id"),
+    for messages, field in [(base + [{"role": "tool", "tool_call_id": "call_2", "content": "1"}],
+                             "messages[2].tool_call_id"),
                             ([{"role": "tool", "tool_call_id": "call_1", "content": "1"}], "messages[0].role"),
                             (base + [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "call_1",
                                                                          "content": "1"}], "messages[3].role")]:

@@ -69,7 +69,8 @@ def test_standalone_proxy(tiny_model_dir, tmp_path):
         assert code == 200 and done["stats"]["turns"] == 1
         sample = done["samples"][0]
         assert sample["reward"] == 0.5 and sample["metadata"]["task"] == "t1"
-        assert len(sample["loss_mask"]) == len(sample["tokens"]) - sample["prompt_length"] == out.usage.completion_tokens
+        response_length = len(sample["tokens"]) - sample["prompt_length"]
+        assert len(sample["loss_mask"]) == response_length == out.usage.completion_tokens
         code, other = _post(f"{root}/rayrl/sessions", {}, admin)
         code, long = _post(f"{other['base_url']}/chat/completions", {"max_tokens": 4, "messages": [
             {"role": "user", "content": "word " * 5000}]}, other["token"])

@@ -11,7 +11,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rayrl.gateway.parsers import HermesToolParser, Llama3JsonToolParser, ThinkReasoningParser, ToolParser, parse_completion
+from rayrl.gateway.parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    ThinkReasoningParser,
+    ToolParser,
+    parse_completion,
+)
 from rayrl.gateway.streaming import DeltaTracker
 
 PIECES = ["Hello", " world", "\n", "  ", "<tool", "_call>", "<tool_call>", "</tool_call>",

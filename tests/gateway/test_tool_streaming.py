@@ -91,7 +91,8 @@ def test_responses_function_calls_replayed_statelessly(stack, stream):
     client = openai.OpenAI(base_url=info.base_url, api_key=info.token, max_retries=0)
     tools = [{"type": "function", "name": "calc", "parameters": CALC["function"]["parameters"]},
              {"type": "web_search"}, {"type": "namespace", "name": "multi_agent_v1", "tools": []}]
-    inputs = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You can call calc."}]},
+    inputs = [{"type": "message", "role": "developer",
+               "content": [{"type": "input_text", "text": "You can call calc."}]},
               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "1+1 and 2+2?"}]}]
     if stream:
         with client.responses.stream(model="codex-x", input=inputs, tools=tools, store=False) as s:
@@ -140,7 +141,8 @@ def test_anthropic_tool_use_round_trip(stack, stream):
     assert msg.stop_reason == "tool_use"
     text, *uses = msg.content
     assert text.type == "text" and text.text == "Let me compute both."
-    assert [(u.type, u.name, u.input) for u in uses] == [("tool_use", "calc", {"e": "1+1"}), ("tool_use", "calc", {"e": "2+2"})]
+    assert [(u.type, u.name, u.input) for u in uses] == [("tool_use", "calc", {"e": "1+1"}),
+                                                         ("tool_use", "calc", {"e": "2+2"})]
     assert all(u.id.startswith("toolu_") for u in uses)
     messages.append({"role": "assistant", "content": [b.model_dump() for b in msg.content]})
     messages.append({"role": "user", "content": [

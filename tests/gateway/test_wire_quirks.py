@@ -45,7 +45,8 @@ def test_claude_code_request_shape_and_event_sequence(stack):
         "system": [{"type": "text", "text": "You are a Claude agent.", "cache_control": {"type": "ephemeral"}}],
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>\n\n"},
-                                         {"type": "text", "text": "Count to 3", "cache_control": {"type": "ephemeral"}}]},
+                                         {"type": "text", "text": "Count to 3",
+                                          "cache_control": {"type": "ephemeral"}}]},
             {"role": "system", "content": "A mid-conversation system message."},
         ],
         "tools": [{"name": "Bash", "description": "run", "input_schema": {"type": "object"}}],
@@ -148,5 +149,6 @@ def test_served_model_names_restrict_when_set(scripted):
                     json={"model": "claude-x", "messages": [{"role": "user", "content": "hi"}]})
     assert ok.status_code == 200
     bad = httpx.post(stack.root + "/v1/messages", headers=hdr,
-                     json={"model": "claude-opus-4-8", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+                     json={"model": "claude-opus-4-8", "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "hi"}]})
     assert bad.status_code == 404 and bad.json()["error"]["type"] == "not_found_error"

@@ -42,8 +42,8 @@ def _receiver(requests: "mp.Queue", replies: "mp.Queue") -> None:
 
 
 def test_cuda_ipc_two_processes():
-    from rayrl.weights.wire import flatten_bucket, serialize_for_engine
     from rayrl.weights.transfer import iter_buckets
+    from rayrl.weights.wire import flatten_bucket, serialize_for_engine
 
     torch.cuda.set_device(0)
     gen = torch.Generator(device="cuda").manual_seed(0)

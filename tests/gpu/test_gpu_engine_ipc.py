@@ -83,7 +83,8 @@ def test_cuda_ipc_weight_update_into_our_engine_on_cuda(smollm2_gpu_dir, tmp_pat
                 "mean_abs_logprob_diff": float(np.abs(fresh.output_logprobs - expect).mean()),
                 "tokens": len(fresh.output_ids), "changed_tokens": int((fresh.output_ids != stale.output_ids).sum()),
                 "update_bytes": stats.bytes, "update_seconds": stats.seconds, "update_gb_per_s": stats.gb_per_s,
-                "buckets": stats.buckets, "train_loss": metrics["loss"], "engine_weight_version": info.get("weight_version"),
+                "buckets": stats.buckets, "train_loss": metrics["loss"],
+                "engine_weight_version": info.get("weight_version"),
                 "text": tokenizer.decode(fresh.output_ids.tolist())}  # fmt: skip
 
     try:

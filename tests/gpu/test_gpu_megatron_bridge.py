@@ -24,7 +24,7 @@ def trainer(tiny_qwen2_dir):
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    cfg = TrainerConfig(backend="megatron", dtype="bfloat16", lr=1e-3, micro_batch_tokens=256, 
+    cfg = TrainerConfig(backend="megatron", dtype="bfloat16", lr=1e-3, micro_batch_tokens=256,
                         grad_clip=1.0)  # fmt: skip
     return MegatronTrainer(tiny_qwen2_dir, cfg, rank=0, world_size=1, seed=0, local_rank=0)
 
@@ -32,7 +32,7 @@ def trainer(tiny_qwen2_dir):
 def _samples(n: int, seed: int) -> list[Sample]:
     rng = np.random.default_rng(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         length = int(rng.integers(24, 64))
         tokens = rng.integers(3, 1000, size=length).astype(np.int32)
         resp = length - 8

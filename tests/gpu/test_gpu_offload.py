@@ -58,7 +58,7 @@ def test_torch_trainer_offload_frees_params_grads_and_adam_state(medium_qwen2_di
     before = gpu_memory_used_bytes()
     kept_params, kept_moments = _host_copy(params), _host_copy(moments)
     cycles = []
-    for cycle in range(2):
+    for _ in range(2):
         used = gpu_memory_used_bytes()
         assert trainer.offload()
         freed = used - gpu_memory_used_bytes()

@@ -87,7 +87,8 @@ def test_atif_one_session_is_one_trajectory_and_unknown_is_a_clear_error(scripte
 
 def test_the_vendored_schema_rejects_what_atif_forbids():
     """The schema file is the real one, not a permissive stand-in: it refuses a step without source."""
-    bad = {"schema_version": ATIF_VERSION, "agent": {"name": "a", "version": "1"}, "steps": [{"step_id": 1, "message": "m"}]}
+    bad = {"schema_version": ATIF_VERSION, "agent": {"name": "a", "version": "1"},
+           "steps": [{"step_id": 1, "message": "m"}]}
     with pytest.raises(jsonschema.ValidationError, match="source"):
         jsonschema.Draft202012Validator(SCHEMA).validate(bad)
     with pytest.raises(jsonschema.ValidationError):

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is a test dependency: pip install -e '.[test]'")
+sync_api = pytest.importorskip("playwright.sync_api",
+                               reason="playwright is a test dependency: pip install -e '.[test]'")
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
                                 reason="Debian's chromium is not installed (scripts/install_system_deps.sh installs "
                                        "it when run as root with apt-get)")
@@ -125,7 +126,8 @@ def test_served_page_filters_and_shows_tokens_tree_drift_and_fork_merge(scripted
     _open(page, "1:1")
     trained, masked = page.locator("#samples .tok.trained"), page.locator("#samples .tok.masked")
     plain = made["steps"][1][1].samples[0]
-    assert trained.count() == plain.num_trained_tokens and masked.count() == plain.response_length - plain.num_trained_tokens
+    assert trained.count() == plain.num_trained_tokens
+    assert masked.count() == plain.response_length - plain.num_trained_tokens
     assert masked.count() > 0
     assert _background(page, "#samples .tok.trained") != _background(page, "#samples .tok.masked")
     assert _background(page, "#samples .tok.masked") != _background(page, "#samples .tok.prompt")
@@ -182,7 +184,8 @@ def test_one_episode_has_its_own_link_served_and_exported(scripted_run, serve, p
     page.wait_for_function("() => document.getElementById('ep-title').textContent.startsWith('Episode 1:2')")
     assert page.get_attribute("#ep-link", "href").endswith("#episode=1:2")
     _open(page, "2:1")  # opening another one updates the address bar and the link
-    assert page.evaluate("location.hash") == "#episode=2:1" and page.get_attribute("#ep-link", "href").endswith("#episode=2:1")
+    assert page.evaluate("location.hash") == "#episode=2:1"
+    assert page.get_attribute("#ep-link", "href").endswith("#episode=2:1")
     page.evaluate("location.hash = '#episode=1:0'")  # following a link within the page
     page.wait_for_function("() => document.getElementById('ep-title').textContent.startsWith('Episode 1:0')")
 

@@ -81,8 +81,9 @@ def test_malformed_records_in_valid_json_are_named_not_crashed_on(scripted_run, 
     served = serve(run)
     status, body = served.get("api/episode?step=2&index=0")
     assert status == 200 and body["samples"] is None and body["tree"]["nodes"]
+    sample = doc["episodes"][0]["samples"][0]
     assert body["problem"] == ("inspect/step000002.json, episode 0: sample 0's mask or versions do not cover its "
-                               f"{len(doc['episodes'][0]['samples'][0]['tokens']) - doc['episodes'][0]['samples'][0]['prompt_length']} "
+                               f"{len(sample['tokens']) - sample['prompt_length']} "
                                "response tokens; not shown")
     status, body = served.get("api/episode?step=2&index=1")
     assert status == 200 and body["tree"] is None and body["samples"]

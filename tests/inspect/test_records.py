@@ -22,7 +22,7 @@ def _expand(pairs):
 def test_records_keep_rows_for_all_trees_for_all_tokens_for_the_first_n(scripted_run):
     run_dir, made = scripted_run
     episodes = made["steps"][1]
-    rows = [json.loads(l) for l in (run_dir / "episodes" / "step000001.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "episodes" / "step000001.jsonl").read_text().splitlines()]
     assert [r["session_id"] for r in rows] == [e.session_id for e in episodes]
     assert {r["harness"] for r in rows} == {"scripted_agent"}
     assert [r["detail"] for r in rows] == [True, True, False, False]  # DETAIL_EPISODES = 2

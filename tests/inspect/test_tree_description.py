@@ -35,14 +35,16 @@ def test_scripted_episode_tree_shows_drift_fork_merge_branch_and_calls(scripted_
     # call 0 wrote the tool call; the tool result was added by call 1's request
     assert gens[0]["tool_calls"][0]["name"] == "calculator"
     tool = next(n for n in nodes if n["role"] == "tool")
-    assert tool["parent"] == gens[0]["id"] and tool["call"] == 1 and tool["tool_call_id"] == gens[0]["tool_calls"][0]["id"]
+    assert tool["parent"] == gens[0]["id"] and tool["call"] == 1
+    assert tool["tool_call_id"] == gens[0]["tool_calls"][0]["id"]
     # call 1's answer was re-rendered by the client: merged (fork-merge rescue), trains nothing
     assert gens[1]["gen"]["merged"] and gens[1]["text"] == "The answer is 5. "
     assert tree["stats"]["merged_rewrites"] == 1
     # call 2's prompt re-renders call 0's compact tool call: TITO drift inside call 0's response
     drift = gens[2]["gen"]["drift"]
     assert drift["kind"] == "response" and drift["prev_turn"] == 0 and drift["turn"] == 2
-    assert gens[0]["gen"]["prompt_len"] <= drift["position"] < gens[0]["gen"]["prompt_len"] + gens[0]["gen"]["response_len"]
+    first = gens[0]["gen"]
+    assert first["prompt_len"] <= drift["position"] < first["prompt_len"] + first["response_len"]
     assert gens[1]["gen"]["drift"] is None  # a merged node's drift splits nothing (as the counters say)
     # every sample names the calls whose responses it holds: the link from tokens to tree nodes
     turns = [s.metadata["turn_indices"] for s in episode.samples]
@@ -98,7 +100,8 @@ def test_admin_route_serves_a_live_sessions_tree(tiny_model_dir):
         info = gw.gateway.open_session({"group_id": "g"})
         root = gw.gateway.base_url[: -len("/v1")]
         url = f"{root}/rayrl/sessions/{info.session_id}/tree"
-        gw.chat(info.token, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 2 + 3? calculator"}])
+        gw.chat(info.token, [{"role": "system", "content": SYSTEM},
+                             {"role": "user", "content": "What is 2 + 3? calculator"}])
         status, live = _get(url, gw.gateway.admin_token)
         assert status == 200 and live["stats"]["turns"] == 1 and live["session"]["session_id"] == info.session_id
         assert [n["role"] for n in live["nodes"]] == ["system", "user", "assistant"]

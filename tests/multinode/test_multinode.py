@@ -208,9 +208,9 @@ def test_split_layout_trainer_on_one_node_engines_on_two_others(three_nodes, tin
 
 @pytest.mark.timeout(1200)
 def test_colocated_layout_spread_over_three_nodes(three_nodes, tiny_model_dir, tmp_path):
-    from actors.pipeline import Pipeline
-
     import boto3
+
+    from actors.pipeline import Pipeline
 
     boto3.client("s3").create_bucket(Bucket="mn-checkpoints")
     cfg = _config(tmp_path, tiny_model_dir, "exp_id=mn-colocated", "placement.mode=colocated",

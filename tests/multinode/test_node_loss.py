@@ -133,9 +133,9 @@ def _run(argv: list[str], capfd) -> tuple[int, str]:
 @pytest.mark.timeout(2400)  # six runs of driver.py, each starting its engines and trainer
 def test_a_node_lost_in_any_phase_stops_the_run_cleanly_and_it_resumes_exactly(two_nodes, tiny_model_dir,
                                                                                  tmp_path, monkeypatch, capfd):
-    from rayrl.pipeline.schedules import Schedule
     from actors.trainer import TrainerGroup
     from actors.weight_sync import WeightSync
+    from rayrl.pipeline.schedules import Schedule
 
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps({"id": f"t-{i}", "prompt": f"What is {i} + 1?",

@@ -41,7 +41,7 @@ def test_local_cluster_requires_a_token_and_binds_dashboard_to_loopback():
     env["PYTHONPATH"] = str(ROOT)
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env=env)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((s for s in out.stdout.splitlines() if s.startswith("RESULT ")), None)
     assert line, out.stdout[-2000:] + out.stderr[-3000:]
     result = json.loads(line[len("RESULT "):])
     assert result["mode"] == "token"

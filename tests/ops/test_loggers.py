@@ -39,7 +39,8 @@ def test_tensorboard_and_wandb_offline_receive_every_step(tmp_path, monkeypatch)
     rewards = [(e.step, round(e.value, 6)) for e in events.Scalars("rollout/reward_mean")]
     assert rewards == [(1, 0.1), (2, 0.2), (3, 0.3)]
     assert [s for s, _ in sink] == [1, 2, 3]
-    assert [json.loads(line)["step"] for line in (tmp_path / "exp" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    lines = (tmp_path / "exp" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
 
 
 def test_counter_deltas_per_step_and_after_a_reset():

@@ -109,7 +109,7 @@ def test_pipeline_stops_with_a_checkpoint_and_resumes_the_failed_step(ray_local,
         assert out.count("run stopped") == 1
         assert f"--config {cfg.run_dir / 'config.yaml'} --resume" in out
         assert pipeline.checkpoints.store.steps() == [1]
-        failed_step_tasks = sorted({json.loads(l)["task_id"] for l in
+        failed_step_tasks = sorted({json.loads(line)["task_id"] for line in
                                     (cfg.run_dir / "episodes" / "step000002.jsonl").read_text().splitlines()})
     finally:
         pipeline.shutdown()
@@ -118,9 +118,9 @@ def test_pipeline_stops_with_a_checkpoint_and_resumes_the_failed_step(ray_local,
     try:
         assert resumed.resume() and resumed.step == 1
         resumed.run()
-        step2 = sorted({json.loads(l)["task_id"] for l in
+        step2 = sorted({json.loads(line)["task_id"] for line in
                         (cfg.run_dir / "episodes" / "step000002.jsonl").read_text().splitlines()})
-        step3 = sorted({json.loads(l)["task_id"] for l in
+        step3 = sorted({json.loads(line)["task_id"] for line in
                         (cfg.run_dir / "episodes" / "step000003.jsonl").read_text().splitlines()})
         assert step2 == failed_step_tasks == ["t-2", "t-3"]  # the failed step's tasks, trained once
         assert step3 == ["t-4", "t-5"]

@@ -43,7 +43,7 @@ def test_dynamic_sampling_distillation_and_several_updates(ray_local, tiny_model
         assert first["train/optimizer_steps"] == 2 and first["train/trained_samples"] == 4
         assert "distill/reverse_kl" in first and abs(first["distill/reverse_kl"]) < 0.05  # the same weights
         assert first["train/ref_kl_mean"] >= 0.0
-        rows = [json.loads(l) for l in (cfg.run_dir / "episodes" / "step000001.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (cfg.run_dir / "episodes" / "step000001.jsonl").read_text().splitlines()]
         assert len(rows) == 12 and sum(r["advantage"] is None for r in rows) == 8  # dropped: recorded, not trained
     finally:
         pipeline.shutdown()

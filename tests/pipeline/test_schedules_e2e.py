@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from tests.ray_support import scrape_metrics
 from rayrl.config import load_config, resolve
+from tests.ray_support import scrape_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -51,14 +51,15 @@ def _assert_engine_has_trainer_weights(pipe, tiny_model_dir, directory) -> None:
 
 
 @pytest.mark.parametrize(("transfer", "schedule"), [
-    pytest.param("distributed", "async", marks=pytest.mark.slow),  # ~35 s; tests/engines/test_weight_transfer.py covers gloo
+    # ~35 s; tests/engines/test_weight_transfer.py covers gloo
+    pytest.param("distributed", "async", marks=pytest.mark.slow),
     ("tensor", "colocated_async"),
 ])
 def test_weights_reach_the_engines_without_disk(ray_local, tiny_model_dir, tmp_path, transfer, schedule):
     from actors.pipeline import Pipeline
 
-    cfg = pipeline_config(tmp_path, tiny_model_dir, f"exp_id=wt-{transfer}-{os.getpid()}", f"pipeline.schedule={schedule}",
-                          f"pipeline.weight_transfer={transfer}", "trainer.steps=3",
+    cfg = pipeline_config(tmp_path, tiny_model_dir, f"exp_id=wt-{transfer}-{os.getpid()}",
+                          f"pipeline.schedule={schedule}", f"pipeline.weight_transfer={transfer}", "trainer.steps=3",
                           "engine.weight_format=float32")  # exact numbers: the transfer, not the packing, is checked
     pipe = Pipeline(cfg)
     try:

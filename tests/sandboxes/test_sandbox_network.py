@@ -14,13 +14,13 @@ import threading
 import time
 
 import pytest
+from sbtest_helpers import ISOLATED, processes_matching
 
 from rayrl.config import ConfigError, SandboxConfig, SandboxPoolConfig, load_config
 from rayrl.sandboxes import netpolicy, open_sandbox
 from rayrl.sandboxes.local import LocalSandbox
 from rayrl.sandboxes.netproxy import SandboxProxy
 from rayrl.sandboxes.pool import SandboxPool
-from sbtest_helpers import ISOLATED, processes_matching
 
 PROXY = "http://127.0.0.1:3128"
 

@@ -9,12 +9,12 @@ import time
 from collections import Counter
 
 import pytest
+from sbtest_helpers import processes_matching
 
 from rayrl.config import SandboxConfig, SandboxPoolConfig
 from rayrl.sandboxes import SandboxError, open_sandbox
 from rayrl.sandboxes.local import LocalSandbox
 from rayrl.sandboxes.pool import PoolClosed, PoolExhausted, SandboxPool
-from sbtest_helpers import processes_matching
 
 
 @pytest.fixture

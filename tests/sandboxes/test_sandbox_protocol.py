@@ -10,12 +10,11 @@ import threading
 import time
 
 import pytest
-
 from sbtest_helpers import processes_matching
+
 from rayrl.config import SandboxConfig
-from rayrl.sandboxes import SandboxError, SandboxUnavailable, create_sandbox, open_sandbox
+from rayrl.sandboxes import SandboxError, SandboxUnavailable, create_sandbox, local, open_sandbox
 from rayrl.sandboxes import isolation as iso
-from rayrl.sandboxes import local
 
 MODES = ("bwrap", "unshare", "none")
 

@@ -8,7 +8,6 @@ import threading
 import time
 
 import pytest
-
 from sbtest_helpers import ISOLATED, processes_matching
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import numpy as np
-
 from _traj_kit import Chat, Vocab, assert_sample, call, context, record
+
 from rayrl.trajectory import TrajectoryTree
 from rayrl.types import TurnRecord
 

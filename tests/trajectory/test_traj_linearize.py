@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from _traj_kit import Chat, Vocab, assert_sample, call, context, record
+
 from rayrl.trajectory import DriftKind, TITODriftError, TrajectoryTree
 
 P0 = "<sys> S <eot> <user> go <eot> <asst>"

@@ -6,8 +6,8 @@ import copy
 
 import numpy as np
 import pytest
-
 from _traj_kit import Chat, Vocab, call, context, record
+
 from rayrl.trajectory import SessionClosedError, TrajectoryTree, messages_equal
 from rayrl.types import TurnRecord
 

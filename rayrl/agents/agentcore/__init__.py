@@ -41,4 +41,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ROLLOUT_CONFIG_KEY", "AgentRolloutConfig", "AgentRolloutConfigError", "result_key", *_LAZY]
+__all__ = ["ROLLOUT_CONFIG_KEY", "AgentRolloutConfig", "AgentRolloutConfigError", "result_key"] + list(_LAZY)

@@ -16,7 +16,8 @@ window closes that gap, so "at most acr_tps_limit requests in any second" holds 
 sender's clock. The service counts on its own clock, where network delays shift arrivals: requests
 paced exactly one second per ``rate`` apart could arrive ``rate + 1`` within a second. ``guard_s``
 (the launcher uses 50 ms) widens the window so the quota also holds where AgentCore measures it,
-for delivery jitter up to ``guard_s``, at the cost of that fraction of peak rate. Waiting threads sleep outside the lock and re-check, so a thread that overslept never
+for delivery jitter up to ``guard_s``, at the cost of that fraction of peak rate. Waiting threads sleep
+outside the lock and re-check, so a thread that overslept never
 lets a request through early.
 """
 
