@@ -48,6 +48,7 @@ from rayrl.checkpoint import CheckpointStore
 from rayrl.config import RunConfig, capacity_warnings, resolve, to_yaml
 from rayrl.config.paths import absolute_outputs
 from rayrl.data import JsonlDataset, TaskSampler
+from rayrl.engines.backends import engine_backend
 from rayrl.metrics import CounterDeltas, MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
 from rayrl.pipeline.parts import RunParts, RunState
@@ -297,7 +298,8 @@ class Pipeline:
         their decode weights in float32 for the rest of the run (said once, here)."""
         engine = self.cfg.engine
         gap = gap_crossed(train, engine.max_logprob_gap)
-        if gap is None or self._gap_fallback or engine.backend != "cpu" or engine.weight_format == "float32":
+        if (gap is None or self._gap_fallback or not engine_backend(engine.backend).switch_weight_format
+                or engine.weight_format == "float32"):
             return
         self._gap_fallback = True
         switched = self.engines.set_weight_format("float32")

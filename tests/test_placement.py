@@ -86,6 +86,7 @@ def _on(placement: SharedPlacement, options: dict) -> list[str]:
         ray.kill(actor)
 
 
+@pytest.mark.slow  # ~70 s; fast: test_trainer_group_uses_the_shared_placement, the tp engine test below
 def test_actors_land_on_their_bundles(ray_with_8_logical_gpus):
     plan = plan_placement("colocated", 8, trainer_ranks=8, num_engines=4, tp_size=2)
     placement = SharedPlacement(plan, cpus_per_bundle=0.25)

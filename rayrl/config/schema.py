@@ -43,7 +43,7 @@ class PipelineConfig:
     """How rollout and training are scheduled."""
 
     schedule: Literal["sync", "async", "colocated_async"] = "sync"  # sync | async | colocated_async (order of phases:
-    # actors/schedules.py)
+    # rayrl/pipeline/schedules.py)
     max_staleness: int = 1  # async schedules: samples from more than this many policy versions ago are dropped
     groups_in_flight: int = 0  # async schedules: task groups kept running ahead (0: (max_staleness + 1) x
     # rollout.prompts_per_step, as many batches as the staleness bound lets train)

@@ -42,6 +42,7 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.mark.slow  # ~90 s; fast: agentcore/test_agentcore_eval_bound runs the local AgentCore path on Ray
 def test_two_training_steps_through_local_agentcore(ray_local, tiny_model_dir, tmp_path):
     from actors.pipeline import Pipeline
 

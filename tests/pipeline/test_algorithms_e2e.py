@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from rayrl.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~2 min; fast: test_schedule_phases (dynamic sampling), engines/test_teacher_scoring, test_objective
 def test_dynamic_sampling_distillation_and_several_updates(ray_local, tiny_model_dir, tmp_path):
     from actors.pipeline import Pipeline
 

@@ -22,6 +22,10 @@ import ray
 
 from tests.pipeline.test_schedules_e2e import ROOT, _engine_version, _episodes, pipeline_config
 
+# ~2.5 min for the module (one pipeline shared by its faults); fast: test_schedule_phases (engine membership,
+# reruns), engines/test_router_engine_loss and gateway/test_engine_loss (an engine killed mid-call)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_model_dir, tmp_path_factory):

@@ -125,6 +125,7 @@ def _async_two_steps(tiny_model_dir, tmp_path, ray_local):
     return cfg, untrained, trained
 
 
+@pytest.mark.slow  # ~2.5 min; fast: test_schedule_phases (async phase order, stale drops, resume)
 def test_async_two_steps_drops_stale_groups(ray_local, tiny_model_dir, tmp_path):
     _async_two_steps(tiny_model_dir, tmp_path, ray_local)
 

@@ -10,6 +10,8 @@ import logging
 import os
 import urllib.request
 
+import pytest
+
 from tests.pipeline.test_schedules_e2e import pipeline_config
 
 
@@ -18,6 +20,7 @@ def _engine_state(url: str) -> dict:
         return json.load(resp)["internal_states"][0]
 
 
+@pytest.mark.slow  # ~80 s; fast: test_logprob_gap (gap_crossed, the meter) and the /set_weight_format HTTP test
 def test_packed_engine_falls_back_to_float32_past_the_gap_bound(ray_local, tiny_model_dir, tmp_path, caplog):
     from actors.pipeline import Pipeline
 

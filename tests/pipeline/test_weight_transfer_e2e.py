@@ -53,7 +53,8 @@ def _assert_engine_has_trainer_weights(pipe, tiny_model_dir, directory) -> None:
 @pytest.mark.parametrize(("transfer", "schedule"), [
     # ~35 s; tests/engines/test_weight_transfer.py covers gloo
     pytest.param("distributed", "async", marks=pytest.mark.slow),
-    ("tensor", "colocated_async"),
+    # ~70 s; fast: the colocated_async e2e in test_schedules_e2e pushes over the same tensor transport
+    pytest.param("tensor", "colocated_async", marks=pytest.mark.slow),
 ])
 def test_weights_reach_the_engines_without_disk(ray_local, tiny_model_dir, tmp_path, transfer, schedule):
     from actors.pipeline import Pipeline

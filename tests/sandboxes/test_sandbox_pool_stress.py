@@ -201,6 +201,7 @@ def _wait_for(predicate, timeout: float, interval: float = 0.05):
         time.sleep(interval)
 
 
+@pytest.mark.slow  # ~50 s; fast: sandboxes/test_sandbox_pool_actor (leases, dead owners, backpressure)
 def test_256_contending_leases_with_owner_deaths(ray_local, stress_root):
     root, log_dir, actors = stress_root
     seed = int(os.environ.get("RAYRL_STRESS_SEED", random.SystemRandom().randrange(1 << 30)))
