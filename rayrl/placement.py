@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from rayrl.config import ConfigError
+from rayrl.config.checks import ConfigError  # not the package: the config calls plan_placement at load
 
 LAYOUT_MODES = ("colocated", "split")  # the placement modes that lay out a shared placement group
 
