@@ -22,7 +22,7 @@ from rayrl.agents.agentcore.launcher import RolloutLauncher
 from rayrl.agents.agentcore.protocol import ROLLOUT_CONFIG_KEY, AgentRolloutConfig, AgentRolloutConfigError
 from rayrl.agents.base import AgentResult, EpisodeContext
 from rayrl.config import AgentCoreConfig, ConfigError, load_config
-from rayrl.data.dataset import JsonlDataset
+from rayrl.data.dataset import DatasetError, JsonlDataset
 from rayrl.rewards import get_reward_fn
 from rayrl.rewards.gsm8k import agent_reported_reward, gsm8k_reward, parse_gsm8k_answer
 from rayrl.types import Task
@@ -70,10 +70,17 @@ def test_invariant_2_payload_is_a_shallow_copy(tmp_path):
 
 @pytest.mark.parametrize("metadata", ["missing", None, "a string", [1, 2], 5])
 def test_invariant_3_missing_or_non_dict_metadata_is_an_empty_payload(tmp_path, metadata):
+    """Missing or null metadata is an empty payload, as in agentcore-rl-toolkit. A data file whose row has a
+    metadata that is not an object is refused at load with its file:line (issue 27: data rows are checked
+    before Ray starts) where the toolkit would send an empty payload; a Task built by hand keeps the rule."""
     row = {"prompt": "p"} if metadata == "missing" else {"prompt": "p", "metadata": metadata}
-    task = JsonlDataset(write_rows(tmp_path / "d.jsonl", [row]))[0]
-    payload, _ = harness().payload_for(task, ctx())
-    assert list(payload) == [ROLLOUT_CONFIG_KEY]
+    path = write_rows(tmp_path / "d.jsonl", [row])
+    if metadata in ("missing", None):
+        payload, _ = harness().payload_for(JsonlDataset(path)[0], ctx())
+        assert list(payload) == [ROLLOUT_CONFIG_KEY]
+    else:
+        with pytest.raises(DatasetError, match=r"d\.jsonl:1: 'metadata' must be an object"):
+            JsonlDataset(path)
     assert Task(prompt="p", metadata=metadata).payload() == {}  # even when built by hand
 
 
