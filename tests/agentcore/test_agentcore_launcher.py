@@ -65,8 +65,9 @@ def test_session_result_round_trip(loop_thread, agent_app, moto_s3, s3_client):
     assert [r["session_id"] for r in fake.requests] == [sid]
 
 
-def test_launcher_never_exceeds_acr_tps_limit(loop_thread, agent_app, moto_s3):
-    limit = 8
+def _paced_batch(loop_thread, agent_app, moto_s3, limit: int) -> tuple[list, list[float], list[float], dict]:
+    """30 sessions through a launcher limited to ``limit`` per second: outcomes, the limiter's grant times,
+    the emulator's arrival times and the launcher's stats."""
     with fake_runtime(loop_thread, agent_app) as fake:
         launcher = launcher_for(fake, moto_s3, acr_tps_limit=float(limit), max_concurrent=32)
         grants: list[float] = []
@@ -74,13 +75,27 @@ def test_launcher_never_exceeds_acr_tps_limit(loop_thread, agent_app, moto_s3):
         launcher.limiter.acquire = lambda: grants.append(acquire()) or grants[-1]  # record each grant
         outcomes = list(launcher.run_batch([session(answer=i) for i in range(30)]))
         arrivals = [r["t"] for r in fake.requests if r["op"] == "invoke"]
+    return outcomes, grants, arrivals, launcher.stats()
+
+
+def test_launcher_never_exceeds_acr_tps_limit(loop_thread, agent_app, moto_s3):
+    limit = 8
+    outcomes, grants, arrivals, stats = _paced_batch(loop_thread, agent_app, moto_s3, limit)
     assert all(o.success for o in outcomes)
-    assert len(arrivals) == len(grants) == 30
+    assert len(arrivals) == len(grants) == 30 and stats["invoke_requests"] == 30
     assert max_per_window(grants) == limit  # exact where the launcher sends: the limit is reached, never passed
-    # at the emulator too: the limiter's 50 ms guard absorbs loopback delivery jitter
+    assert max_per_window(grants, 2.0) <= 2 * limit  # no bursts after idle spells either
+
+
+@pytest.mark.slow  # arrival times are wall-clock delivery: on a loaded 2-core machine a request can be held
+# for most of a second between its grant and the emulator, so this is checked on a quiet machine only
+def test_the_tps_limit_holds_at_the_emulator_too(loop_thread, agent_app, moto_s3):
+    limit = 8
+    outcomes, _, arrivals, _ = _paced_batch(loop_thread, agent_app, moto_s3, limit)
+    assert all(o.success for o in outcomes)
+    # the limiter's 50 ms guard absorbs loopback delivery jitter
     assert max_per_window(arrivals) <= limit
-    assert max_per_window(arrivals, 2.0) <= 2 * limit  # no bursts after idle spells either
-    assert launcher.stats()["invoke_requests"] == 30
+    assert max_per_window(arrivals, 2.0) <= 2 * limit
 
 
 def test_throttling_and_5xx_are_retried_with_backoff(loop_thread, agent_app, moto_s3):
