@@ -191,3 +191,20 @@ def test_check_tp_entries_rules():
         check_tp_entries([(w, "4"), ([("b", torch.arange(4.0))], "7")], GPUS)
     with pytest.raises(WeightUpdateError, match="other weights"):
         check_tp_entries([(w, "4"), ([("a", torch.arange(4.0).half())], "7")], GPUS)
+
+
+def test_only_an_engine_that_opens_rayrl_buffers_gets_them(tp2_engine):
+    """Handle senders give rayrl's own shared-memory buffers (rayrl/weights/shm.py: never outliving their
+    owner) only to an engine whose /get_server_info says it opens them: our CPU engine. SGLang's unpickler
+    (and the strict stand-in's, which is SGLang's own) refuses rayrl's opener, so those get torch's handles."""
+    kind, proc = tp2_engine
+
+    async def connected() -> bool:
+        sender = HandleSender([EngineTarget(EngineClient(proc.url), 2)])
+        try:
+            await sender.connect()
+            return sender._engine_buffers
+        finally:
+            await sender.close()
+
+    assert asyncio.run(connected()) is (kind == "cpu-engine")
