@@ -85,7 +85,8 @@ def test_resume_with_groups_in_flight_runs_each_group_once(ray_local):
     for _ in range(10):  # nothing else comes back: the episodes dropped at the resume stay dropped
         dispatcher.poll(0.1)
     taken += dispatcher.take(4)
-    assert [g.group_id for g in taken] == ["g000001-t-1", "g000002-t-2"]
+    # each group once (which of the two re-run groups completes first is the worker's scheduling)
+    assert sorted(g.group_id for g in taken) == ["g000001-t-1", "g000002-t-2"]
     episodes = [(e.group_id, e.info["index"]) for g in taken for e in g.ordered()]
     assert sorted(episodes) == [("g000001-t-1", 0), ("g000001-t-1", 1), ("g000002-t-2", 0), ("g000002-t-2", 1)]
     assert dispatcher.groups_in_flight == 0 and not dispatcher.running
