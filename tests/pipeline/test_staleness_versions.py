@@ -8,6 +8,7 @@ import pytest
 from rayrl.config import ConfigError, Machine, load_config, resolve
 from rayrl.engines.client import GenerateOutput
 from rayrl.engines.outputs import join_parts
+from rayrl.rl.failures import AGENT_CRASHED, ENGINE_ERROR
 from rayrl.rl.groups import Group, split_stale
 from rayrl.rl.staleness import token_staleness
 from rayrl.trajectory import TrajectoryTree
@@ -37,8 +38,13 @@ def test_split_stale_drops_whole_groups_beyond_max_staleness():
     fresh = _group("a", ("ok", [_sample([4, 4], [1, 1])]), ("ok", [_sample([5], [1])]))
     one_behind = _group("b", ("ok", [_sample([4, 5, 5], [1, 1, 1])]), ("ok", [_sample([5], [1])]))
     two_behind = _group("c", ("ok", [_sample([3, 5], [1, 1])]), ("ok", [_sample([5], [1])]))
-    # a failed episode's old samples are not trained, so they do not make its group stale
+    # an infrastructure failure's old samples are not trained, so they do not make its group stale (the
+    # agent's own failures are scored and trained: rayrl/rl/failures.py)
     failed_old = _group("d", ("failed", [_sample([0], [1])]), ("ok", [_sample([5], [1])]))
+    failed_old.episodes[0].failure = ENGINE_ERROR
+    agent_old = _group("e", ("failed", [_sample([0], [1])]), ("ok", [_sample([5], [1])]))
+    agent_old.episodes[0].failure = AGENT_CRASHED
+    assert agent_old.staleness(5) == 5
     assert [g.staleness(5) for g in (fresh, one_behind, two_behind, failed_old)] == [1, 1, 2, 0]
     kept, dropped = split_stale([fresh, one_behind, two_behind, failed_old], version=5, max_staleness=1)
     assert [g.group_id for g in kept] == ["a", "b", "d"] and [g.group_id for g in dropped] == ["c"]
