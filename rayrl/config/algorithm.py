@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Callable, Literal, Mapping, Optional
 
 from rayrl.config.checks import ConfigError, non_negative
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 
-def check_callable_name(field_name: str, value: str, registry_module: str, registry: str) -> None:
-    """``value`` must be a key of ``registry_module.registry`` or a ``package.module:function`` that
-    imports and is callable; else a ConfigError naming ``field_name``."""
-    names = getattr(importlib.import_module(registry_module), registry)
+def named_callable(field_name: str, value: str, names: Mapping[str, Callable[..., Any]]) -> Callable[..., Any]:
+    """``names[value]``, or the callable a ``package.module:function`` names; else a ConfigError naming
+    ``field_name``. The one resolver of the algorithm's registries: the config checks with it at load,
+    rayrl/rl/advantages.py and rayrl/trainers/policy_losses.py resolve with it when they run."""
     if value in names:
-        return
+        return names[value]
     module, sep, attr = value.partition(":")
     if not sep:
         raise ConfigError(f"{field_name}: unknown {value!r}; registered: {', '.join(sorted(names))}, "
@@ -41,6 +41,13 @@ def check_callable_name(field_name: str, value: str, registry_module: str, regis
         raise ConfigError(f"{field_name}: cannot load {value!r}: {type(err).__name__}: {err}") from None
     if not callable(fn):
         raise ConfigError(f"{field_name}: {value!r} is not callable")
+    return fn
+
+
+def check_callable_name(field_name: str, value: str, registry_module: str, registry: str) -> None:
+    """``value`` must be a key of ``registry_module.registry`` or a ``package.module:function`` that
+    imports and is callable; else a ConfigError naming ``field_name``."""
+    named_callable(field_name, value, getattr(importlib.import_module(registry_module), registry))
 
 
 LossAgg = Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]

@@ -26,12 +26,13 @@ Formulas and papers: docs/algorithms.md. Hand-computed tests: tests/test_advanta
 
 from __future__ import annotations
 
-import importlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+
+from rayrl.config.algorithm import named_callable
 
 EPS = 1e-6  # keeps a division by a (near-)zero standard deviation finite
 
@@ -135,12 +136,7 @@ GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"
 
 def get_estimator(name: str) -> EstimatorFn:
     """The registered estimator ``name``, or the function a ``package.module:function`` names."""
-    if name in ESTIMATORS:
-        return ESTIMATORS[name]
-    module, sep, attr = name.partition(":")
-    if not sep:
-        raise ValueError(f"algorithm.advantage_estimator: unknown {name!r}; registered: {sorted(ESTIMATORS)}")
-    return getattr(importlib.import_module(module), attr)
+    return named_callable("algorithm.advantage_estimator", name, ESTIMATORS)
 
 
 def estimate(name: str, x: EstimatorInput) -> np.ndarray:

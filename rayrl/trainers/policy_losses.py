@@ -22,11 +22,12 @@ Formulas and papers: docs/algorithms.md. Hand-computed tests: tests/test_policy_
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from rayrl.config.algorithm import named_callable
 
 MAX_LOG_RATIO = 20.0  # exp() of a larger log-ratio overflows float32's useful range; clamped, as the peers do
 MAX_SEQ_LOG_RATIO = 10.0  # GSPO: the sequence log-ratio is clamped here before exp()
@@ -108,12 +109,7 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo_clip": ppo_clip, "gspo": gspo, "c
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The registered loss ``name``, or the function a ``package.module:function`` names."""
-    if name in POLICY_LOSSES:
-        return POLICY_LOSSES[name]
-    module, sep, attr = name.partition(":")
-    if not sep:
-        raise ValueError(f"algorithm.policy_loss: unknown {name!r}; registered: {sorted(POLICY_LOSSES)}")
-    return getattr(importlib.import_module(module), attr)
+    return named_callable("algorithm.policy_loss", name, POLICY_LOSSES)
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
