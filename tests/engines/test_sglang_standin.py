@@ -25,12 +25,14 @@ from rayrl.weights.wire import serialize_for_engine
 pytest.importorskip("sglang.srt.utils", reason="the pinned sglang wheel (make test installs it)")
 
 PROMPT = [5, 17, 42, 99, 7, 3]
-LONG = {"max_new_tokens": 160, "temperature": 0.0, "ignore_eos": True}
+# long enough that no machine finishes it before the test pauses, aborts or updates around it
+LONG = {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
+MEDIUM = {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True}  # one an update waits out
 
 
 @pytest.fixture(scope="module")
 def strict(tiny_model, tmp_path_factory):
-    cfg = EngineConfig(dtype="float32", max_batch_size=4, context_length=512, num_threads=1, startup_timeout_s=180,
+    cfg = EngineConfig(dtype="float32", max_batch_size=4, context_length=4096, num_threads=1, startup_timeout_s=180,
                        extra_args=["--strict-sglang"])
     proc = EngineProcess(cfg, str(tiny_model), tmp_path_factory.mktemp("strict") / "engine.log").start()
     yield proc
@@ -43,6 +45,19 @@ def weights(tiny_model):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     return [(n, t.detach().clone()) for n, t in model.state_dict().items() if n != "lm_head.weight"]
+
+
+async def _until_running(url: str) -> None:
+    """Wait until the engine reports a request in flight (/get_load), instead of guessing with a sleep."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while loop.time() < deadline:
+        with urllib.request.urlopen(f"{url}/get_load", timeout=10) as resp:
+            load = json.load(resp)[0]
+        if load["num_reqs"] - load["num_waiting_reqs"] > 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the long generation never started running")
 
 
 def _contract(url: str) -> dict:
@@ -103,11 +118,11 @@ def test_release_refuses_while_a_generation_runs_and_an_update_waits_for_it(stri
         order: list[str] = []
 
         async def generation() -> None:
-            out = await client.generate(PROMPT, LONG)
+            out = await client.generate(PROMPT, MEDIUM)
             order.append(f"generation v{out.weight_version}")
 
         async def update() -> None:
-            await asyncio.sleep(0.3)  # the generation is running now
+            await _until_running(strict.url)
             with pytest.raises(EngineError, match="no ongoing request"):
                 await client.release_memory_occupation(None)
             await client.update_weights_from_disk(str(ckpt), "21")
@@ -143,7 +158,7 @@ def test_while_paused_an_update_applies_at_once_and_abort_mode_returns_running_g
     async def run() -> tuple[dict, str]:
         client = EngineClient(strict.url)
         running = asyncio.ensure_future(client.generate(PROMPT, LONG))
-        await asyncio.sleep(0.3)
+        await _until_running(strict.url)
         await client.pause_generation("abort")  # returns once the generation has given up the lock
         out = await running
         handles = HandleSender([EngineTarget(client)], bucket_bytes=1 << 20)
