@@ -1,5 +1,9 @@
 """driver.py's command line: bad configs, missing models, your own agent and reward named wrong, bad data rows:
-each fails before Ray starts with one line that names the field, and exit code 2."""
+each fails before Ray starts with one line that names the field, and exit code 2.
+
+Two cases run driver.py as the real command (a subprocess: exit status, stderr, nothing imported beforehand);
+the rest call its ``main`` in this process, the same code path without paying for a new interpreter each time.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_driver(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "driver.py"), *args], capture_output=True, text=True,
                           timeout=120, cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+def run_main(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    """driver.main in this process, its result shaped as run_driver's."""
+    import driver
+
+    capsys.readouterr()
+    code = driver.main(list(args))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["driver.py", *args], code, captured.out, captured.err)
 
 
 def assert_one_line_exit_2(out: subprocess.CompletedProcess, message: str) -> None:
@@ -42,12 +56,16 @@ def assert_one_line_exit_2(out: subprocess.CompletedProcess, message: str) -> No
          "model error: algorithm.distill_teacher: '/no/teacher' is not a model directory"),
     ],
 )
-def test_bad_input_exits_2_with_message(args, message):
-    out = run_driver(*args)
+def test_bad_input_exits_2_with_message(args, message, capsys):
+    out = run_main(capsys, *args)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert message in out.stderr
-    assert "Traceback" not in out.stderr
-    assert "Started a local Ray" not in out.stderr + out.stdout  # failed before starting Ray
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr[-2000:]
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()  # failed before starting Ray
+
+
+def test_the_command_itself_exits_2_with_one_line():
+    assert_one_line_exit_2(run_driver("trainer.stepz=3"), "config error: trainer.stepz")
 
 
 UNIT = "--config=examples/unit_convert/config.yaml"
@@ -63,9 +81,9 @@ UNIT = "--config=examples/unit_convert/config.yaml"
          "reward(task, result)"),
     ],
 )
-def test_your_own_agent_and_reward_are_checked_at_load(args, message):
-    """Every other mistake tests/test_preflight.py checks in process; these two go through driver.py."""
-    assert_one_line_exit_2(run_driver(*args), message)
+def test_your_own_agent_and_reward_are_checked_at_load(args, message, capsys):
+    """Every other mistake tests/test_preflight.py checks on its own; these two go through driver.main."""
+    assert_one_line_exit_2(run_main(capsys, *args), message)
 
 
 def test_a_module_that_fails_to_import_names_the_field_and_the_line(tmp_path):
@@ -76,14 +94,14 @@ def test_a_module_that_fails_to_import_names_the_field_and_the_line(tmp_path):
                                 f"'undefined_name' is not defined ({tmp_path / 'broken_agent.py'}:3)")
 
 
-def test_bad_data_rows_are_named_with_file_and_line(tmp_path):
+def test_bad_data_rows_are_named_with_file_and_line(tmp_path, capsys):
     data = tmp_path / "tasks.jsonl"
     data.write_text('{"prompt": "ok", "metadata": {"answer": 1}}\n{"question": "no prompt"}\n\n{broken\n'
                     '{"prompt": "p", "metadata": "not an object"}\n')
-    out = run_driver(UNIT, f"data.train_path={data}")
+    out = run_main(capsys, UNIT, f"data.train_path={data}")
     assert_one_line_exit_2(out, f"config error: data.train_path: {data}:2: each row needs a string 'prompt'; "
                                 f"{data}:4: invalid JSON")
     assert f"{data}:5: 'metadata' must be an object" in out.stderr
-    missing = run_driver(UNIT, "data.val_path=examples/unit_convert/data/vall.jsonl")
+    missing = run_main(capsys, UNIT, "data.val_path=examples/unit_convert/data/vall.jsonl")
     assert_one_line_exit_2(missing, "config error: data.val_path: data file not found: "
                                     f"examples/unit_convert/data/vall.jsonl (relative to {ROOT})")

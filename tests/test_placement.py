@@ -86,7 +86,7 @@ def _on(placement: SharedPlacement, options: dict) -> list[str]:
         ray.kill(actor)
 
 
-@pytest.mark.slow  # ~70 s; fast: test_trainer_group_uses_the_shared_placement, the tp engine test below
+@pytest.mark.slow  # ~70 s; fast: test_trainer_group_uses_the_shared_placement
 def test_actors_land_on_their_bundles(ray_with_8_logical_gpus):
     plan = plan_placement("colocated", 8, trainer_ranks=8, num_engines=4, tp_size=2)
     placement = SharedPlacement(plan, cpus_per_bundle=0.25)
@@ -125,6 +125,7 @@ def test_actors_land_on_their_bundles(ray_with_8_logical_gpus):
         placement.remove()
 
 
+@pytest.mark.slow  # ~50 s; fast: test_trainer_group_uses_the_shared_placement (Ray holds what the plan gives)
 def test_tensor_parallel_engine_holds_every_gpu_of_its_bundles(ray_with_8_logical_gpus, tiny_model_dir, tmp_path):
     """A real EngineActor with engine.tp_size=2 (split layout): Ray accounts for both of its GPUs, one by
     the actor and one by its GpuSeat, and the server is given both (here a CPU engine, which ignores them)."""

@@ -64,6 +64,9 @@ def _generate(url: str) -> str:
     return asyncio.run(go())
 
 
+# ~60 s; fast: test_schedule_phases.py::test_an_engine_that_dies_leaves_the_routers_and_returns_only_with_the_
+# current_weights (the membership rules), tests/gateway/test_engine_loss.py (a call survives the death)
+@pytest.mark.slow
 def test_fleet_starts_controls_and_replaces_engines(ray_local, tiny_model, tmp_path):
     cfg = EngineConfig(backend="cpu", num_engines=2, dtype="float32", max_batch_size=4, context_length=256,
                        num_threads=1)

@@ -22,6 +22,10 @@ from rayrl.engines.launcher import EngineProcess
 from rayrl.engines.router import Router
 from tests.engine_kill import kept_and_continued, kill_after_tokens
 
+# ~70 s (two engines restarted per test); fast: tests/gateway/test_engine_loss.py, the same loss seen through the
+# gateway, plain and streamed
+pytestmark = pytest.mark.slow
+
 LONG = {"temperature": 0.0, "max_new_tokens": 1000, "ignore_eos": True}
 N = LONG["max_new_tokens"]
 PROMPT = [5, 17, 42, 99, 7, 3]

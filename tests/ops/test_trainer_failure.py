@@ -37,6 +37,9 @@ def _weights(group: TrainerGroup, root: Path, version: int) -> dict[str, np.ndar
     return merged
 
 
+# ~50 s, real ranks killed in each phase; fast: test_schedule_phases.py (what the pipeline does with a TrainerFailure:
+# survivor checkpoint, fallback, resume line)
+@pytest.mark.slow
 def test_rank_death_in_any_phase_raises_and_a_survivor_checkpoint_resumes(ray_local, tiny_model_dir, tmp_path):
     """Rank 1 dies before a train step, then rank 0 before an onload: each call raises TrainerFailure naming
     its phase and the survivors' policy versions, and rank 2, the one survivor, writes a whole checkpoint
@@ -76,7 +79,7 @@ def test_rank_death_in_any_phase_raises_and_a_survivor_checkpoint_resumes(ray_lo
         fresh.shutdown()
 
 
-@pytest.mark.slow  # ~60 s: two pipelines; the rank-death test below keeps the fast check in make test
+@pytest.mark.slow  # ~60 s: two pipelines
 def test_pipeline_stops_with_a_checkpoint_and_resumes_the_failed_step(ray_local, tiny_model_dir, tmp_path, capsys):
     """A rank dies between steps: step 2 fails, the run stops with a checkpoint of step 1 that marks step 2's
     groups untrained and prints how to resume; the resumed run trains exactly those tasks as step 2."""

@@ -13,10 +13,15 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
+
 from rayrl.config import load_config
 from tests.pipeline.test_schedules_e2e import ROOT
 
 
+# ~45 s, a whole pipeline; fast: tests/test_rl_groups.py (scoring vs rerun per failure kind) and
+# test_schedule_phases.py::test_the_agents_own_failures_are_scored_never_run_again
+@pytest.mark.slow
 def test_agent_bugs_score_infrastructure_failures_rerun_and_every_attempt_is_written(ray_local, tiny_model_dir,
                                                                                     tmp_path, caplog):
     from actors.pipeline import Pipeline

@@ -151,6 +151,7 @@ def test_async_resume_runs_the_checkpoints_untrained_groups_first(ray_local, tin
         resumed.shutdown()
 
 
+@pytest.mark.slow  # ~50 s; fast: test_schedule_phases.py::test_colocated_async_follows_the_gpu_order
 def test_colocated_async_two_steps_pauses_engines_in_order(ray_local, tiny_model_dir, tmp_path):
     from actors.pipeline import Pipeline
 
