@@ -2,7 +2,8 @@
 
 Every component is real: the CPU engine subprocess behind the router, the gateway in the trajectory
 manager, sandboxes from the pool, rollout workers running the openai-SDK agent, the trainer in its
-placement group, and the weight sync back to the engine.
+placement group, and the weight sync back to the engine. The slow twin goes on: a second pipeline resumes
+from the checkpoint and runs a third step.
 """
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ import json
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from rayrl.config import load_config
 from tests.ray_support import scrape_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
+def two_steps(metrics_port: int, model_dir: Path, tmp_path: Path) -> tuple[Path, list[str], int]:
+    """Two steps of the calculator config with failures on purpose, every outcome checked; returns the run
+    directory, the task ids trained, and the policy version reached."""
     from actors.pipeline import Pipeline
 
     data = tmp_path / "tasks.jsonl"
@@ -28,7 +33,7 @@ def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
     cfg = load_config(
         ROOT / "examples" / "calculator" / "config.yaml",
         [
-            f"model.path={tiny_model_dir}",
+            f"model.path={model_dir}",
             "exp_id=e2e",
             f"logging.output_dir={tmp_path / 'runs'}",
             f"data.train_path={data}",
@@ -40,7 +45,7 @@ def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
             "rollout.group_size=4",
             "rollout.max_tokens=12",
             "rollout.max_turns=2",
-            "rollout.episode_timeout_s=15",
+            "rollout.episode_timeout_s=10",
             "rollout.min_group_episodes=1",  # t-first's group trains on its one success instead of running again
             "trainer.steps=2",
             "trainer.micro_batch_tokens=2048",
@@ -85,13 +90,24 @@ def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
         version = pipeline.version
         # step metrics and sandbox-pool metrics reach the node's Prometheus endpoint
         names = ["ray_rayrl_step_metric", 'metric="rollout/reward_mean"', "ray_rayrl_sandbox_acquire_latency_s_bucket"]
-        text = scrape_metrics(ray_local, names)
+        text = scrape_metrics(metrics_port, names)
         assert all(n in text for n in names), [n for n in names if n not in text]
     finally:
         pipeline.shutdown()
+    return cfg.run_dir, seen, version
 
+
+def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
+    two_steps(ray_local, tiny_model_dir, tmp_path)
+
+
+@pytest.mark.slow  # ~60 s on top of the two steps; fast: tests/ops/test_checkpoint_store.py, schedule-phase resumes
+def test_two_steps_then_a_resume_runs_the_third_on_unseen_tasks(ray_local, tiny_model_dir, tmp_path):
+    from actors.pipeline import Pipeline
+
+    run_dir, seen, version = two_steps(ray_local, tiny_model_dir, tmp_path)
     # resume: a new pipeline continues at step 3 with the restored weights and the next, unseen tasks
-    resumed = Pipeline(load_config(cfg.run_dir / "config.yaml", ["trainer.steps=3"]))
+    resumed = Pipeline(load_config(run_dir / "config.yaml", ["trainer.steps=3"]))
     try:
         assert resumed.resume()
         assert resumed.step == 2 and resumed.version == version
@@ -100,7 +116,7 @@ def test_two_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
                 assert json.load(resp)["weight_version"] == str(version if version else 0)
         resumed.run()
         step3 = [json.loads(line)["task_id"]
-                 for line in (cfg.run_dir / "episodes" / "step000003.jsonl").read_text().splitlines()]
+                 for line in (run_dir / "episodes" / "step000003.jsonl").read_text().splitlines()]
         assert len(set(step3)) == 2 and not set(step3) & set(seen)  # 8 tasks: no task trained twice in the epoch
     finally:
         resumed.shutdown()
