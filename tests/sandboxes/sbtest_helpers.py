@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 
-ISOLATED = ("bwrap", "unshare")
+import pytest
+
+# bwrap is what isolation "auto" picks wherever it is installed; unshare, the fallback, runs every test
+# too, in the slow suite (make test-slow), to keep make test under CI's 15 minutes
+UNSHARE = pytest.param("unshare", marks=pytest.mark.slow)
+ISOLATED = ("bwrap", UNSHARE)
 
 
 def processes_matching(text: str) -> list[int]:

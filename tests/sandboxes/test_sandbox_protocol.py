@@ -10,13 +10,13 @@ import threading
 import time
 
 import pytest
-from sbtest_helpers import processes_matching
+from sbtest_helpers import UNSHARE, processes_matching
 
 from rayrl.config import SandboxConfig
 from rayrl.sandboxes import SandboxError, SandboxUnavailable, create_sandbox, local, open_sandbox
 from rayrl.sandboxes import isolation as iso
 
-MODES = ("bwrap", "unshare", "none")
+MODES = ("bwrap", UNSHARE, "none")
 
 
 @pytest.mark.parametrize("mode", MODES)
