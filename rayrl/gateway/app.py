@@ -31,6 +31,7 @@ import json
 import logging
 import re
 import secrets
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, TypeVar
@@ -40,7 +41,7 @@ from aiohttp import web
 from rayrl.config import GatewayConfig, TrajectoryConfig
 from rayrl.engines import http_input
 from rayrl.engines.client import GenerateOutput
-from rayrl.gateway import admin_trees, anthropic_messages, openai_chat, openai_responses
+from rayrl.gateway import admin_trees, anthropic_messages, front_door, openai_chat, openai_responses
 from rayrl.gateway.errors import RequestError
 from rayrl.gateway.openapi import openapi_spec
 from rayrl.gateway.params import TurnSpec, lone_surrogate_path, number
@@ -160,6 +161,8 @@ class Gateway:
                                   self.upstream, context_length, self.counters, self.cpu)
         self.base_url = ""
         self._runner: web.AppRunner | None = None
+        self.front: front_door.FrontDoor | None = None  # the listener; answers /health in its own thread
+        self._adopting: set[asyncio.Task] = set()
         self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="gateway-prep")
         self.app = self._build_app()
 
@@ -202,17 +205,36 @@ class Gateway:
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True,
                                      auto_decompress=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host or self.cfg.host, self.cfg.port if port is None else port)
-        await site.start()
-        sockets = site._server.sockets  # type: ignore[union-attr]
-        bound_host, bound_port = sockets[0].getsockname()[:2]
+        sock = front_door.bind(host or self.cfg.host, self.cfg.port if port is None else port)
+        self.front = front_door.FrontDoor(sock, asyncio.get_running_loop(), self._adopt, self.health_status)
+        self.front.start()
+        bound_host, bound_port = sock.getsockname()[:2]
         if bound_host in ("0.0.0.0", "::") and advertise_host:
             bound_host = advertise_host
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         self.base_url = f"http://{shown}:{bound_port}/v1"
         return self.base_url
 
+    def _adopt(self, sock: socket.socket) -> None:
+        """A connection the front door hands over: served by aiohttp from its first byte."""
+        runner = self._runner
+        if runner is None or runner.server is None:
+            sock.close()
+            return
+        task = asyncio.get_running_loop().create_task(
+            asyncio.get_running_loop().connect_accepted_socket(runner.server, sock))
+        self._adopting.add(task)
+        task.add_done_callback(self._adopted)
+
+    def _adopted(self, task: asyncio.Task) -> None:
+        self._adopting.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("gateway: a connection could not be served: %s", task.exception())
+
     async def stop(self) -> None:
+        if self.front is not None:
+            self.front.stop()
+            self.front = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -393,8 +415,13 @@ class Gateway:
         if not secrets.compare_digest((self._bearer(request) or "").encode(), self.admin_token.encode()):
             raise RequestError("admin token required", status=401)
 
+    def health_status(self) -> dict[str, Any]:
+        """The body of a healthy ``/health`` answer (read by the front door's thread: reads only)."""
+        return {"status": "ok", "open_sessions": self.sessions.open_sessions}
+
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "open_sessions": self.sessions.open_sessions})
+        """``/health`` on a connection the front door already handed over (it answers the rest itself)."""
+        return web.json_response(self.health_status())
 
     async def _models(self, request: web.Request) -> web.Response:
         names = [self.model_name] + [n for n in self.cfg.served_model_names if n != self.model_name]
