@@ -16,11 +16,12 @@ No request blocks the server: a body over ``OFF_LOOP_BYTES`` is decoded, validat
 tokenized in a worker thread (:meth:`Gateway.off_loop`), and the token limit (render.py) stops a huge
 prompt early, so ``/health`` and other sessions' calls keep being answered meanwhile.
 
-``/health`` is answered ahead of generation work: the event loop's CPU work for LLM calls (decoding and
-rendering a request, parsing and recording its answer) and for finishing sessions runs one piece at a
-time under :attr:`Gateway.cpu`, a fair lock; under contention each piece waits its turn in a later turn
-of the event loop, after the sockets are polled again. With a thousand calls in flight, a ``/health``
-request (which takes no lock) then waits for about one piece of work, not for every call's.
+``/health`` is answered ahead of generation work: the listening socket belongs to a thread of its own
+(front_door.FrontDoor), which answers health checks itself and hands every other connection, unread,
+to the event loop. There, the CPU work for LLM calls (decoding and rendering a request, parsing and
+recording its answer) and for finishing sessions runs one piece at a time under :attr:`Gateway.cpu`, a
+fair lock; under contention each piece waits its turn in a later turn of the event loop, after the
+sockets are polled again, so the calls of a thousand sessions are taken in turn.
 """
 
 from __future__ import annotations
