@@ -32,6 +32,7 @@ logger = logging.getLogger("rayrl.gateway")
 
 BEAT_S = 0.1  # the event loop's heartbeat period
 STALLED_S = 10.0  # no beat for this long: the loop is not serving, /health answers 503
+ACCEPT_RETRY_S = 1.0  # accepting failed (out of descriptors, say): pause accepting this long, as asyncio does
 IDLE_S = 75.0  # a keep-alive connection that asks nothing for this long is closed (aiohttp's default)
 BACKLOG = 1024  # pending connections; a burst of agents connecting at once must not overflow it
 _PEEK = 4096
@@ -84,6 +85,7 @@ class FrontDoor:
         self._wake_r, self._wake_w = socket.socketpair()
         self._idle_since: dict[socket.socket, float] = {}
         self._beat: asyncio.TimerHandle | None = None
+        self._accept_paused_until = 0.0
         self._thread = threading.Thread(target=self._run, name="gateway-front-door", daemon=True)
 
     def start(self) -> None:
@@ -123,6 +125,9 @@ class FrontDoor:
                     elif key.data == "conn":
                         self._serve(key.fileobj)  # type: ignore[arg-type]
                 self._close_idle()
+                if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
+                    self._accept_paused_until = 0.0
+                    self._selector.register(self.sock, selectors.EVENT_READ, "accept")
         except Exception:  # a bug here must not leave the gateway without a listener unnoticed
             logger.exception("the gateway's front door failed; no new connections are accepted")
         finally:
@@ -138,8 +143,11 @@ class FrontDoor:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as err:  # out of descriptors, say: logged, and accepting goes on
-                logger.warning("gateway: accepting a connection failed: %s", err)
+            except OSError as err:  # out of descriptors, say: logged once, accepting paused for a while
+                logger.warning("gateway: accepting a connection failed (%s); retrying in %.0f s", err,
+                               ACCEPT_RETRY_S)
+                self._selector.unregister(self.sock)
+                self._accept_paused_until = time.monotonic() + ACCEPT_RETRY_S
                 return
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -163,10 +171,13 @@ class FrontDoor:
             self._hand_over(conn)
             return
         is_head, close = health
+        answer = self._answer(is_head, close)
         try:
             conn.recv(head.find(b"\r\n\r\n") + 4)  # consume exactly this request
-            conn.send(self._answer(is_head, close))  # a few hundred bytes: fits any socket buffer
+            sent = conn.send(answer)  # a few hundred bytes: fits the socket buffer of a client that reads
         except OSError:
+            sent = -1
+        if sent != len(answer):  # a client that does not read its answers is not kept
             self._drop(conn)
             return
         self.answered += 1
