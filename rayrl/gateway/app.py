@@ -421,8 +421,10 @@ class Gateway:
         return {"status": "ok", "open_sessions": self.sessions.open_sessions}
 
     async def _health(self, request: web.Request) -> web.Response:
-        """``/health`` on a connection the front door already handed over (it answers the rest itself)."""
-        return web.json_response(self.health_status())
+        """``/health`` on a connection the front door already handed over (it answers the rest itself):
+        the same answer."""
+        code, body = self.front.verdict() if self.front is not None else (200, self.health_status())
+        return web.json_response(body, status=code)
 
     async def _models(self, request: web.Request) -> web.Response:
         names = [self.model_name] + [n for n in self.cfg.served_model_names if n != self.model_name]

@@ -86,6 +86,7 @@ class FrontDoor:
         self._idle_since: dict[socket.socket, float] = {}
         self._beat: asyncio.TimerHandle | None = None
         self._accept_paused_until = 0.0
+        self._stall_logged = False
         self._thread = threading.Thread(target=self._run, name="gateway-front-door", daemon=True)
 
     def start(self) -> None:
@@ -186,18 +187,25 @@ class FrontDoor:
         else:
             self._idle_since[conn] = time.monotonic()
 
-    def _answer(self, is_head: bool, close: bool) -> bytes:
+    def verdict(self) -> tuple[int, dict[str, Any]]:
+        """The status code and body of a ``/health`` answer now (from any thread)."""
         lag = time.monotonic() - self.last_beat
         if self.stopping:
-            code, body = 503, {"status": "unavailable", "reason": "the gateway is stopping"}
-        elif lag > self.stalled_s:
-            code, body = 503, {"status": "unavailable",
-                               "reason": f"the gateway's event loop has not run for {lag:.1f} s"}
-        else:
-            try:
-                code, body = 200, {**self.status(), "loop_lag_ms": round(lag * 1e3, 1)}
-            except Exception as err:  # the status itself failed: say so, do not claim health
-                code, body = 503, {"status": "unavailable", "reason": f"status failed: {type(err).__name__}"}
+            return 503, {"status": "unavailable", "reason": "the gateway is stopping"}
+        if lag > self.stalled_s:
+            reason = f"the gateway's event loop has not run for {lag:.1f} s"
+            if not self._stall_logged:  # once per stall
+                self._stall_logged = True
+                logger.warning("/health -> 503: %s", reason)
+            return 503, {"status": "unavailable", "reason": reason}
+        self._stall_logged = False
+        try:
+            return 200, {**self.status(), "loop_lag_ms": round(lag * 1e3, 1)}
+        except Exception as err:  # the status itself failed: say so, do not claim health
+            return 503, {"status": "unavailable", "reason": f"status failed: {type(err).__name__}"}
+
+    def _answer(self, is_head: bool, close: bool) -> bytes:
+        code, body = self.verdict()
         payload = json.dumps(body).encode()
         reason = b"OK" if code == 200 else b"Service Unavailable"
         head = (b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n"
