@@ -222,15 +222,17 @@ class Gateway:
         if runner is None or runner.server is None:
             sock.close()
             return
-        task = asyncio.get_running_loop().create_task(
-            asyncio.get_running_loop().connect_accepted_socket(runner.server, sock))
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(loop.connect_accepted_socket(runner.server, sock))
         self._adopting.add(task)
-        task.add_done_callback(self._adopted)
+        task.add_done_callback(lambda done: self._adopted(done, sock))
 
-    def _adopted(self, task: asyncio.Task) -> None:
+    def _adopted(self, task: asyncio.Task, sock: socket.socket) -> None:
         self._adopting.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.warning("gateway: a connection could not be served: %s", task.exception())
+        if task.cancelled() or task.exception() is not None:
+            sock.close()
+            if not task.cancelled():
+                logger.warning("gateway: a connection could not be served: %s", task.exception())
 
     async def stop(self) -> None:
         if self.front is not None:
