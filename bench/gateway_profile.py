@@ -66,7 +66,7 @@ async def profile(args: argparse.Namespace) -> tuple[pstats.Stats, dict]:
 
     from rayrl.config import GatewayConfig, TrajectoryConfig
     from rayrl.engines.router import Router
-    from rayrl.gateway.app import Gateway
+    from rayrl.gateway.app import Gateway, settle_heap
     from rayrl.models import provision_smollm2
 
     tokenizer_dir = str(provision_smollm2())
@@ -81,6 +81,7 @@ async def profile(args: argparse.Namespace) -> tuple[pstats.Stats, dict]:
                           AutoTokenizer.from_pretrained(tokenizer_dir), router, model_name="stub",
                           context_length=4096, admin_token="admin")
         base = await gateway.start(host="127.0.0.1", port=0)
+        settle_heap()  # as the gateway's hosts do: else the profile holds collections they never make
         tokens = [gateway.open_session().token for _ in range(args.clients)]
         load = subprocess.Popen([sys.executable, "-c", LOAD, base + "/chat/completions", json.dumps(tokens),
                                  str(args.seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

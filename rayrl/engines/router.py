@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import json
 import logging
 import os
 import time
@@ -40,6 +39,7 @@ from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from rayrl.engines import wire_json
 from rayrl.engines.client import EngineClient, EngineError, EngineUnavailable, GenerateOutput, error_message
 from rayrl.engines.outputs import StreamAccumulator, join_parts
 from rayrl.engines.stream_http import StreamHTTPError, StreamingHTTP
@@ -402,7 +402,7 @@ class Router:
         """One part of a generation, streamed from the engine at ``url``. A broken stream raises
         EngineUnavailable with the tokens received so far (``partial``); an unfinished one is aborted."""
         payload = {
-            "input_ids": np.asarray(input_ids).tolist(),  # Python ints, whatever the array's dtype
+            "input_ids": np.ascontiguousarray(input_ids),  # encoded straight from the array (wire_json)
             "sampling_params": dict(params),
             "rid": rid,
             "return_logprob": True,
@@ -414,7 +414,7 @@ class Router:
 
         def fold(data: bytes) -> None:
             nonlocal finished
-            chunk = json.loads(data)
+            chunk = wire_json.loads(data)
             if isinstance(chunk, dict) and "error" in chunk:
                 err = chunk["error"]
                 raise EngineError(500, str(err.get("message") if isinstance(err, dict) else err), url)
@@ -423,7 +423,7 @@ class Router:
 
         try:
             try:
-                async with self._http().post(url, "/generate", json.dumps(payload).encode()) as resp:
+                async with self._http().post(url, "/generate", wire_json.dumps(payload)) as resp:
                     if resp.status >= 300:
                         raise EngineError(resp.status, error_message(await resp.read()), url)
                     rest, done = b"", False

@@ -16,11 +16,12 @@ No request blocks the server: a body over ``OFF_LOOP_BYTES`` is decoded, validat
 tokenized in a worker thread (:meth:`Gateway.off_loop`), and the token limit (render.py) stops a huge
 prompt early, so ``/health`` and other sessions' calls keep being answered meanwhile.
 
-``/health`` is answered ahead of generation work: the event loop's CPU work for LLM calls (decoding and
-rendering a request, parsing and recording its answer) and for finishing sessions runs one piece at a
-time under :attr:`Gateway.cpu`, a fair lock; under contention each piece waits its turn in a later turn
-of the event loop, after the sockets are polled again. With a thousand calls in flight, a ``/health``
-request (which takes no lock) then waits for about one piece of work, not for every call's.
+``/health`` is answered ahead of generation work: the listening socket belongs to a thread of its own
+(front_door.FrontDoor), which answers health checks itself and hands every other connection, unread,
+to the event loop. There, the CPU work for LLM calls (decoding and rendering a request, parsing and
+recording its answer) and for finishing sessions runs one piece at a time under :attr:`Gateway.cpu`, a
+fair lock; under contention each piece waits its turn in a later turn of the event loop, after the
+sockets are polled again, so the calls of a thousand sessions are taken in turn.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import json
 import logging
 import re
 import secrets
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, TypeVar
@@ -40,7 +42,7 @@ from aiohttp import web
 from rayrl.config import GatewayConfig, TrajectoryConfig
 from rayrl.engines import http_input
 from rayrl.engines.client import GenerateOutput
-from rayrl.gateway import admin_trees, anthropic_messages, openai_chat, openai_responses
+from rayrl.gateway import admin_trees, anthropic_messages, front_door, openai_chat, openai_responses
 from rayrl.gateway.errors import RequestError
 from rayrl.gateway.openapi import openapi_spec
 from rayrl.gateway.params import TurnSpec, lone_surrogate_path, number
@@ -160,6 +162,8 @@ class Gateway:
                                   self.upstream, context_length, self.counters, self.cpu)
         self.base_url = ""
         self._runner: web.AppRunner | None = None
+        self.front: front_door.FrontDoor | None = None  # the listener; answers /health in its own thread
+        self._adopting: set[asyncio.Task] = set()
         self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="gateway-prep")
         self.app = self._build_app()
 
@@ -202,17 +206,38 @@ class Gateway:
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True,
                                      auto_decompress=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host or self.cfg.host, self.cfg.port if port is None else port)
-        await site.start()
-        sockets = site._server.sockets  # type: ignore[union-attr]
-        bound_host, bound_port = sockets[0].getsockname()[:2]
+        sock = front_door.bind(host or self.cfg.host, self.cfg.port if port is None else port)
+        self.front = front_door.FrontDoor(sock, asyncio.get_running_loop(), self._adopt, self.health_status)
+        self.front.start()
+        bound_host, bound_port = sock.getsockname()[:2]
         if bound_host in ("0.0.0.0", "::") and advertise_host:
             bound_host = advertise_host
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         self.base_url = f"http://{shown}:{bound_port}/v1"
         return self.base_url
 
+    def _adopt(self, sock: socket.socket) -> None:
+        """A connection the front door hands over: served by aiohttp from its first byte."""
+        runner = self._runner
+        if runner is None or runner.server is None:
+            sock.close()
+            return
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(loop.connect_accepted_socket(runner.server, sock))
+        self._adopting.add(task)
+        task.add_done_callback(lambda done: self._adopted(done, sock))
+
+    def _adopted(self, task: asyncio.Task, sock: socket.socket) -> None:
+        self._adopting.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            sock.close()
+            if not task.cancelled():
+                logger.warning("gateway: a connection could not be served: %s", task.exception())
+
     async def stop(self) -> None:
+        if self.front is not None:
+            self.front.stop()
+            self.front = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -393,8 +418,15 @@ class Gateway:
         if not secrets.compare_digest((self._bearer(request) or "").encode(), self.admin_token.encode()):
             raise RequestError("admin token required", status=401)
 
+    def health_status(self) -> dict[str, Any]:
+        """The body of a healthy ``/health`` answer (read by the front door's thread: reads only)."""
+        return {"status": "ok", "open_sessions": self.sessions.open_sessions}
+
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "open_sessions": self.sessions.open_sessions})
+        """``/health`` on a connection the front door already handed over (it answers the rest itself):
+        the same answer."""
+        code, body = self.front.verdict() if self.front is not None else (200, self.health_status())
+        return web.json_response(body, status=code)
 
     async def _models(self, request: web.Request) -> web.Response:
         names = [self.model_name] + [n for n in self.cfg.served_model_names if n != self.model_name]
