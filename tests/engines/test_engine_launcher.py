@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rayrl.config import EngineConfig
+from rayrl.config import EngineConfig, SGLangConfig
 from rayrl.engines.backends.cpu import cpu_server_command
 from rayrl.engines.backends.sglang import sglang_command
 from rayrl.engines.client import EngineClient
@@ -81,7 +81,8 @@ def test_startup_timeout_reports_log_tail(tmp_path):
 
 
 def test_command_builders():
-    cfg = EngineConfig(tp_size=2, mem_fraction_static=0.6, dtype="bfloat16", extra_args=["--foo", "1"])
+    cfg = EngineConfig(tp_size=2, sglang=SGLangConfig(mem_fraction_static=0.6), dtype="bfloat16",
+                       extra_args=["--foo", "1"])
     sg = sglang_command(cfg, "/models/m", 30001)
     assert sg[1:3] == ["-m", "sglang.launch_server"]
     joined = " ".join(sg)
