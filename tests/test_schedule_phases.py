@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -24,6 +24,7 @@ from rayrl.checkpoint import CheckpointStore
 from rayrl.config import load_config, resolve
 from rayrl.data import TaskSampler
 from rayrl.pipeline.failures import TrainerFailure, WeightSyncError
+from rayrl.pipeline.groups_in_flight import GroupsInFlight
 from rayrl.pipeline.parts import RunParts, RunState
 from rayrl.pipeline.run_checkpoint import RunCheckpoints
 from rayrl.pipeline.schedules import make_schedule
@@ -55,28 +56,22 @@ class Log(list):
         return list(self[mark:])
 
 
-class FakeDispatcher:
-    """GroupDispatcher's contract: a queued group starts at the next poll (on that poll's policy version)
-    and completes there; ``stalled`` groups never complete (a step deadline test)."""
+class FakeDispatcher(GroupsInFlight):
+    """GroupDispatcher's contract, on the real bookkeeping of the groups in flight (the GroupsInFlight
+    it extends too): a queued group starts at the next poll (on that poll's policy version) and completes
+    there, in-process instead of on rollout workers; ``stalled`` groups never complete (a step deadline
+    test)."""
 
     def __init__(self, log: Log, group_size: int, outcome: Outcome = scored_by_index) -> None:
+        super().__init__(group_size)
         self.log = log
         self.state = RunState()  # the run's (make_run sets it): the policy version a group starts on
-        self.group_size = group_size
         self.outcome = outcome
-        self.queue: deque[Group] = deque()
-        self.active: dict[str, Group] = {}
-        self.completed: deque[Group] = deque()
         self.stalled = False
         self.submitted: list[tuple[str, str, bool, int]] = []  # (group id, task id, front, reruns)
 
-    @property
-    def groups_in_flight(self) -> int:
-        return len(self.queue) + len(self.active) + len(self.completed)
-
     def submit(self, task: Task, group_id: str, front: bool = False, reruns: int = 0) -> None:
-        group = Group(task, group_id, self.group_size, reruns=reruns)
-        (self.queue.appendleft if front else self.queue.append)(group)
+        super().submit(task, group_id, front, reruns)
         self.submitted.append((group_id, task.task_id, front, reruns))
 
     def poll(self, timeout: float) -> int:
@@ -93,12 +88,6 @@ class FakeDispatcher:
             self.completed.append(group)
         return len(done)
 
-    def take(self, n: int) -> list[Group]:
-        out = []
-        while self.completed and len(out) < n:
-            out.append(self.completed.popleft())
-        return out
-
     def fail_unfinished(self, reason: str) -> list[Group]:
         groups = list(self.active.values())
         for group in groups:
@@ -106,15 +95,6 @@ class FakeDispatcher:
                                       reason) for i in range(group.size)}
         self.active.clear()
         return groups
-
-    def untrained_tasks(self) -> list[dict[str, Any]]:
-        groups = list(self.completed) + list(self.active.values()) + list(self.queue)
-        return [{"task": dataclasses.asdict(g.task), "group_id": g.group_id} for g in groups]
-
-    def restore(self, rows: list[dict[str, Any]]) -> None:
-        self.queue.clear(), self.active.clear(), self.completed.clear()
-        for row in rows:
-            self.submit(Task(**row["task"]), row["group_id"])
 
 
 class FakeTrainer:
