@@ -127,7 +127,14 @@ def test_megatron_trainer_offload_frees_what_it_holds(medium_qwen2_dir):
 
 EXIT_SCRIPT = r"""
 import torch
-from rayrl.trainers.memory_saver import MemorySaver, _hook_mode, gpu_memory_used_bytes, init_optimizer_state
+from rayrl.trainers.memory_saver import MemorySaver, _hook_mode, init_optimizer_state
+
+
+def gpu_memory_used_bytes():  # as tests/gpu/_gpu_kit.py's (this script runs in its own interpreter)
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 saver = MemorySaver(enabled=True, tag="exit-test")
 with saver.region():
     model = torch.nn.Linear(4096, 4096, device="cuda")
