@@ -53,10 +53,6 @@ class AgentCoreLauncher:
     def stats(self) -> dict[str, int]:
         return self.launcher.stats()
 
-    def local_pids(self) -> dict[str, int]:
-        """Local mode: the pids of the agent app, emulator and moto server (they must die with this actor)."""
-        return {name: proc.pid for name, proc in self.local.procs.items()} if self.local is not None else {}
-
     def shutdown(self) -> None:
         if self.local is not None:
             self.local.stop()

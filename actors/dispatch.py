@@ -10,15 +10,13 @@ Fault tolerance: when a rollout worker actor dies, every episode it was running 
 group, same index: not lost, not counted twice) and a fresh worker takes its place; the death is
 counted and logged once. An episode re-queued more than ``max_retries`` times fails instead.
 
-A group id is in flight at most once: :meth:`GroupDispatcher.submit` refuses an id already queued,
-running or complete, and :meth:`GroupDispatcher.restore` (resume from a checkpoint) drops whatever is
-in flight before it queues the checkpoint's groups. Adding a checkpoint's groups next to the same groups
-still in flight is how one group came to be trained twice in one step (a resume on a live pipeline).
+Which groups are queued, running and complete, and the rules on them (a group id in flight at most once,
+oldest first, a checkpoint's groups replacing what is in flight), are rayrl/pipeline/groups_in_flight.py's
+GroupsInFlight, which this class extends with the episodes' runs on the workers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import Counter, deque
@@ -27,14 +25,15 @@ from typing import Any, Callable
 import ray
 from ray.exceptions import RayActorError
 
+from rayrl.pipeline.groups_in_flight import GroupsInFlight
 from rayrl.rl.failures import STEP_DEADLINE, WORKER_DIED, fail
 from rayrl.rl.groups import Group
-from rayrl.types import Episode, Task
+from rayrl.types import Episode
 
 logger = logging.getLogger("rayrl.pipeline")
 
 
-class GroupDispatcher:
+class GroupDispatcher(GroupsInFlight):
     """Bounded-concurrency episode dispatch over rollout workers, with re-queue on worker death."""
 
     def __init__(
@@ -45,14 +44,11 @@ class GroupDispatcher:
         restart_worker: Callable[[int], Any],
         max_retries: int = 2,
     ) -> None:
+        super().__init__(group_size)
         self.workers = list(workers)
-        self.group_size = group_size
         self.limit = limit
         self.restart_worker = restart_worker
         self.max_retries = max_retries
-        self.queue: deque[Group] = deque()  # waiting to start
-        self.active: dict[str, Group] = {}  # started, not complete
-        self.completed: deque[Group] = deque()  # complete, not yet taken
         self.running: dict[Any, tuple[str, int, int]] = {}  # ref -> (group_id, index, worker slot)
         self._ran_on: dict[Any, Any] = {}  # ref -> the worker handle it was sent to
         self.retry: deque[tuple[str, int]] = deque()  # episodes to run again
@@ -61,19 +57,6 @@ class GroupDispatcher:
         self._dead_handles: set[Any] = set()
 
     # -- what to run -------------------------------------------------------------------------------
-
-    def submit(self, task: Task, group_id: str, front: bool = False, reruns: int = 0) -> None:
-        """Queue a group of ``task`` (``front``: before the others; ``reruns``: how often it ran before).
-        Raises ValueError for a group id already in flight: its episodes would be recorded twice."""
-        if group_id in self.active or any(g.group_id == group_id for g in (*self.queue, *self.completed)):
-            raise ValueError(f"group {group_id} is already in flight")
-        group = Group(task, group_id, self.group_size, reruns=reruns)
-        (self.queue.appendleft if front else self.queue.append)(group)
-
-    @property
-    def groups_in_flight(self) -> int:
-        """Groups queued, running or complete but not taken."""
-        return len(self.queue) + len(self.active) + len(self.completed)
 
     def _launch(self, group: Group, index: int) -> None:
         k = self._next_worker % len(self.workers)
@@ -151,13 +134,6 @@ class GroupDispatcher:
                        k, type(err).__name__)
         self.workers[k] = self.restart_worker(k)
 
-    def take(self, n: int) -> list[Group]:
-        """Up to ``n`` completed groups, oldest first."""
-        out = []
-        while self.completed and len(out) < n:
-            out.append(self.completed.popleft())
-        return out
-
     def fail_unfinished(self, reason: str) -> list[Group]:
         """Stop every started group now (sync schedule's deadline): cancel, fail what is missing."""
         for ref, (group_id, index, _) in list(self.running.items()):
@@ -175,26 +151,11 @@ class GroupDispatcher:
 
     # -- checkpoint ----------------------------------------------------------------------------------
 
-    def restore(self, rows: list[dict[str, Any]]) -> None:
-        """Make a checkpoint's untrained groups (``rows``, oldest first, as :meth:`untrained_tasks` wrote
-        them) the whole of the work: what is in flight now is dropped first (its episodes' results are
-        ignored), so a group that is both in flight and in the checkpoint runs once."""
+    def drop(self) -> None:
+        """Forget every group in flight and cancel their running episodes (their results are ignored)."""
         for ref in self.running:
             ray.cancel(ref)
         self.running.clear()
         self._ran_on.clear()
         self.retry.clear()
-        self.queue.clear()
-        self.active.clear()
-        self.completed.clear()
-        for row in rows:
-            self.submit(self.task_of(row), row["group_id"])
-
-    def untrained_tasks(self) -> list[dict[str, Any]]:
-        """Every group not yet handed to the trainer, oldest first, as JSON-safe rows."""
-        groups = list(self.completed) + list(self.active.values()) + list(self.queue)
-        return [{"task": dataclasses.asdict(g.task), "group_id": g.group_id} for g in groups]
-
-    @staticmethod
-    def task_of(row: dict[str, Any]) -> Task:
-        return Task(**row["task"])
+        super().drop()

@@ -43,7 +43,7 @@ from actors.runtime import on_driver_node
 from actors.sandbox_pool import SandboxPoolActor
 from actors.trainer import TrainerFailure, TrainerGroup
 from actors.trajectory_manager import start_trajectory_managers
-from actors.weight_sync import WeightSync, WeightSyncError
+from actors.weight_sync import WeightSync
 from rayrl.checkpoint import CheckpointStore
 from rayrl.config import RunConfig, capacity_warnings, resolve, to_yaml
 from rayrl.config.paths import absolute_outputs
@@ -51,6 +51,7 @@ from rayrl.data import JsonlDataset, TaskSampler
 from rayrl.engines.backends import engine_backend
 from rayrl.metrics import CounterDeltas, MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
+from rayrl.pipeline.failures import WeightSyncError
 from rayrl.pipeline.parts import RunParts, RunState
 from rayrl.pipeline.run_checkpoint import RunCheckpoints
 from rayrl.pipeline.schedules import make_schedule
@@ -109,8 +110,8 @@ class Pipeline:
             self.engines.release_memory_occupation()
         self.trainer = TrainerGroup(cfg.trainer, self.model_path, seed=cfg.seed, name_prefix=name,
                                     placement=self.placement, algorithm=cfg.algorithm)
-        self.weights = WeightSync(cfg, self.trainer, self.engines)
-        routes = self.weights.connect()
+        self.weights = WeightSync(cfg, self.trainer)
+        routes = self.weights.connect(self.engines.endpoints())
         if self.placement is not None and routes is not None:
             print(f"[rayrl] weights: {routes.describe()}", flush=True)
         # 4. the gateway
@@ -246,7 +247,7 @@ class Pipeline:
         if not self.checkpoints.resume():
             return False
         if self.state.version > 0:
-            self.weights.push(self.state.version)
+            self.schedule.membership.push_weights(self.state.version)
         return True
 
     # -- what tests, notebooks and the driver look at ------------------------------------------------

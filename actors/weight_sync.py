@@ -6,6 +6,10 @@ node, a broadcast group across nodes. :meth:`connect` plans and hands every rank
 after an engine is replaced: its address and group seat changed); :meth:`push` sends one version,
 bounded by ``pipeline.weight_sync_timeout_s`` so a hung engine fails the run with a clear error instead
 of hanging it. Nothing here or in the trainer actor looks at which transport it is.
+
+Which engines take the weights is given to it (the endpoints the engine membership reads from the fleet,
+rayrl/pipeline/membership.py); it never looks at the fleet, and whether a failed update goes again to
+the engines left after one died is the membership's call.
 """
 
 from __future__ import annotations
@@ -15,45 +19,35 @@ from typing import Any, Optional
 
 from actors.trainer import TrainerGroup
 from rayrl.config import RunConfig
-from rayrl.pipeline.failures import TrainerFailure
-from rayrl.pipeline.parts import EngineEndpoints
+from rayrl.pipeline.failures import TrainerFailure, WeightSyncError
 from rayrl.weights.files import shared_memory_root
 from rayrl.weights.routes import EngineEndpoint, RankPlace, WeightRoutes, plan_routes
 
 logger = logging.getLogger("rayrl.pipeline")
 
 
-class WeightSyncError(RuntimeError):
-    """A weight update to the engines failed or did not finish within ``pipeline.weight_sync_timeout_s``."""
-
-
 class WeightSync:
-    """Connects the trainer's senders to the engines that serve and pushes versions. It reads where the
-    engines are (``engines``: the fleet, as EngineEndpoints) and never changes who serves: that is the
-    engine membership's (rayrl/pipeline/membership.py)."""
+    """Connects the trainer's senders to the engines it is given and pushes versions to them."""
 
-    def __init__(self, cfg: RunConfig, trainer: TrainerGroup, engines: EngineEndpoints) -> None:
+    def __init__(self, cfg: RunConfig, trainer: TrainerGroup) -> None:
         self.cfg = cfg
         self.trainer = trainer
-        self.engines = engines
         self.timeout_s = cfg.pipeline.weight_sync_timeout_s
         self.disk_root = str(shared_memory_root() / f"rayrl-{cfg.exp_id}-weights")
         self._places: Optional[list[RankPlace]] = None
         self._connected: Optional[list[EngineEndpoint]] = []  # the engines the senders were built for
         self.routes: Optional[WeightRoutes] = None
-        self.failures = 0
 
     @property
     def transport(self) -> str:
         return self.routes.transport if self.routes is not None else ""
 
-    def connect(self) -> Optional[WeightRoutes]:
-        """Plan the routes over the engines now live or joining, and connect every rank's sender (None
-        and nothing connected while no engine is up)."""
+    def connect(self, endpoints: list[EngineEndpoint]) -> Optional[WeightRoutes]:
+        """Plan the routes to ``endpoints`` (the engines live or joining) and connect every rank's sender
+        (None and nothing connected when there are none)."""
         if self._places is None:  # ranks never move; ask once
             self._places = self.trainer.places()
-        endpoints = self.engines.endpoints()
-        self._connected = endpoints
+        self._connected = list(endpoints)
         if not endpoints:
             self.trainer.close_weights()
             self.routes = None
@@ -65,35 +59,29 @@ class WeightSync:
         self.routes = routes
         return routes
 
-    def push(self, version: int) -> dict[str, Any]:
-        """Send the trainer's current weights to every engine that is up; returns the summed transfer
-        figures. The ranks label them with the policy version they hold; ``version`` is the driver's copy of
-        it, for the messages.
+    def push(self, version: int, endpoints: list[EngineEndpoint]) -> dict[str, Any]:
+        """Send the trainer's current weights to ``endpoints`` (connecting the senders first when they
+        differ from the last ones); returns the summed transfer figures. The ranks label the weights with
+        the policy version they hold; ``version`` is the driver's copy of it, for the messages.
 
-        Engines that are down are skipped (a replacement gets the weights when it joins); an engine that
-        dies during the update is dropped and the others are sent the weights again, once."""
-        for attempt in (1, 2):
-            if self.engines.endpoints() != self._connected:  # an engine went down or joined since
-                self.connect()
-            if self.routes is None:
-                logger.warning("no engine is up: policy version %d reaches the engines when they return", version)
-                return {"bytes": 0, "seconds": 0.0, "senders": 0}
-            refs = self.trainer.push_weights(self.cfg.engine.dtype)
-            try:  # a trainer rank that died raises TrainerFailure here; what the engines did is ours
-                results = self.trainer.gather("weight push", refs, timeout_s=self.timeout_s + 30, raised_fails=False)
-            except TrainerFailure:
-                raise
-            except Exception as err:
-                self.engines.refresh()
-                if attempt == 1 and self.engines.endpoints() != self._connected:
-                    logger.warning("an engine went down during the update to policy version %d; sending it again "
-                                   "to the others", version)
-                    continue
-                self._fail(version, err)
-            sent = [r for r in results if r]
-            return {"bytes": sum(r["bytes"] for r in sent), "seconds": max((r["seconds"] for r in sent), default=0.0),
-                    "senders": len(sent)}
-        raise AssertionError("unreachable")
+        With no endpoint nothing is sent (a replacement gets the weights when it joins). A trainer rank that
+        dies raises TrainerFailure; any other failure, WeightSyncError (the membership sees whether an
+        engine died and sends again)."""
+        if endpoints != self._connected:  # an engine went down or joined since
+            self.connect(endpoints)
+        if self.routes is None:
+            logger.warning("no engine is up: policy version %d reaches the engines when they return", version)
+            return {"bytes": 0, "seconds": 0.0, "senders": 0}
+        refs = self.trainer.push_weights(self.cfg.engine.dtype)
+        try:  # a trainer rank that died raises TrainerFailure here; what the engines did is ours
+            results = self.trainer.gather("weight push", refs, timeout_s=self.timeout_s + 30, raised_fails=False)
+        except TrainerFailure:
+            raise
+        except Exception as err:
+            raise self._error(version, err) from None
+        sent = [r for r in results if r]
+        return {"bytes": sum(r["bytes"] for r in sent), "seconds": max((r["seconds"] for r in sent), default=0.0),
+                "senders": len(sent)}
 
     def release_groups(self) -> None:
         """Colocated schedule, before the trainer lends its GPU: a broadcast group (``distributed``) is
@@ -103,14 +91,12 @@ class WeightSync:
             self.trainer.close_weights()
             self._connected = None  # push() connects again
 
-    def _fail(self, version: int, err: Exception) -> None:
-        self.failures += 1
+    def _error(self, version: int, err: Exception) -> WeightSyncError:
         text = str(err).strip()
         detail = text.splitlines()[-1] if text else type(err).__name__
-        message = (f"weight update to the engines (policy version {version}, {self.transport}) failed or did not "
-                   f"finish within pipeline.weight_sync_timeout_s={self.timeout_s:g} s: {detail}")
-        logger.error(message)
-        raise WeightSyncError(message) from None
+        return WeightSyncError(f"weight update to the engines (policy version {version}, {self.transport}) failed "
+                               f"or did not finish within pipeline.weight_sync_timeout_s={self.timeout_s:g} s: "
+                               f"{detail}")
 
     def close(self) -> None:
         """Leave the broadcast group (before the engines stop) and remove the disk transport's files."""

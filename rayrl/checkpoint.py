@@ -210,14 +210,6 @@ class CheckpointStore:
         except Exception as err:  # OSError, bad JSON, botocore's NoSuchKey / ClientError
             raise CheckpointError(f"checkpoint step {step} at {self.location}: cannot read {MARKER}: {err}") from None
 
-    def fetch(self, step: int) -> tuple[Path, dict[str, Any]]:
-        """A local directory with step ``step``'s files (downloaded from S3) and its pipeline state."""
-        directory = self.download(step)
-        marker = directory / MARKER
-        if not marker.exists():
-            raise CheckpointError(f"checkpoint step {step} at {self.location} is incomplete (no {MARKER})")
-        return directory, json.loads(marker.read_text())
-
     def _prune(self, newest: int) -> None:
         if self.keep_last <= 0:
             return

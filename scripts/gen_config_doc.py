@@ -18,12 +18,14 @@ SECTION_MODULES = ("schema.py", "serving.py", "rollout.py", "training.py", "algo
 INTRO = """\
 One YAML file maps onto `rayrl.config.RunConfig` (typed dataclasses, OmegaConf structured config).
 Unknown keys, wrong types and invalid values fail at load with the dotted name of the field.
-Fields with a fixed set of values (written `a / b / c` below) are `Literal` types, so any other value
-fails at load too; ranges are checked by each section, rules across sections by `RunConfig`.
+Fields with a fixed set of values (written `a / b / c` below) are `Literal` types, or for `engine.backend`
+the names of its registry's table, so any other value fails at load too; ranges are checked by each
+section, rules across sections by `RunConfig`. A backend's own options are a nested section
+(`engine.sglang`).
 Override any field on the command line: `python driver.py --config FILE trainer.steps=3 rollout.group_size=8`.
 This page is generated from the comments in rayrl/config/ (schema.py, serving.py, rollout.py, training.py,
-algorithm.py) by scripts/gen_config_doc.py. Keys removed from an older rayrl (`trainer.loss`, `trainer.kl_coef`, ...)
-fail at load with what to write instead.
+algorithm.py) by scripts/gen_config_doc.py. Keys removed or moved since an older rayrl (`trainer.loss`,
+`trainer.kl_coef`, `engine.mem_fraction_static`, ...) fail at load with what to write instead.
 
 **Resolve.** Values that mean "auto" (`0`, unset, `auto`) stay that way in the loaded config;
 `rayrl.config.resolve(cfg, machine)` turns all of them into concrete values in one place, for the
@@ -58,6 +60,31 @@ def field_comments() -> dict[str, dict[str, str]]:
     return comments
 
 
+def table_choices() -> dict[str, str]:
+    """Fields typed ``str`` whose values are a registry's names (checked at load against the registry,
+    which is their one source): the names, as a Literal field's comment writes them."""
+    from rayrl.engines.backends import BACKENDS
+
+    return {"engine.backend": " / ".join(("auto", *BACKENDS))}
+
+
+def rows(prefix: str, section: object, comments: dict[str, dict[str, str]]) -> list[str]:
+    """The table rows of a section's fields; a nested section (``engine.sglang``) follows its parent's."""
+    out, nested = [], []
+    choices = table_choices()
+    for g in dataclasses.fields(section):
+        value, name = getattr(section, g.name), f"{prefix}.{g.name}"
+        if dataclasses.is_dataclass(value):
+            doc = " ".join((type(value).__doc__ or "").split())
+            nested += [f"| `{name}` | section | {doc} |", *rows(name, value, comments)]
+            continue
+        meaning = comments[type(section).__name__].get(g.name, "")
+        if name in choices:
+            meaning = f"{choices[name]} ({meaning})"
+        out.append(f"| `{name}` | `{value!r}` | {meaning} |")
+    return out + nested
+
+
 def main() -> None:
     comments = field_comments()
     root = C.RunConfig()
@@ -79,11 +106,9 @@ def main() -> None:
         sub = getattr(root, f.name)
         if not dataclasses.is_dataclass(sub):
             continue
-        cname = type(sub).__name__
         doc = " ".join((type(sub).__doc__ or "").split())  # the class docstring, on one line
         out += ["", f"## `{f.name}`: {doc}", "", "| field | default | meaning |", "|---|---|---|"]
-        for g in dataclasses.fields(sub):
-            out.append(f"| `{f.name}.{g.name}` | `{getattr(sub, g.name)!r}` | {comments[cname].get(g.name, '')} |")
+        out += rows(f.name, sub, comments)
     (ROOT / "docs" / "config.md").write_text("\n".join(out) + "\n")
 
 

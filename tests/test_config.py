@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rayrl.config import ConfigError, RunConfig, TrainerConfig, load_config, to_yaml
+from rayrl.config import ConfigError, RunConfig, SGLangConfig, TrainerConfig, load_config, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "calculator" / "config.yaml"
@@ -105,9 +105,30 @@ LITERAL_FIELDS = dict(_literal_fields())
 
 def test_choices_are_literal_types():
     assert LITERAL_FIELDS["pipeline.schedule"] == ("sync", "async", "colocated_async")
-    assert LITERAL_FIELDS["engine.backend"] == ("auto", "cpu", "sglang")
     assert {"engine.dtype", "algorithm.loss_agg", "trajectory.on_drift", "sandbox.isolation", "placement.mode",
             "pipeline.weight_transfer", "logging.log_level"} <= set(LITERAL_FIELDS)
+
+
+@pytest.mark.parametrize("old", ["mem_fraction_static", "enable_memory_saver"])
+def test_sglangs_own_options_moved_to_their_section(old, tmp_path):
+    """engine.<SGLang flag> of an older rayrl fails at load, from the command line or a YAML file, naming
+    the key and where it lives now; there it loads and reaches only the sglang backend's command."""
+    value = {"mem_fraction_static": "0.55", "enable_memory_saver": "false"}[old]
+    with pytest.raises(ConfigError, match=rf"^engine.{old}: moved; write engine.sglang.{old} "):
+        load_config(None, [f"engine.{old}={value}"])
+    path = tmp_path / "old.yaml"
+    path.write_text(f"engine:\n  backend: sglang\n  {old}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"^engine.{old}: moved; write engine.sglang.{old} "):
+        load_config(path)
+    path.write_text(f"engine:\n  backend: sglang\n  sglang:\n    {old}: {value}\n")
+    engine = load_config(path).engine
+    assert engine.sglang == SGLangConfig(**{old: {"0.55": 0.55, "false": False}[value]})
+    from rayrl.engines.backends import BACKENDS
+
+    sglang, cpu = (" ".join(BACKENDS[name].command(engine, "/m", 1)) for name in ("sglang", "cpu"))
+    assert ("--mem-fraction-static 0.55" in sglang) is (old == "mem_fraction_static")
+    assert ("--enable-memory-saver" in sglang) is (old != "enable_memory_saver")
+    assert "mem-fraction" not in cpu and "memory-saver" not in cpu
 
 
 @pytest.mark.parametrize("field", sorted(LITERAL_FIELDS))
@@ -125,6 +146,9 @@ def test_a_value_outside_a_literal_names_the_field(field):
         ("engine.tp_size=0", "engine.tp_size: must be >= 1"),
         ("engine.max_logprob_gap=-0.1", "engine.max_logprob_gap: must be >= 0"),
         ("engine.max_logprob_gap=nan", "engine.max_logprob_gap: must be a finite number"),
+        ("engine.backend=vllm", "engine.backend: 'vllm' is not one of auto, cpu, sglang"),
+        ("engine.sglang.mem_fraction_static=0", "engine.sglang.mem_fraction_static: must be in (0, 1], got 0"),
+        ("engine.sglang.mem_fraction_static=1.5", "engine.sglang.mem_fraction_static: must be in (0, 1]"),
         ("engine.weight_format=int3", "engine.weight_format"),
         ("gateway.port=-1", "gateway.port: must be >= 0, got -1"),
         ("sandbox.timeout_s=0", "sandbox.timeout_s: must be > 0"),

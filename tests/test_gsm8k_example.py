@@ -23,7 +23,7 @@ EXAMPLE = ROOT / "examples" / "gsm8k"
 def test_config_loads_and_fits_8_gpus():
     cfg = load_config(EXAMPLE / "config.yaml")
     assert cfg.engine.backend == "sglang" and cfg.trainer.backend == "megatron"
-    assert cfg.placement.mode == "colocated" and cfg.trainer.memory_saver and cfg.engine.enable_memory_saver
+    assert cfg.placement.mode == "colocated" and cfg.trainer.memory_saver and cfg.engine.sglang.enable_memory_saver
     plan = plan_placement(cfg.placement.mode, cfg.placement.num_gpus, trainer_ranks=cfg.trainer.num_ranks,
                           num_engines=cfg.engine.num_engines, tp_size=cfg.engine.tp_size)  # fmt: skip
     assert plan.trainer_bundles == tuple(range(8)) and len(plan.engine_bundles) == 8

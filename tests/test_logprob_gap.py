@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from rayrl.rl.logprob_gap import GapMeter, gap_crossed, logprob_gap_stats
+from rayrl.rl.logprob_gap import GapMeter, gap_crossed
+
+
+def logprob_gap_stats(trainer, rollout, mask=None) -> dict[str, float]:
+    """The gap of one batch, as the trainer's meter reports it for a step of one micro-batch."""
+    meter = GapMeter()
+    meter.add(trainer, rollout, mask)
+    return meter.stats(reduce=False)
 
 
 def test_stats_by_hand():

@@ -36,7 +36,7 @@ def test_packed_positions_match_the_torch_backend(tiny_model_dir):
     seg = [20, 12, 24]  # each padded to a multiple of 4
     assert batch.cu_seqlens.tolist() == [0, 20, 32, 56] and batch.max_seqlen == 24
     assert batch.position_ids[0, 20:32].tolist() == list(range(12))
-    assert batch.num_tokens == sum(int(s.loss_mask.sum()) for s in samples)
+    assert int(batch.loss_mask.sum()) == sum(int(s.loss_mask.sum()) for s in samples)
 
     trainer = TorchTrainer(tiny_model_dir, TrainerConfig(compute_dtype="float32"), seed=0, device="cpu")
     expected = trainer.token_logprobs(trainer._micro_batch(samples, advantages)).detach()
@@ -68,7 +68,7 @@ def test_shards_and_micro_batches_cover_the_batch_once():
     assert [i for g in groups for i in g] == list(range(len(lengths)))
     assert all(len(g) == 1 or sum(lengths[i] for i in g) <= 128 for g in groups)
     empty = mp.empty_batch(8)
-    assert empty.num_tokens == 0 and empty.tokens.shape == (1, 8)
+    assert int(empty.loss_mask.sum()) == 0 and empty.tokens.shape == (1, 8)
 
 
 def test_missing_packages_are_named():

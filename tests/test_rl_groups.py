@@ -41,7 +41,7 @@ def test_a_group_with_too_few_successes_runs_again_then_is_kept():
     worn = _group("c", _episode("c", 1.0), _episode("c", 0.0, ENGINE_ERROR), _episode("c", 0.0, ENGINE_ERROR), reruns=2)
     keep, rerun = split_short([full, short, worn], min_episodes=2, max_reruns=2)
     assert [g.group_id for g in keep] == ["a", "c"] and [g.group_id for g in rerun] == ["b"]
-    assert (full.succeeded, short.succeeded, worn.succeeded) == (2, 1, 1)
+    assert (full.scored, short.scored, worn.scored) == (2, 1, 1)
 
 
 def test_wrong_answers_count_as_successes():
@@ -65,7 +65,7 @@ def test_a_task_whose_agent_always_fails_is_scored_not_run_again():
     silent = _group("n", _episode("n", 0.0, NO_TURNS), _episode("n", 0.0, NO_TURNS))
     keep, rerun = split_short([crashes, reward_bug, silent], min_episodes=2, max_reruns=2)
     assert rerun == [] and [g.group_id for g in keep] == ["k", "r", "n"]
-    assert crashes.succeeded == 0 and crashes.scored == 4 and not crashes.infra_causes()
+    assert not any(e.ok for e in crashes.ordered()) and crashes.scored == 4 and not crashes.infra_causes()
     batch = build_batch(crashes.ordered())
     assert len(batch.samples) == 4 and not batch.trains  # equal rewards: no gradient, and no rerun either
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,7 +23,8 @@ import pytest
 from rayrl.checkpoint import CheckpointStore
 from rayrl.config import load_config, resolve
 from rayrl.data import TaskSampler
-from rayrl.pipeline.failures import TrainerFailure
+from rayrl.pipeline.failures import TrainerFailure, WeightSyncError
+from rayrl.pipeline.groups_in_flight import GroupsInFlight
 from rayrl.pipeline.parts import RunParts, RunState
 from rayrl.pipeline.run_checkpoint import RunCheckpoints
 from rayrl.pipeline.schedules import make_schedule
@@ -55,28 +56,22 @@ class Log(list):
         return list(self[mark:])
 
 
-class FakeDispatcher:
-    """GroupDispatcher's contract: a queued group starts at the next poll (on that poll's policy version)
-    and completes there; ``stalled`` groups never complete (a step deadline test)."""
+class FakeDispatcher(GroupsInFlight):
+    """GroupDispatcher's contract, on the real bookkeeping of the groups in flight (the GroupsInFlight
+    it extends too): a queued group starts at the next poll (on that poll's policy version) and completes
+    there, in-process instead of on rollout workers; ``stalled`` groups never complete (a step deadline
+    test)."""
 
     def __init__(self, log: Log, group_size: int, outcome: Outcome = scored_by_index) -> None:
+        super().__init__(group_size)
         self.log = log
         self.state = RunState()  # the run's (make_run sets it): the policy version a group starts on
-        self.group_size = group_size
         self.outcome = outcome
-        self.queue: deque[Group] = deque()
-        self.active: dict[str, Group] = {}
-        self.completed: deque[Group] = deque()
         self.stalled = False
         self.submitted: list[tuple[str, str, bool, int]] = []  # (group id, task id, front, reruns)
 
-    @property
-    def groups_in_flight(self) -> int:
-        return len(self.queue) + len(self.active) + len(self.completed)
-
     def submit(self, task: Task, group_id: str, front: bool = False, reruns: int = 0) -> None:
-        group = Group(task, group_id, self.group_size, reruns=reruns)
-        (self.queue.appendleft if front else self.queue.append)(group)
+        super().submit(task, group_id, front, reruns)
         self.submitted.append((group_id, task.task_id, front, reruns))
 
     def poll(self, timeout: float) -> int:
@@ -93,12 +88,6 @@ class FakeDispatcher:
             self.completed.append(group)
         return len(done)
 
-    def take(self, n: int) -> list[Group]:
-        out = []
-        while self.completed and len(out) < n:
-            out.append(self.completed.popleft())
-        return out
-
     def fail_unfinished(self, reason: str) -> list[Group]:
         groups = list(self.active.values())
         for group in groups:
@@ -106,15 +95,6 @@ class FakeDispatcher:
                                       reason) for i in range(group.size)}
         self.active.clear()
         return groups
-
-    def untrained_tasks(self) -> list[dict[str, Any]]:
-        groups = list(self.completed) + list(self.active.values()) + list(self.queue)
-        return [{"task": dataclasses.asdict(g.task), "group_id": g.group_id} for g in groups]
-
-    def restore(self, rows: list[dict[str, Any]]) -> None:
-        self.queue.clear(), self.active.clear(), self.completed.clear()
-        for row in rows:
-            self.submit(Task(**row["task"]), row["group_id"])
 
 
 class FakeTrainer:
@@ -185,19 +165,25 @@ class FakeEvent:
 
 
 class FakeEngines:
-    """EngineFleet's contract: ``down(i)``/``started(i)`` are what its watch and start refs would report;
-    a replacement starts only on a poll that allows it; control calls are logged."""
+    """EngineFleet's contract: ``down(i)`` is what its watch would report; an engine that ``dies(i)`` is
+    seen down only at the next refresh or poll (its watch returns then); a replacement starts only on a
+    poll that allows it; control calls are logged. Its endpoints are the engines' URLs (the membership
+    only compares them and hands them to the weight sync)."""
 
     def __init__(self, log: Log, n: int = 2) -> None:
         self.log = log
         self.slots = [FakeSlot(i) for i in range(n)]
         self.events: list[FakeEvent] = []
         self.waiting: list[int] = []  # down, their replacement starts at the next poll that allows it
+        self.dying: list[int] = []  # died, not yet seen
         self.polls_refusing = 0
 
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.slots if s.state == "live"]
+
+    def endpoints(self) -> list[str]:
+        return [s.url for s in self.slots if s.state in ("live", "joining")]
 
     def down(self, index: int) -> None:
         slot = self.slots[index]
@@ -205,7 +191,16 @@ class FakeEngines:
         slot.state = "down"
         self.waiting.append(index)
 
+    def dies(self, index: int) -> None:
+        self.dying.append(index)
+
+    def refresh(self) -> None:
+        for index in self.dying:
+            self.down(index)
+        self.dying = []
+
     def poll(self, start_replacements: bool = True) -> list[FakeEvent]:
+        self.refresh()
         if not start_replacements:
             self.polls_refusing += int(bool(self.waiting))
         else:
@@ -235,22 +230,24 @@ class FakeEngines:
 
 
 class FakeWeights:
-    """WeightSync's contract: push sends the version to the engines now live or joining."""
+    """WeightSync's contract: push sends the version to the endpoints it is given; a failure on the
+    engines' side is WeightSyncError. ``fail_push``: that many pushes fail (``during_push`` runs first)."""
 
-    def __init__(self, log: Log, engines: FakeEngines) -> None:
+    def __init__(self, log: Log) -> None:
         self.log = log
-        self.engines = engines
-        self.fail_push = False
+        self.fail_push = 0
+        self.during_push: Callable[[], None] = lambda: None
 
-    def connect(self) -> None:
+    def connect(self, endpoints: list[str]) -> None:
         self.log.append("weights.connect")
 
-    def push(self, version: int) -> dict[str, Any]:
-        to = [s.url for s in self.engines.slots if s.state in ("live", "joining")]
-        self.log.append(f"weights.push({version} -> {len(to)})")
+    def push(self, version: int, endpoints: list[str]) -> dict[str, Any]:
+        self.log.append(f"weights.push({version} -> {len(endpoints)})")
+        self.during_push()
         if self.fail_push:
-            raise RuntimeError("weight update failed on purpose")
-        return {"bytes": 1, "seconds": 0.0, "senders": 1}
+            self.fail_push -= 1
+            raise WeightSyncError("weight update failed on purpose")
+        return {"bytes": 1, "seconds": 0.0, "senders": len(endpoints)}
 
     def release_groups(self) -> None:
         self.log.append("weights.release_groups")
@@ -314,7 +311,7 @@ def make_run(*overrides: str, outcome: Outcome = scored_by_index, tasks: int = 3
     sampler = TaskSampler(dataset, shuffle=False)  # type: ignore[arg-type]
     dispatcher = FakeDispatcher(log, cfg.rollout.group_size, outcome)
     fleet = FakeEngines(log, engines)
-    trainer, weights, gateway = FakeTrainer(log), FakeWeights(log, fleet), FakeGateway(log)
+    trainer, weights, gateway = FakeTrainer(log), FakeWeights(log), FakeGateway(log)
     parts = RunParts(cfg, RunState(), sampler, dispatcher, trainer, fleet, weights, gateway)
     dispatcher.state = parts.state
     return Run(log, parts, dispatcher, trainer, fleet, weights, gateway, make_schedule(parts))
@@ -348,8 +345,8 @@ def test_async_updates_the_engines_with_nothing_generating_and_calls_held_at_the
 
 def test_async_releases_held_calls_when_the_weight_update_fails():
     run = make_run("pipeline.schedule=async")
-    run.weights.fail_push = True
-    with pytest.raises(RuntimeError, match="on purpose"):
+    run.weights.fail_push = 1
+    with pytest.raises(WeightSyncError, match="on purpose"):
         run.step()
     assert run.log[-2:] == ["weights.push(1 -> 2)", "gateway.release_llm_calls"]  # no call waits for ever
 
@@ -482,6 +479,34 @@ def test_before_the_first_step_a_joining_engine_is_only_connected():
     run.schedule.tick()
     assert run.log == ["gateway.set_engines(http://e1)", "weights.connect", "fleet.mark_live(0)",
                        "gateway.set_engines(http://e0-new http://e1)"]
+
+
+def test_an_engine_that_dies_during_a_weight_update_is_left_out_and_the_others_are_sent_again():
+    run = make_run("pipeline.schedule=sync")
+    run.weights.fail_push = 1
+    run.weights.during_push = lambda: run.engines.dies(1) if run.engines.slots[1].state == "live" else None
+    _, train = run.step()
+    assert train is not None and run.log[-2:] == ["weights.push(1 -> 2)", "weights.push(1 -> 1)"]
+    assert run.state.failures["weight_sync_failures"] == 0
+    mark = len(run.log)
+    run.schedule.tick()  # the membership routes around it and lets its replacement in with version 1
+    assert run.state.failures["engine_restarts"] == 1
+    assert run.log.since(mark) == ["gateway.set_engines(http://e0)", "weights.push(1 -> 2)", "fleet.mark_live(1)",
+                                   "gateway.set_engines(http://e0 http://e1-new)"]
+
+
+@pytest.mark.parametrize("engine_dies", [False, True])
+def test_a_failed_weight_update_is_counted_and_raised_once_no_engine_left_explains_it(engine_dies):
+    """No engine died: the failure goes up at once. One died: the others get one more try, no more."""
+    run = make_run("pipeline.schedule=sync")
+    run.weights.fail_push = 2
+    if engine_dies:
+        run.weights.during_push = lambda: run.engines.dies(1) if run.engines.slots[1].state == "live" else None
+    with pytest.raises(WeightSyncError, match="on purpose"):
+        run.step()
+    pushes = [line for line in run.log if line.startswith("weights.push")]
+    assert pushes == (["weights.push(1 -> 2)", "weights.push(1 -> 1)"] if engine_dies else ["weights.push(1 -> 2)"])
+    assert run.state.failures["weight_sync_failures"] == 1
 
 
 def test_colocated_no_engine_joins_while_the_trainer_holds_the_devices():

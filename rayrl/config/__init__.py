@@ -19,7 +19,7 @@ from rayrl.config.load import load_config, to_yaml
 from rayrl.config.resolve import Machine, capacity_warnings, resolve
 from rayrl.config.rollout import AgentCoreConfig, RolloutConfig, SandboxConfig, SandboxPoolConfig
 from rayrl.config.schema import DataConfig, LoggingConfig, PipelineConfig, RayConfig, RunConfig
-from rayrl.config.serving import EngineConfig, GatewayConfig, ModelConfig, TrajectoryConfig
+from rayrl.config.serving import EngineConfig, GatewayConfig, ModelConfig, SGLangConfig, TrajectoryConfig
 from rayrl.config.training import PlacementConfig, TrainerConfig
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "SandboxConfig",
+    "SGLangConfig",
     "SandboxPoolConfig",
     "TrainerConfig",
     "TrajectoryConfig",

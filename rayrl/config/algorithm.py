@@ -44,12 +44,6 @@ def named_callable(field_name: str, value: str, names: Mapping[str, Callable[...
     return fn
 
 
-def check_callable_name(field_name: str, value: str, registry_module: str, registry: str) -> None:
-    """``value`` must be a key of ``registry_module.registry`` or a ``package.module:function`` that
-    imports and is callable; else a ConfigError naming ``field_name``."""
-    named_callable(field_name, value, getattr(importlib.import_module(registry_module), registry))
-
-
 LossAgg = Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 
 
@@ -120,10 +114,12 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.advantage_estimator: gae needs a critic (a value model), which neither "
                               "trainer backend holds yet; use grpo, dr_grpo, rloo, reinforce_pp or "
                               "reinforce_pp_baseline")
-        check_callable_name("algorithm.advantage_estimator", self.advantage_estimator, "rayrl.rl.advantages",
-                            "ESTIMATORS")
-        check_callable_name("algorithm.policy_loss", self.policy_loss, "rayrl.trainers.policy_losses",
-                            "POLICY_LOSSES")
+        # the registries, imported here and not at the top: they import named_callable from this module
+        from rayrl.rl.advantages import ESTIMATORS
+        from rayrl.trainers.policy_losses import POLICY_LOSSES
+
+        named_callable("algorithm.advantage_estimator", self.advantage_estimator, ESTIMATORS)
+        named_callable("algorithm.policy_loss", self.policy_loss, POLICY_LOSSES)
         if self.distill_teacher is not None and not self.distill_teacher:
             raise ConfigError("algorithm.distill_teacher: must not be empty (unset it to turn distillation off)")
 

@@ -23,21 +23,29 @@ from rayrl.config.schema import RunConfig
 
 # keys a config may still carry from an older rayrl, and what to write instead (checked before OmegaConf,
 # whose own message would only say the key is unknown)
+_ALGORITHMS = " (docs/algorithms.md)"
 REMOVED_KEYS = {
-    "trainer.loss": "it selected nothing; write algorithm.advantage_estimator (grpo, dr_grpo, rloo, reinforce_pp, "
-                    "reinforce_pp_baseline) and algorithm.policy_loss (ppo_clip, gspo, cispo, sft)",
-    "trainer.clip_eps": "write algorithm.clip_eps",
-    "trainer.clip_eps_high": "write algorithm.clip_eps_high",
-    "trainer.tis_cap": "write algorithm.tis_cap",
-    "trainer.normalize_advantage_std": "write algorithm.advantage_estimator: grpo (true: divide by the group's "
-                                       "reward std) or dr_grpo (false)",
-    "trainer.kl_coef": "it penalised the distance to the rollout log-probs; for a KL to a frozen reference model "
-                       "write algorithm.kl_loss_coef (with algorithm.kl_loss_type: k3, the same estimator)",
+    "trainer.loss": "removed; it selected nothing; write algorithm.advantage_estimator (grpo, dr_grpo, rloo, "
+                    "reinforce_pp, reinforce_pp_baseline) and algorithm.policy_loss (ppo_clip, gspo, cispo, sft)"
+                    + _ALGORITHMS,
+    "trainer.clip_eps": "removed; write algorithm.clip_eps" + _ALGORITHMS,
+    "trainer.clip_eps_high": "removed; write algorithm.clip_eps_high" + _ALGORITHMS,
+    "trainer.tis_cap": "removed; write algorithm.tis_cap" + _ALGORITHMS,
+    "trainer.normalize_advantage_std": "removed; write algorithm.advantage_estimator: grpo (true: divide by the "
+                                       "group's reward std) or dr_grpo (false)" + _ALGORITHMS,
+    "trainer.kl_coef": "removed; it penalised the distance to the rollout log-probs; for a KL to a frozen reference "
+                       "model write algorithm.kl_loss_coef (with algorithm.kl_loss_type: k3, the same estimator)"
+                       + _ALGORITHMS,
+    "engine.mem_fraction_static": "moved; write engine.sglang.mem_fraction_static (SGLang's own options are the "
+                                  "engine.sglang section, docs/config.md)",
+    "engine.enable_memory_saver": "moved; write engine.sglang.enable_memory_saver (SGLang's own options are the "
+                                  "engine.sglang section, docs/config.md)",
 }
 
 
 def _check_removed(loaded: object, overrides: Sequence[str]) -> None:
-    """A ConfigError naming the first removed key in the YAML mapping or the overrides, with its successor."""
+    """A ConfigError naming the first removed or moved key in the YAML mapping or the overrides, with what
+    to write instead."""
     keys = [item.split("=", 1)[0].strip() for item in overrides]
     if isinstance(loaded, DictConfig):
         for section, body in loaded.items():
@@ -45,7 +53,7 @@ def _check_removed(loaded: object, overrides: Sequence[str]) -> None:
                 keys += [f"{section}.{key}" for key in body.keys()]
     for key in keys:
         if key in REMOVED_KEYS:
-            raise ConfigError(f"{key}: removed; {REMOVED_KEYS[key]} (docs/algorithms.md)")
+            raise ConfigError(f"{key}: {REMOVED_KEYS[key]}")
 
 
 def _describe(err: OmegaConfBaseException) -> str:

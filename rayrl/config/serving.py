@@ -27,11 +27,27 @@ class ModelConfig:
 
 
 @dataclass
+class SGLangConfig:
+    """SGLang's own launch options, read only by the sglang backend (rayrl/engines/backends/sglang.py); the
+    CPU engine ignores them. A flag with no field here goes in engine.extra_args."""
+
+    mem_fraction_static: float = 0.7  # --mem-fraction-static: the share of each GPU's memory for weights and KV
+    # cache (colocated: leave room for the trainer's unpaused memory, NCCL and CUDA context)
+    enable_memory_saver: bool = True  # --enable-memory-saver: weights, KV cache and CUDA graphs in torch_memory_saver
+    # regions, so /release_memory_occupation frees GPU memory for a colocated trainer (its own side is
+    # trainer.memory_saver)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ConfigError(f"engine.sglang.mem_fraction_static: must be in (0, 1], got {self.mem_fraction_static!r}")
+
+
+@dataclass
 class EngineConfig:
     """Inference engines: SGLang on GPU, the project's CPU engine elsewhere; same HTTP API."""
 
-    backend: Literal["auto", "cpu", "sglang"] = "auto"  # auto | cpu | sglang  (auto: sglang when CUDA is present, else
-    # cpu)
+    backend: str = "auto"  # auto: sglang when CUDA is present, else cpu; any other value must name a row of
+    # rayrl/engines/backends/'s table (checked at load)
     num_engines: int = 1  # engine servers behind the router
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"  # weights dtype inside the engine: auto |
     # bfloat16 | float32 | float16 (auto: bfloat16 on GPU or a CPU with native bf16, else float32)
@@ -50,11 +66,9 @@ class EngineConfig:
     host: str = "127.0.0.1"  # bind address of the engine servers
     startup_timeout_s: float = 300.0  # how long to wait for /health after launch
     request_timeout_s: float = 600.0  # client-side limit for one /generate
-    tp_size: int = 1  # SGLang tensor parallel size (GPU)
-    mem_fraction_static: float = 0.7  # SGLang --mem-fraction-static (GPU)
-    enable_memory_saver: bool = True  # SGLang --enable-memory-saver: /release_memory_occupation frees GPU memory
-    # (colocation)
+    tp_size: int = 1  # tensor-parallel ranks per engine (GPUs per SGLang engine)
     extra_args: list[str] = field(default_factory=list)  # passed verbatim to the engine launcher
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)  # options only the SGLang backend reads
 
     def __post_init__(self) -> None:
         positive(self, "engine.", "num_engines", "max_batch_size", "context_length")
@@ -62,10 +76,12 @@ class EngineConfig:
         at_least_one(self, "engine.", "tp_size")
         if not math.isfinite(self.max_logprob_gap):
             raise ConfigError(f"engine.max_logprob_gap: must be a finite number, got {self.max_logprob_gap!r}")
-        if self.weight_format == "fp16-packed" and self.backend != "auto":
-            from rayrl.engines.backends import engine_backend  # not at import: rayrl.config imports no rayrl module
+        from rayrl.engines.backends import BACKENDS  # not at import: rayrl.config imports no rayrl module
 
-            if "fp16-packed" not in engine_backend(self.backend).weight_formats:
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise ConfigError(f"engine.backend: {self.backend!r} is not one of auto, {', '.join(BACKENDS)}")
+        if self.weight_format == "fp16-packed" and self.backend != "auto":
+            if "fp16-packed" not in BACKENDS[self.backend].weight_formats:
                 raise ConfigError(f"engine.weight_format: fp16-packed is the CPU engine's; {self.backend} takes "
                                   "--dtype and its own quantisation flags (engine.extra_args)")
         if self.weight_format == "fp16-packed" and self.dtype in ("bfloat16", "float16"):

@@ -73,10 +73,9 @@ class EngineProcess:
         self.backend = backend
         self.port = port or free_port(cfg.host)
         self.env = dict(env or {})
-        self.weight_version = str(weight_version)  # what the checkpoint at model_path is; a restart reloads it
+        self.weight_version = str(weight_version)  # what the checkpoint at model_path is
         self.advertise_host = advertise_host or cfg.host
         self.die_with_parent = die_with_parent
-        self.restarts = 0
         self._proc: Optional[subprocess.Popen] = None
 
     @property
@@ -155,12 +154,6 @@ class EngineProcess:
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
-
-    def restart(self, timeout_s: Optional[float] = None) -> "EngineProcess":
-        """Stop (if running) and start again on the same port, so the URL stays valid."""
-        self.stop()
-        self.restarts += 1
-        return self.start(timeout_s)
 
     def stop(self, grace_s: float = 10.0) -> Optional[int]:
         """SIGTERM the process group, SIGKILL after ``grace_s``; returns the exit code."""

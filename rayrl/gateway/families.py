@@ -65,15 +65,6 @@ DEFAULT_FAMILY = ModelFamily(
     "hermes", "hermes", "none", (),
     "any other chat template; SmolLM2, Hermes and most chat models write <tool_call>{...}</tool_call>",
 )
-_BY_NAME = {f.name: f for f in (*FAMILIES, DEFAULT_FAMILY)}
-
-
-def get_family(name: str) -> ModelFamily:
-    """A family by its name (qwen2.5, qwen3, deepseek, llama3, hermes)."""
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise ValueError(f"unknown model family {name!r}; choose from {sorted(_BY_NAME)}") from None
 
 
 def family_of(model_name: str, model_type: str = "") -> ModelFamily:

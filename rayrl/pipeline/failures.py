@@ -1,4 +1,5 @@
-"""TrainerFailure: how the trainer says one of its ranks died, to the schedules and the checkpoints."""
+"""How the pipeline's parts fail, as the schedules, the engine membership and the checkpoints see it:
+TrainerFailure (a trainer rank died) and WeightSyncError (a weight update to the engines failed)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,8 @@ class TrainerFailure(RuntimeError):
         self.survivors = survivors
         detail = "; ".join(f"rank {r}: {e}" for r, e in errors.items())
         super().__init__(f"trainer rank failure in {phase}: {detail}")
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update to the engines failed or did not finish within ``pipeline.weight_sync_timeout_s``
+    (raised by actors/weight_sync.py; the engine membership decides whether it goes again)."""

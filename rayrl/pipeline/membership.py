@@ -1,20 +1,24 @@
-"""EngineMembership: the one owner of which engines serve: the fleet's states, the routers' engine list
-and the weights a joining engine needs before it serves.
+"""EngineMembership: the one owner of which engines serve: the fleet's states, the routers' engine list,
+which engines a weight update goes to, and the weights a joining engine needs before it serves.
 
 An engine that died is taken out of the gateway's routers at once (the fleet starts its replacement on
 the same seat). A replacement that has started is *joining*: it gets the current weights first (policy
 version 0: the senders are only connected to it, the engines all start from the same checkpoint), then
 the fleet marks it live and only then do the routers learn its address, so no LLM call ever reaches an
 engine with stale weights. The schedule says when an engine may join (colocated: not while the trainer
-holds the devices) and how weights reach the engines with calls in flight (its ``update_engines``).
+holds the devices) and how weights reach the engines with calls in flight (its ``update_engines``, which
+calls :meth:`EngineMembership.push_weights`). The weight sync is handed the engines to update and never
+looks at the fleet: when an update fails, the membership asks the fleet whether an engine died meanwhile
+and, if one did, sends the weights again to the others, once.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Callable
+from typing import Any, Callable
 
+from rayrl.pipeline.failures import WeightSyncError
 from rayrl.pipeline.parts import Engines, Gateway, Weights
 
 logger = logging.getLogger("rayrl.pipeline")
@@ -28,7 +32,31 @@ class EngineMembership:
         self.engines = engines
         self.weights = weights
         self.gateway = gateway
-        self.failures = failures  # the run's failure counts (``engine_restarts``)
+        self.failures = failures  # the run's failure counts (``engine_restarts``, ``weight_sync_failures``)
+
+    def push_weights(self, version: int) -> dict[str, Any]:
+        """Policy ``version`` to every engine that serves or is joining; the weight sync's transfer figures.
+
+        Engines that are down are left out (a replacement gets the weights when it joins). When the update
+        fails, the fleet is brought up to date: if an engine died during it, the others are sent the
+        weights again, once (the next :meth:`tend` routes around the dead one); otherwise, or when the
+        second try fails too, the failure is counted (``weight_sync_failures``), logged and raised."""
+        endpoints = self.engines.endpoints()
+        for attempt in (1, 2):
+            try:
+                return self.weights.push(version, endpoints)
+            except WeightSyncError as err:
+                self.engines.refresh()  # engines that died are down now; the next tend hands out the events
+                left = self.engines.endpoints()
+                if attempt == 1 and left != endpoints:
+                    logger.warning("an engine went down during the update to policy version %d; sending it "
+                                   "again to the others", version)
+                    endpoints = left
+                    continue
+                self.failures["weight_sync_failures"] += 1
+                logger.error("%s", err)
+                raise
+        raise AssertionError("unreachable")
 
     def tend(self, may_join: bool, version: int, update_engines: Callable[[], None]) -> None:
         """Take engines that died out of the routers; when ``may_join``, give replacements that have started
@@ -47,7 +75,7 @@ class EngineMembership:
         if version > 0:  # senders are rebuilt for the new address (and broadcast seat) first
             update_engines()  # as after a step: with nothing generating on the engines already live
         else:
-            self.weights.connect()
+            self.weights.connect(self.engines.endpoints())
         for slot in joining:
             self.engines.mark_live(slot.index)
             logger.warning("engine %d back at %s on node %s with policy version %d", slot.index, slot.url,

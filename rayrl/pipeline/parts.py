@@ -104,8 +104,8 @@ class EngineEventView(Protocol):
 
 
 class Engines(Protocol):
-    """The engines: who is up (poll, mark_live: only the membership calls these) and the control calls
-    fanned out to the live ones (actors/engine_fleet.py EngineFleet)."""
+    """The engines: who is up (poll, refresh, mark_live, endpoints: only the membership calls these) and
+    the control calls fanned out to the live ones (actors/engine_fleet.py EngineFleet)."""
 
     slots: Sequence[Any]
 
@@ -114,7 +114,11 @@ class Engines(Protocol):
 
     def poll(self, start_replacements: bool = True) -> Sequence[Any]: ...
 
+    def refresh(self) -> None: ...
+
     def mark_live(self, index: int) -> None: ...
+
+    def endpoints(self) -> list[EngineEndpoint]: ...
 
     def pause_generation(self, mode: str) -> None: ...
 
@@ -125,21 +129,13 @@ class Engines(Protocol):
     def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None: ...
 
 
-class EngineEndpoints(Protocol):
-    """Where the engines that take weights serve, and a way to notice one that died (what the weight sync
-    reads of the fleet; it never changes who is a member)."""
-
-    def endpoints(self) -> list[EngineEndpoint]: ...
-
-    def refresh(self) -> None: ...
-
-
 class Weights(Protocol):
-    """Trainer -> engines weight updates (actors/weight_sync.py WeightSync)."""
+    """Trainer -> engines weight updates to the endpoints it is given (actors/weight_sync.py WeightSync):
+    ``push`` raises WeightSyncError when the engines' side fails (rayrl/pipeline/failures.py)."""
 
-    def connect(self) -> Optional[WeightRoutes]: ...
+    def connect(self, endpoints: list[EngineEndpoint]) -> Optional[WeightRoutes]: ...
 
-    def push(self, version: int) -> dict[str, Any]: ...
+    def push(self, version: int, endpoints: list[EngineEndpoint]) -> dict[str, Any]: ...
 
     def release_groups(self) -> None: ...
 

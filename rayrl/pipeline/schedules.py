@@ -222,7 +222,7 @@ class Schedule:
 
     def update_engines(self) -> None:
         """The new weights to every engine (sync: nothing is generating now)."""
-        self.parts.weights.push(self.state.version)
+        self.membership.push_weights(self.state.version)
 
     def train_on(self, batch: Batch) -> dict[str, Any]:
         """The trainer step; advances the policy version; ``train/*`` and ``time/train_s``."""
@@ -273,7 +273,7 @@ class AsyncSchedule(Schedule):
         parts.gateway.hold_llm_calls()
         try:
             parts.engines.pause_generation("abort")
-            parts.weights.push(self.state.version)
+            self.membership.push_weights(self.state.version)
             parts.engines.continue_generation()
         finally:
             parts.gateway.release_llm_calls()
@@ -304,7 +304,7 @@ class ColocatedAsyncSchedule(AsyncSchedule):
         started = time.monotonic()
         metrics["gateway/queue_depth"] = parts.gateway.queue_depth()
         parts.engines.resume_memory_occupation(["weights"])
-        parts.weights.push(self.state.version)  # from live memory: offload unmaps it (module docstring)
+        self.membership.push_weights(self.state.version)  # from live memory: offload unmaps it (module docstring)
         parts.weights.release_groups()  # NCCL groups hold GPU memory: the broadcast group's, then (offload)
         parts.trainer.offload()  # the trainer's own go with its memory
         parts.engines.resume_memory_occupation(["kv_cache", "cuda_graph"])

@@ -40,11 +40,6 @@ class Group:
         return [self.episodes[i] for i in sorted(self.episodes)]
 
     @property
-    def succeeded(self) -> int:
-        """Episodes that completed (an agent's wrong answer counts: only failures do not)."""
-        return sum(1 for e in self.episodes.values() if e.ok)
-
-    @property
     def scored(self) -> int:
         """Episodes whose reward stands: completed ones and the agent's own failures (rayrl/rl/failures.py
         ``is_scored``); only infrastructure failures are missing from the group's statistics."""

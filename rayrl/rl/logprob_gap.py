@@ -31,7 +31,11 @@ MEAN_KEY = "train/engine_gap/mean_abs"  # as the schedules name the trainer's me
 
 
 def _sums(trainer: torch.Tensor, rollout: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """[sum |d|, sum k3(d), count, max |d|] over the masked tokens (d = trainer - rollout), float64."""
+    """[sum |d|, sum k3(d), count, max |d|] over the masked tokens (d = trainer - rollout), float64.
+    ``trainer`` and ``rollout`` are aligned per token (any shape, the same for both)."""
+    if trainer.shape != rollout.shape:
+        raise ValueError(f"trainer and rollout log-probs differ in shape: {tuple(trainer.shape)} != "
+                         f"{tuple(rollout.shape)}")
     d = trainer.detach().double() - rollout.detach().double()
     if mask is not None:
         d = d[mask.to(torch.bool)]
@@ -48,18 +52,6 @@ def _stats(sums: torch.Tensor) -> dict[str, float]:
         return {}
     return {f"{PREFIX}mean_abs": total_abs / count, f"{PREFIX}max_abs": largest,
             f"{PREFIX}kl": total_kl / count, f"{PREFIX}tokens": count}
-
-
-def logprob_gap_stats(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                      mask: Optional[torch.Tensor] = None) -> dict[str, float]:
-    """The gap over the tokens where ``mask`` is true (all when None); {} when there are none.
-
-    ``trainer_logprobs`` and ``rollout_logprobs`` are aligned per token (any shape, the same for both).
-    """
-    if trainer_logprobs.shape != rollout_logprobs.shape:
-        raise ValueError(f"trainer and rollout log-probs differ in shape: {tuple(trainer_logprobs.shape)} != "
-                         f"{tuple(rollout_logprobs.shape)}")
-    return _stats(_sums(trainer_logprobs, rollout_logprobs, mask))
 
 
 class GapMeter:

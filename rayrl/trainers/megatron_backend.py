@@ -415,10 +415,6 @@ class MegatronTrainer:
         for name, tensor in self.bridge.export_weights(self.model):
             yield name, (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor)
 
-    def save_hf(self, directory: str | Path) -> None:
-        """A HF safetensors checkpoint (rank 0 writes; every rank takes part)."""
-        self.bridge.save_weights(self.model, str(directory))
-
     # -- checkpoints ---------------------------------------------------------------------------------
 
     def _sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:

@@ -46,10 +46,6 @@ class PackedBatch:
     proximal: Optional[torch.Tensor] = None
     ref_logp: Optional[torch.Tensor] = None
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
     def to(self, device: torch.device) -> PackedBatch:
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)

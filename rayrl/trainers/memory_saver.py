@@ -403,10 +403,3 @@ def preload_env(enabled: bool) -> dict[str, str]:
     hook = str(get_binary_path_from_package("torch_memory_saver_hook_mode_preload"))
     current = os.environ.get("LD_PRELOAD", "")
     return {"LD_PRELOAD": f"{hook}:{current}" if current else hook}
-
-
-def gpu_memory_used_bytes(device: Optional[int] = None) -> int:
-    """Memory in use on the device as the driver sees it (what a paused region gives back shows here;
-    ``torch.cuda.memory_allocated`` does not change on pause)."""
-    free, total = torch.cuda.mem_get_info(device)
-    return int(total - free)

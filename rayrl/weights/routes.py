@@ -83,9 +83,6 @@ class WeightRoutes:
     tp_ranks: dict[int, tuple[int, ...]] = field(default_factory=dict)
     session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names this plan's exchange keys
 
-    def engines_of(self, rank: int) -> list[EngineEndpoint]:
-        return [self.engines[i] for i in self.by_rank.get(rank, ())]
-
     def contributions_of(self, rank: int) -> list[tuple[int, int]]:
         """The (engine index, TP rank) entries ``rank`` makes for the rank that posts them."""
         return [(i, tp) for i, ranks in sorted(self.tp_ranks.items()) for tp, r in enumerate(ranks)

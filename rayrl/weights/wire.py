@@ -304,15 +304,10 @@ class _AllowListUnpickler(pickle.Unpickler):
         raise WeightUpdateError(f"the payload names {module}.{name}, which is not allowed in a weight payload")
 
 
-def deserialize_from_trainer(payload: Any, allow_cuda: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """One ``serialized_named_tensors`` entry -> ``[(name, tensor), ...]`` (flattened buckets are cut
-    apart). Raises WeightUpdateError for anything that is not a weight payload; never runs other code."""
-    return deserialize_entry(payload, allow_cuda)[0]
-
-
 def deserialize_entry(payload: Any, allow_cuda: bool = False) -> tuple[list[tuple[str, torch.Tensor]], Optional[str]]:
-    """:func:`deserialize_from_trainer`, and the logical GPU a flattened bucket is marked with (or None:
-    rayrl/weights/tp_payloads.py)."""
+    """One ``serialized_named_tensors`` entry -> ``[(name, tensor), ...]`` (flattened buckets are cut
+    apart), and the logical GPU a flattened bucket is marked with (or None: rayrl/weights/tp_payloads.py).
+    Raises WeightUpdateError for anything that is not a weight payload; never runs other code."""
     if isinstance(payload, str):
         try:
             raw = base64.b64decode(payload, validate=True)

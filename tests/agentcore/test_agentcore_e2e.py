@@ -116,7 +116,8 @@ def test_two_training_steps_through_local_agentcore(ray_local, tiny_model_dir, t
             Bucket=settings.s3_bucket, Prefix=f"{settings.s3_prefix}/{cfg.exp_id}/") for o in page.get("Contents", [])]
         assert len(keys) == sessions
         assert {Path(k).stem for k in keys} >= {e["session_id"] for e in episodes}  # runtimeSessionId = gateway session
-        pids = ray.get(launcher.local_pids.remote())
+        pids = ray.get(launcher.__ray_call__.remote(lambda actor: {name: proc.pid
+                                                                   for name, proc in actor.local.procs.items()}))
         assert set(pids) == {"moto", "agent", "emulator"}
     finally:
         pipeline.shutdown()

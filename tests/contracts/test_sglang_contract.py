@@ -23,7 +23,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from rayrl.config import EngineConfig
+from rayrl.config import EngineConfig, SGLangConfig
 from rayrl.engines import client as client_module
 from rayrl.engines.backends.sglang import sglang_command
 from rayrl.engines.client import EngineClient
@@ -183,8 +183,8 @@ print(json.dumps({k: v for k, v in vars(ns).items() if isinstance(v, (str, int, 
 
 
 def test_our_launch_command_parses_with_sglangs_server_args():
-    cfg = EngineConfig(backend="sglang", tp_size=2, mem_fraction_static=0.55, context_length=8192,
-                       max_batch_size=48, extra_args=["--chunked-prefill-size", "4096"])
+    cfg = EngineConfig(backend="sglang", tp_size=2, sglang=SGLangConfig(mem_fraction_static=0.55),
+                       context_length=8192, max_batch_size=48, extra_args=["--chunked-prefill-size", "4096"])
     cmd = sglang_command(cfg, "/models/qwen", 31234, weight_version="7")
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     out = subprocess.run([sys.executable, "-c", _PARSE, json.dumps(cmd[3:])], capture_output=True, text=True,

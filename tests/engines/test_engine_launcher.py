@@ -1,4 +1,5 @@
-"""EngineProcess: a real cpu_server subprocess; launch, health, generate, restart, stop, failures."""
+"""EngineProcess: a real cpu_server subprocess; launch, health, generate, stop, failures. (An engine that
+dies is replaced by a new actor and process, actors/engine_fleet.py; EngineProcess never restarts.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from rayrl.config import EngineConfig
+from rayrl.config import EngineConfig, SGLangConfig
 from rayrl.engines.backends.cpu import cpu_server_command
 from rayrl.engines.backends.sglang import sglang_command
 from rayrl.engines.client import EngineClient
@@ -22,7 +23,7 @@ def _cfg(**kw) -> EngineConfig:
     )
 
 
-def test_launch_generate_restart_stop(tiny_model, tmp_path):
+def test_launch_generate_stop(tiny_model, tmp_path):
     proc = EngineProcess(_cfg(), str(tiny_model), tmp_path / "logs" / "engine.log")
     with proc:
         assert proc.alive() and proc.healthy()
@@ -40,16 +41,13 @@ def test_launch_generate_restart_stop(tiny_model, tmp_path):
 
         first = asyncio.run(generate())
         assert len(first) == 3
-        old_pid, url = proc.pid, proc.url
-        proc.restart()
-        assert proc.pid != old_pid and proc.url == url and proc.restarts == 1
-        assert asyncio.run(generate()) == first  # same weights, same greedy output
+        assert asyncio.run(generate()) == first  # greedy: the same output again
         pid = proc.pid
     assert not proc.alive()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     log = (tmp_path / "logs" / "engine.log").read_text()
-    assert log.count("starting:") == 2 and "ready at" in log
+    assert log.count("starting:") == 1 and "ready at" in log
 
 
 def test_missing_model_path_fails_clearly(tmp_path):
@@ -81,7 +79,8 @@ def test_startup_timeout_reports_log_tail(tmp_path):
 
 
 def test_command_builders():
-    cfg = EngineConfig(tp_size=2, mem_fraction_static=0.6, dtype="bfloat16", extra_args=["--foo", "1"])
+    cfg = EngineConfig(tp_size=2, sglang=SGLangConfig(mem_fraction_static=0.6), dtype="bfloat16",
+                       extra_args=["--foo", "1"])
     sg = sglang_command(cfg, "/models/m", 30001)
     assert sg[1:3] == ["-m", "sglang.launch_server"]
     joined = " ".join(sg)

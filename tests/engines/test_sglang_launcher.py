@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rayrl.config import EngineConfig
+from rayrl.config import EngineConfig, SGLangConfig
 from rayrl.engines.backends.sglang import sglang_command
 from rayrl.engines.client import EngineClient
 from rayrl.engines.launcher import EngineLaunchError, EngineProcess
@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(**kw) -> EngineConfig:
-    base = dict(tp_size=2, mem_fraction_static=0.6, dtype="float32", context_length=512, max_batch_size=4,
-                startup_timeout_s=180)  # fmt: skip
+    base = dict(tp_size=2, sglang=SGLangConfig(mem_fraction_static=0.6), dtype="float32", context_length=512,
+                max_batch_size=4, startup_timeout_s=180)  # fmt: skip
     return EngineConfig(**{**base, **kw})
 
 
@@ -38,7 +38,8 @@ def test_sglang_command_line():
         "--context-length": "512", "--max-running-requests": "4", "--weight-version": "7",
         "--host": "127.0.0.1", "--port": "30011",
     }  # fmt: skip
-    off = sglang_command(_cfg(enable_memory_saver=False, extra_args=["--log-level", "debug"]), "/m", 1)
+    off = sglang_command(_cfg(sglang=SGLangConfig(enable_memory_saver=False), extra_args=["--log-level", "debug"]),
+                         "/m", 1)
     assert "--enable-memory-saver" not in off and off[-2:] == ["--log-level", "debug"]
 
 

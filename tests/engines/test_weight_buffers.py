@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from rayrl.weights.shm import SharedBuffer, owner_tag, shared_memory_root, sweep_dead_buffers
-from rayrl.weights.wire import WeightUpdateError, deserialize_from_trainer, flatten_bucket, serialize_for_engine
+from rayrl.weights.wire import WeightUpdateError, deserialize_entry, flatten_bucket, serialize_for_engine
 from tests.shm_support import run_weights_dir, sigkill, start_owner
 
 
@@ -50,10 +50,10 @@ def test_buffers_leave_with_their_owner_and_open_only_by_their_own_names(run_dir
     payload = serialize_for_engine(flatten_bucket(named, out=buffer.typed(torch.uint8, 11 * 4)))  # bytes, any dtypes
     raw = base64.b64decode(payload)
     assert b"open_buffer" in raw and b"rebuild_storage_filename" not in raw  # by our name, not torch's file
-    got = dict(deserialize_from_trainer(payload))
+    got = dict(deserialize_entry(payload)[0])
     assert torch.equal(got["a"], named[0][1]) and torch.equal(got["b"], named[1][1])
-    packed = dict(deserialize_from_trainer(serialize_for_engine(buffer.pack(
-        [("c", torch.arange(3, dtype=torch.bfloat16)), ("d", torch.arange(4, dtype=torch.int64))]))))
+    packed = dict(deserialize_entry(serialize_for_engine(buffer.pack(
+        [("c", torch.arange(3, dtype=torch.bfloat16)), ("d", torch.arange(4, dtype=torch.int64))])))[0])
     assert packed["c"].dtype == torch.bfloat16 and torch.equal(packed["d"], torch.arange(4))
 
     # a pid now held by another process (this one, with another start time) protects nothing
@@ -68,7 +68,7 @@ def test_buffers_leave_with_their_owner_and_open_only_by_their_own_names(run_dir
     buffer.close()  # the owner's exit path: the file goes
     assert not buffer.path.exists()
     with pytest.raises(WeightUpdateError, match="is gone"):
-        deserialize_from_trainer(payload)
+        deserialize_entry(payload)
 
     owner, path, weights = start_owner(run_dir, "exit")  # exits without closing: removed at interpreter exit
     assert owner.wait(30) == 0 and not path.exists()
@@ -77,7 +77,7 @@ def test_buffers_leave_with_their_owner_and_open_only_by_their_own_names(run_dir
         buf = io.BytesIO()
         pickle.Pickler(buf).dump(_ForgedRef(name))
         with pytest.raises(WeightUpdateError, match="not a rayrl weight buffer name"):
-            deserialize_from_trainer(base64.b64encode(buf.getvalue()).decode())
+            deserialize_entry(base64.b64encode(buf.getvalue()).decode())
 
 
 class _ForgedRef:

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from rayrl.config import GatewayConfig
-from rayrl.gateway.families import FAMILIES, family_of, get_family
+from rayrl.gateway.families import DEFAULT_FAMILY, FAMILIES, family_of
 from rayrl.gateway.parsers import (
     DeepSeekToolParser,
     HermesToolParser,
@@ -79,11 +79,10 @@ def test_family_of_model_names_and_types(name, model_type, family):
 def test_every_family_names_a_real_parser_and_describes_its_template():
     assert {f.name for f in FAMILIES} >= {"qwen2.5", "qwen3", "deepseek"}
     for family in FAMILIES:
-        assert get_family(family.name) is family
+        assert family_of(family.name) is family  # a family's own name picks it
         get_tool_parser(family.tool_parser)
         assert family.reasoning_parser in ("think", "none") and family.template
-    with pytest.raises(ValueError, match="unknown model family"):
-        get_family("gpt-2")
+    assert family_of("gpt-2") is DEFAULT_FAMILY
 
 
 # -- each family's template behaviour --------------------------------------------------------------
@@ -166,7 +165,7 @@ def test_deepseek_tools_calls_system_prompt_and_reasoning(deepseek):
 def test_gateway_picks_the_family_parsers(scripted, qwen3, deepseek, family):
     tok, name = (qwen3, "Qwen/Qwen3-8B") if family == "qwen3" else (deepseek, "deepseek-ai/DeepSeek-R1")
     stack = scripted(lambda prompt: "x", cfg=GatewayConfig(), tokenizer=tok, model_name=name)
-    assert stack.gateway.tool_parser.name == get_family(family).tool_parser
+    assert stack.gateway.tool_parser.name == next(f for f in FAMILIES if f.name == family).tool_parser
     assert stack.gateway.reasoning_parser is not None
     assert stack.gateway.reasoning_parser.opened_in_prompt == (family == "deepseek")
 

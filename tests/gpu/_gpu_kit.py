@@ -28,3 +28,12 @@ def record(name: str, figures: dict[str, Any]) -> None:
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"{name}.json").write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
+
+
+def gpu_memory_used_bytes(device: int | None = None) -> int:
+    """Memory in use on the device as the driver sees it (what a paused region gives back shows here;
+    ``torch.cuda.memory_allocated`` does not change on pause)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free)

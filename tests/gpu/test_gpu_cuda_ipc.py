@@ -21,7 +21,7 @@ TENSOR_ELEMS = 64 * 1024**2  # 128 MiB per bf16 tensor
 def _receiver(requests: "mp.Queue", replies: "mp.Queue") -> None:
     import torch
 
-    from rayrl.weights.wire import deserialize_from_trainer
+    from rayrl.weights.wire import deserialize_entry
 
     torch.cuda.set_device(0)
     weights: dict[str, torch.Tensor] = {}
@@ -29,7 +29,7 @@ def _receiver(requests: "mp.Queue", replies: "mp.Queue") -> None:
         payload = requests.get()
         if payload is None:
             break
-        named = deserialize_from_trainer(payload, allow_cuda=True)
+        named, _ = deserialize_entry(payload, allow_cuda=True)
         for name, t in named:
             if name not in weights:
                 weights[name] = torch.empty_like(t)

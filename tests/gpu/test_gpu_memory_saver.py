@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from _gpu_kit import need, record
+from _gpu_kit import gpu_memory_used_bytes, need, record
 
 from rayrl.types import Sample
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 def test_pause_releases_and_resume_restores():
     need("torch_memory_saver")
-    from rayrl.trainers.memory_saver import MemorySaver, gpu_memory_used_bytes, init_optimizer_state
+    from rayrl.trainers.memory_saver import MemorySaver, init_optimizer_state
 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -92,7 +92,6 @@ def test_megatron_trainer_offload_frees_what_it_holds(medium_qwen2_dir):
     from rayrl.config import TrainerConfig
     from rayrl.ports import free_port
     from rayrl.trainers.megatron_backend import MegatronTrainer
-    from rayrl.trainers.memory_saver import gpu_memory_used_bytes
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -128,7 +127,14 @@ def test_megatron_trainer_offload_frees_what_it_holds(medium_qwen2_dir):
 
 EXIT_SCRIPT = r"""
 import torch
-from rayrl.trainers.memory_saver import MemorySaver, _hook_mode, gpu_memory_used_bytes, init_optimizer_state
+from rayrl.trainers.memory_saver import MemorySaver, _hook_mode, init_optimizer_state
+
+
+def gpu_memory_used_bytes():  # as tests/gpu/_gpu_kit.py's (this script runs in its own interpreter)
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 saver = MemorySaver(enabled=True, tag="exit-test")
 with saver.region():
     model = torch.nn.Linear(4096, 4096, device="cuda")

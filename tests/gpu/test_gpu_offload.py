@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from _gpu_kit import need, record
+from _gpu_kit import gpu_memory_used_bytes, need, record
 
 from rayrl.config import TrainerConfig
 from rayrl.types import Sample
@@ -35,7 +35,6 @@ def _host_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def test_torch_trainer_offload_frees_params_grads_and_adam_state(medium_qwen2_dir):
     need("torch_memory_saver")
-    from rayrl.trainers.memory_saver import gpu_memory_used_bytes
     from rayrl.trainers.torch_backend import TorchTrainer
 
     cfg = TrainerConfig(memory_saver=True, lr=1e-5, micro_batch_tokens=4096, compute_dtype="bfloat16")
@@ -94,7 +93,6 @@ def test_the_reference_model_leaves_the_gpu_with_the_trainer(medium_qwen2_dir):
     it is 0 before the first update (reference = initial weights) and positive after."""
     need("torch_memory_saver")
     from rayrl.config import AlgorithmConfig
-    from rayrl.trainers.memory_saver import gpu_memory_used_bytes
     from rayrl.trainers.torch_backend import TorchTrainer
 
     cfg = TrainerConfig(memory_saver=True, lr=1e-4, micro_batch_tokens=4096, compute_dtype="bfloat16")

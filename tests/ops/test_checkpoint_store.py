@@ -24,12 +24,12 @@ def _exercise(store: CheckpointStore) -> None:
     # a save interrupted before its marker: files present, no pipeline.json -> not a checkpoint
     (store.staging_dir(3) / "rank0.pt").write_bytes(b"partial")
     assert store.steps() == [1, 2] and store.latest() == 2
-    directory, state = store.fetch(2)
-    assert state == {"step": 2, "policy_version": 4}
+    assert store.read_state(2) == {"step": 2, "policy_version": 4}  # what the driver reads to resume
+    directory = store.download(2)  # what each trainer rank reads
     assert (directory / "rank0.pt").read_bytes() == b"weights2"
     assert (directory / "sub" / "extra.bin").read_bytes() == b"x" * 10
-    with pytest.raises(CheckpointError, match="incomplete"):
-        store.fetch(3)
+    with pytest.raises(CheckpointError, match=r"checkpoint step 3 at .*: cannot read pipeline.json"):
+        store.read_state(3)
 
 
 def test_local_directory(tmp_path):
@@ -48,7 +48,7 @@ def test_s3_round_trip_and_marker_last(tmp_path, s3_endpoint):
     assert not any(k.startswith("runs/exp1/step000003") for k in keys)  # never uploaded: not committed
     # a fresh store (a resumed driver on another machine) sees the same checkpoints
     again = CheckpointStore("s3://ckpts/runs/exp1/", staging_root=tmp_path / "elsewhere")
-    assert again.latest() == 2 and again.fetch(1)[1]["policy_version"] == 2
+    assert again.latest() == 2 and again.read_state(1)["policy_version"] == 2
 
 
 @pytest.mark.parametrize("remote", [False, True])

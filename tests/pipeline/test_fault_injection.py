@@ -107,8 +107,8 @@ def test_hung_weight_transfer_times_out_with_a_clear_error(pipeline):
     started = time.monotonic()
     try:
         with pytest.raises(WeightSyncError, match=r"weight_sync_timeout_s=5 s: .*no answer"):
-            pipeline.weights.push(pipeline.version)
+            pipeline.schedule.membership.push_weights(pipeline.version)
     finally:
         os.kill(pid, signal.SIGCONT)
     assert time.monotonic() - started < 40
-    assert pipeline.weights.failures == 1
+    assert pipeline.failure_counts["weight_sync_failures"] == 1

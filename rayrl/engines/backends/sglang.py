@@ -2,7 +2,8 @@
 has it, and SGLang's own bucket classes on the weight wire. The pinned SGLang's contract is held by
 tests/contracts/ and by rayrl/engines/sglang_standin.py (docs/gpu.md).
 
-``engine.mem_fraction_static`` and ``engine.enable_memory_saver`` are read here only.
+Its own options are the ``engine.sglang`` section (rayrl/config/serving.py ``SGLangConfig``), read here
+only; the generic ``engine`` fields are every backend's.
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ def sglang_command(
 ) -> list[str]:
     """``python -m sglang.launch_server ...`` for ``cfg`` (GPU).
 
-    ``--enable-memory-saver`` (on by default) puts the weights, KV cache and CUDA graphs in
-    torch_memory_saver regions, which is what makes ``/release_memory_occupation`` free memory for a
-    colocated trainer. The GPUs come from CUDA_VISIBLE_DEVICES (the placement group's bundles), so
-    ``--tp-size`` GPUs must be visible. ``--weight-version`` is the version the loaded checkpoint has.
+    ``--enable-memory-saver`` (``engine.sglang.enable_memory_saver``, on by default) puts the weights, KV
+    cache and CUDA graphs in torch_memory_saver regions, which is what makes ``/release_memory_occupation``
+    free memory for a colocated trainer. The GPUs come from CUDA_VISIBLE_DEVICES (the placement group's
+    bundles), so ``--tp-size`` GPUs must be visible. ``--weight-version`` is the version the loaded checkpoint has.
     """
     return [
         python, "-m", "sglang.launch_server",
         "--model-path", str(model_path),
         "--tp-size", str(cfg.tp_size),
-        "--mem-fraction-static", str(cfg.mem_fraction_static),
-        *(["--enable-memory-saver"] if cfg.enable_memory_saver else []),
+        "--mem-fraction-static", str(cfg.sglang.mem_fraction_static),
+        *(["--enable-memory-saver"] if cfg.sglang.enable_memory_saver else []),
         "--dtype", cfg.dtype,
         "--context-length", str(cfg.context_length),
         "--max-running-requests", str(cfg.max_batch_size),
@@ -50,7 +51,7 @@ def sglang_env(cfg: "EngineConfig") -> dict[str, str]:
     from rayrl.weights.group import NCCL_ENV
 
     env = dict(NCCL_ENV)
-    if cfg.enable_memory_saver:
+    if cfg.sglang.enable_memory_saver:
         env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
     return env
 
