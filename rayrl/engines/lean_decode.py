@@ -319,6 +319,8 @@ class LeanDecoder:
             new_cols = [b[:, rows, :, col] for b in kv.kv_buffers]
             keys = [b[0, rows, :, : col + 1] for b in kv.kv_buffers]
             values = [b[1, rows, :, : col + 1] for b in kv.kv_buffers]
+        if mask is not None and mask.dtype == torch.bool:  # SDPA would convert it in every layer
+            mask = torch.zeros(mask.shape, dtype=self.cos.dtype).masked_fill_(mask.logical_not(), float("-inf"))
         x = F.embedding(ids, self.base.embed_tokens.weight)
         for layer, new_col, k, v in zip(self.layers, new_cols, keys, values):
             h = F.rms_norm(x, norm_shape, layer.in_norm, eps)
