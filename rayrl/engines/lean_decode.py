@@ -16,6 +16,12 @@ This module is the same arithmetic in as few ops as the model allows:
   column; attention reads a view of them. Grouped-query heads reach SDPA as several queries of one KV
   head, so the shared keys are never repeated. No mask is built when no running row has padding.
 - The head's output is the ``[rows, vocab]`` float32 logits the sampler takes as is.
+- In ``fp16-packed`` the decoder layers of a step run as one TorchScript call (:func:`_packed_layers`):
+  calling FBGEMM's op on a packed weight from Python costs about a third of a small matmul in argument
+  handling, and a step has 120 of them plus ~20 small ops per layer. TorchScript is used because
+  ``torch.compile`` cannot trace the packed-weight op (a graph break at every matmul). The packed weights
+  are arguments, not constants, so a repacking after a weight update needs no recompilation. The float32
+  format keeps the same arithmetic as a Python loop (:meth:`LeanDecoder._layers`).
 
 Prefill runs through the same weights (:meth:`LeanDecoder.prefill`: prompt columns in left-padded
 batches, or on top of cached prefixes, as prefill.py builds them), so a request's first token and the
