@@ -4,7 +4,10 @@ Layout: per layer, keys and values live in buffers ``[row_capacity, kv_heads, co
 rows ``[0, rows)`` are the running requests, columns ``[0, length)`` are valid, and every row is
 right-aligned (left padding), so one decode step appends one column for all rows. A layer's keys and
 values are the two halves of one ``[2, rows, heads, cols, dim]`` buffer (``kv_buffers``), so a decode
-step writes both with one copy. A boolean ``mask [row_capacity, col_capacity]`` marks real tokens.
+step writes both with one copy; where every layer's buffer has the same shape (always, for the models the
+lean decode path serves) they are the layers of one ``[layers, 2, rows, heads, cols, dim]`` buffer
+(``all_kv``), so a decode step takes its column and attention views for all layers at once. A boolean
+``mask [row_capacity, col_capacity]`` marks real tokens.
 
 Why this shape: a decode step writes its column in place and attends over a view, so no step copies the
 cache (transformers' DynamicCache concatenates, copying everything every step). Joins and leaves touch
@@ -163,6 +166,7 @@ class BatchKV:
         self.num_layers = num_layers
         self.max_rows = max_rows
         self.kv_buffers: list[torch.Tensor] = []  # per layer [2, rows, heads, cols, dim]: keys, values
+        self.all_kv: Optional[torch.Tensor] = None  # [layers, 2, rows, heads, cols, dim] when layers are alike
         self.key_buffers: list[torch.Tensor] = []  # views: kv_buffers[i][0]
         self.value_buffers: list[torch.Tensor] = []  # views: kv_buffers[i][1]
         self.mask_buffer = torch.zeros(0, 0, dtype=torch.bool)
@@ -205,13 +209,19 @@ class BatchKV:
         if not refs:
             raise ValueError("the first append needs a block to size the buffers")
         r, c = self.rows, self.length
-        new_kv = []
-        for i in range(self.num_layers):
-            shape = (2, new_rows, refs[i].shape[1], new_cols, refs[i].shape[3])
-            kv = torch.empty(shape, dtype=refs[i].dtype, device=refs[i].device)
-            if self.kv_buffers and r and c:
+        shapes = {(refs[i].shape[1], refs[i].shape[3]) for i in range(self.num_layers)}
+        if len(shapes) == 1:  # every layer alike: one buffer, so a decode step takes its views once
+            heads, dim = shapes.pop()
+            self.all_kv = torch.empty((self.num_layers, 2, new_rows, heads, new_cols, dim), dtype=refs[0].dtype,
+                                      device=refs[0].device)
+            new_kv = list(self.all_kv.unbind(0))
+        else:
+            self.all_kv = None
+            new_kv = [torch.empty((2, new_rows, refs[i].shape[1], new_cols, refs[i].shape[3]), dtype=refs[i].dtype,
+                                  device=refs[i].device) for i in range(self.num_layers)]
+        if self.kv_buffers and r and c:
+            for i, kv in enumerate(new_kv):
                 kv[:, :r, :, :c] = self.kv_buffers[i][:, :r, :, :c]
-            new_kv.append(kv)
         self.kv_buffers = new_kv
         self.key_buffers = [kv[0] for kv in new_kv]
         self.value_buffers = [kv[1] for kv in new_kv]

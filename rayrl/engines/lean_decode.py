@@ -16,6 +16,12 @@ This module is the same arithmetic in as few ops as the model allows:
   column; attention reads a view of them. Grouped-query heads reach SDPA as several queries of one KV
   head, so the shared keys are never repeated. No mask is built when no running row has padding.
 - The head's output is the ``[rows, vocab]`` float32 logits the sampler takes as is.
+- In ``fp16-packed`` the decoder layers of a step run as one TorchScript call (:func:`_packed_layers`):
+  calling FBGEMM's op on a packed weight from Python costs about a third of a small matmul in argument
+  handling, and a step has 120 of them plus ~20 small ops per layer. TorchScript is used because
+  ``torch.compile`` cannot trace the packed-weight op (a graph break at every matmul). The packed weights
+  are arguments, not constants, so a repacking after a weight update needs no recompilation. The float32
+  format keeps the same arithmetic as a Python loop (:meth:`LeanDecoder._layers`).
 
 Prefill runs through the same weights (:meth:`LeanDecoder.prefill`: prompt columns in left-padded
 batches, or on top of cached prefixes, as prefill.py builds them), so a request's first token and the
@@ -27,10 +33,11 @@ through transformers as before (:func:`unsupported_reason` says why).
 
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +114,47 @@ def _fused_view(params: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
+def _packed_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
+                   new_cols: List[torch.Tensor], keys: List[torch.Tensor], values: List[torch.Tensor],
+                   norms: List[torch.Tensor], qk_norms: List[torch.Tensor],
+                   packed: List[torch.classes.quantized.LinearPackedParamsBase],
+                   sizes: List[int], eps: float, scale: float) -> torch.Tensor:
+    """Every decoder layer of :meth:`LeanDecoder.step` over fp16-packed weights, in TorchScript: the
+    interpreter calls FBGEMM's op on a packed weight without Python's per-call argument handling (about
+    a third of a small matmul's time from Python) and runs the other ~20 ops per layer without Python
+    frames. ``x`` ``[n, hidden]`` is updated in place and returned. Per layer ``i``: ``norms[2i]``,
+    ``norms[2i + 1]`` (input and post-attention), ``qk_norms[2i]``, ``qk_norms[2i + 1]`` (Qwen3's
+    q/k norms; empty list where the model has none), ``packed[4i : 4i + 4]`` (qkv, o, gate_up, down).
+    ``sizes``: query heads, KV heads, head size, intermediate size."""
+    heads, kv_heads, dim, inter = sizes[0], sizes[1], sizes[2], sizes[3]
+    n, hidden = x.size(0), x.size(1)
+    qk_heads, group, half = heads + kv_heads, heads // kv_heads, dim // 2
+    for i in range(len(new_cols)):
+        h = torch.rms_norm(x, [hidden], norms[2 * i], eps)
+        qkv = torch.ops.quantized.linear_dynamic_fp16(h, packed[4 * i]).view(n, qk_heads + kv_heads, dim)
+        qk = qkv.narrow(1, 0, qk_heads)
+        if len(qk_norms) > 0:
+            qk[:, :heads] = torch.rms_norm(qk[:, :heads], [dim], qk_norms[2 * i], eps)
+            qk[:, heads:] = torch.rms_norm(qk[:, heads:], [dim], qk_norms[2 * i + 1], eps)
+        torch.addcmul(qk * cos, qk.roll(half, -1), sin, out=qk)
+        new_cols[i].copy_(qkv.narrow(1, heads, 2 * kv_heads).view(n, 2, kv_heads, dim).transpose(0, 1))
+        att = F.scaled_dot_product_attention(qkv.narrow(1, 0, heads).view(n, kv_heads, group, dim), keys[i],
+                                             values[i], attn_mask=mask, scale=scale)
+        x += torch.ops.quantized.linear_dynamic_fp16(att.view(n, heads * dim), packed[4 * i + 1])
+        h = torch.rms_norm(x, [hidden], norms[2 * i + 1], eps)
+        gate_up = torch.ops.quantized.linear_dynamic_fp16(h, packed[4 * i + 2])
+        gate = F.silu(gate_up.narrow(1, 0, inter), inplace=True).mul_(gate_up.narrow(1, inter, inter))
+        x += torch.ops.quantized.linear_dynamic_fp16(gate, packed[4 * i + 3])
+    return x
+
+
+@functools.lru_cache(maxsize=1)
+def scripted_packed_layers() -> Any:
+    """:func:`_packed_layers` compiled by TorchScript (once per process, on first use: it needs FBGEMM's
+    packed-weight class, which only x86 builds have)."""
+    return torch.jit.script(_packed_layers)
+
+
 @dataclass
 class _Layer:
     """One decoder layer as the step uses it. Norm weights are the model's own (updated in place)."""
@@ -143,6 +191,10 @@ class LeanDecoder:
         self.layers: list[_Layer] = []
         self.head: Optional[Linear] = None
         self.pack_seconds = 0.0  # the last (re)packing
+        self._scripted: Any = None  # scripted_packed_layers() while the format is fp16-packed
+        self._norms: list[torch.Tensor] = []  # its arguments, flattened from self.layers
+        self._qk_norms: list[torch.Tensor] = []
+        self._packed: list[Any] = []
         self.pack(weight_format)
 
     # ------------------------------------------------------------------ weights
@@ -169,8 +221,21 @@ class LeanDecoder:
         built = self._build(layers, weight_format, head=True)
         self.layers = [built[i] for i in layers]
         self.weight_format = weight_format
+        self._flatten()
         self.pack_seconds = time.perf_counter() - started
         return self.pack_seconds
+
+    def _flatten(self) -> None:
+        """The scripted step's per-layer arguments, from ``self.layers`` (after every (re)packing)."""
+        if self.weight_format != "fp16-packed":
+            self._scripted = None
+            return
+        self._scripted = scripted_packed_layers()
+        self._norms = [w for layer in self.layers for w in (layer.in_norm, layer.post_norm)]
+        self._qk_norms = [w for layer in self.layers if layer.q_norm is not None
+                          for w in (layer.q_norm, layer.k_norm)]
+        self._packed = [lin.packed for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self._sizes = [self.q_heads, self.kv_heads, self.head_dim, self.intermediate]
 
     def repack(self, names: Iterable[str]) -> float:
         """After a weight update of ``names`` (HF names): rebuild what holds a copy of them. Dense
@@ -184,6 +249,7 @@ class LeanDecoder:
         for i, layer in built.items():
             if isinstance(i, int):
                 self.layers[i] = layer
+        self._flatten()
         self.pack_seconds = time.perf_counter() - started
         return self.pack_seconds
 
@@ -296,33 +362,59 @@ class LeanDecoder:
         """Logits ``[n, vocab]`` (float32) of the next token for cache rows ``rows`` (``n`` of them),
         whose last tokens are ``ids`` ``[n]`` at ``positions`` ``[n]``. Writes their keys and values
         at column ``kv.length``; ``mask`` ``[n, 1, 1, length + 1]`` (True = attend) or None (no padding).
-        Rows outside ``rows`` are not touched, so a step can be run for part of the batch."""
+        Rows outside ``rows`` are not touched, so a step can be run for part of the batch.
+
+        At batch 1 a step is about 20 ops per layer of a few microseconds each, so their count and the
+        Python around them are what this loop minimises: the cache views of every layer are taken once
+        per step (one buffer for all layers, kv_cache.BatchKV.all_kv), a padding mask is converted once,
+        and in the fp16-packed format the layers run as one TorchScript call (:func:`_packed_layers`);
+        :meth:`_layers` is the same arithmetic in Python, for the float32 format."""
         n = ids.shape[0]
-        col = kv.length
-        heads, kv_heads, dim, half = self.q_heads, self.kv_heads, self.head_dim, self.head_dim // 2
-        eps, width, inter, q_width = self.eps, self.qk_width, self.intermediate, self.q_heads * self.head_dim
-        norm_shape, head_shape = (self.hidden,), (dim,)
+        col, dim = kv.length, self.head_dim
         cos = self.cos.index_select(0, positions).view(n, 1, dim)
         sin = self.sin.index_select(0, positions).view(n, 1, dim)
+        if kv.all_kv is not None:  # every layer's new column and attention views, one op each
+            window = kv.all_kv[:, :, rows]
+            new_cols = list(window[:, :, :, :, col].unbind(0))
+            keys = list(window[:, 0, :, :, : col + 1].unbind(0))
+            values = list(window[:, 1, :, :, : col + 1].unbind(0))
+        else:
+            new_cols = [b[:, rows, :, col] for b in kv.kv_buffers]
+            keys = [b[0, rows, :, : col + 1] for b in kv.kv_buffers]
+            values = [b[1, rows, :, : col + 1] for b in kv.kv_buffers]
+        if mask is not None and mask.dtype == torch.bool:  # SDPA would convert it in every layer
+            mask = torch.zeros(mask.shape, dtype=self.cos.dtype).masked_fill_(mask.logical_not(), float("-inf"))
         x = F.embedding(ids, self.base.embed_tokens.weight)
-        for i, layer in enumerate(self.layers):
+        if self._scripted is not None:
+            x = self._scripted(x, cos, sin, mask, new_cols, keys, values, self._norms, self._qk_norms,
+                               self._packed, self._sizes, self.eps, self.scale)
+        else:
+            x = self._layers(x, cos, sin, mask, new_cols, keys, values)
+        x = F.rms_norm(x, (self.hidden,), self.base.norm.weight, self.eps)
+        assert self.head is not None
+        return self.head(x)
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
+                new_cols: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        """The decoder layers of :meth:`step` in Python (any weight format); ``x`` is updated in place."""
+        n = x.shape[0]
+        heads, kv_heads, dim, half = self.q_heads, self.kv_heads, self.head_dim, self.head_dim // 2
+        qk_heads, group, scale = heads + kv_heads, self.group, self.scale
+        eps, inter, q_width = self.eps, self.intermediate, heads * dim
+        norm_shape, head_shape = (self.hidden,), (dim,)
+        for layer, new_col, k, v in zip(self.layers, new_cols, keys, values):
             h = F.rms_norm(x, norm_shape, layer.in_norm, eps)
-            qkv = layer.qkv(h)
-            qk = qkv[:, :width].view(n, heads + kv_heads, dim)
+            qkv = layer.qkv(h).view(n, qk_heads + kv_heads, dim)
+            qk = qkv[:, :qk_heads]
             if layer.q_norm is not None:
                 qk[:, :heads] = F.rms_norm(qk[:, :heads], head_shape, layer.q_norm, eps)
                 qk[:, heads:] = F.rms_norm(qk[:, heads:], head_shape, layer.k_norm, eps)
             torch.addcmul(qk * cos, qk.roll(half, -1), sin, out=qk)  # RoPE, in place: qkv is [q, k, v] again
-            cache = kv.kv_buffers[i]
-            cache[:, rows, :, col] = qkv[:, q_width:].view(n, 2, kv_heads, dim).transpose(0, 1)
-            att = F.scaled_dot_product_attention(
-                qkv[:, :q_width].view(n, kv_heads, self.group, dim),
-                cache[0, rows, :, : col + 1], cache[1, rows, :, : col + 1], attn_mask=mask, scale=self.scale,
-            )
-            x = x + layer.o(att.view(n, q_width))
+            new_col.copy_(qkv[:, heads:].view(n, 2, kv_heads, dim).transpose(0, 1))
+            att = F.scaled_dot_product_attention(qkv[:, :heads].view(n, kv_heads, group, dim), k, v,
+                                                 attn_mask=mask, scale=scale)
+            x += layer.o(att.view(n, q_width))
             h = F.rms_norm(x, norm_shape, layer.post_norm, eps)
-            gate_up = layer.gate_up(h)
-            x = x + layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
-        x = F.rms_norm(x, norm_shape, self.base.norm.weight, eps)
-        assert self.head is not None
-        return self.head(x)
+            gate, up = layer.gate_up(h).split(inter, 1)
+            x += layer.down(F.silu(gate, inplace=True).mul_(up))
+        return x

@@ -23,7 +23,8 @@ import torch
 from _engine_kit import forward_logprobs, random_weights
 
 from rayrl.engines.cpu_engine import CPUEngine
-from rayrl.engines.lean_decode import unsupported_reason
+from rayrl.engines.kv_cache import BatchKV, KVBlock, prefill_mask
+from rayrl.engines.lean_decode import LeanDecoder, unsupported_reason
 from rayrl.engines.weight_formats import fp16_packing_available
 from rayrl.models import resolve_model_path
 
@@ -94,6 +95,42 @@ def test_each_family_decodes_as_transformers(family_models, kind, fmt, tolerance
         stats = eng.stats()
         assert stats["decode_path"] == "lean" and stats["weight_format"] == fmt
         assert _max_gap(eng, _reference(path), REQUESTS) <= tolerance
+
+
+@packed_only
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_scripted_packed_step_is_the_python_step(family_models, kind):
+    """fp16-packed decode runs its layers as one TorchScript call; the Python loop (the float32 format's)
+    over the same packed weights and cache gives the same logits and writes the same cache column, with
+    and without padding (Qwen2's q/k/v biases and Qwen3's q/k norms included)."""
+    model = _reference(family_models[kind])
+    lean = LeanDecoder(model, "fp16-packed", 256)
+    assert lean._scripted is not None
+    torch.manual_seed(0)
+    for padded in (False, True):
+        n, t = 3, 9
+        ids = torch.randint(3, 1000, (n, t))
+        mask = torch.ones(n, t, dtype=torch.bool)
+        if padded:
+            mask[0, :4] = False
+        positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+        with torch.inference_mode():
+            attn = prefill_mask(mask) if padded else None
+            _, keys, values = lean.prefill(ids, positions, attn, None, False)
+            outs = []
+            for scripted in (True, False):
+                kv = BatchKV(len(lean.layers), n)
+                kv.append(KVBlock(keys, values, mask))
+                step_mask = kv.step_mask()
+                assert (step_mask is not None) == padded
+                saved, lean._scripted = lean._scripted, lean._scripted if scripted else None
+                try:
+                    logits = lean.step(ids[:, -1], positions[:, -1] + 1, kv, slice(0, n), step_mask)
+                finally:
+                    lean._scripted = saved
+                outs.append((logits, kv.all_kv[:, :, :n, :, t].clone()))
+        torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-6, rtol=0)
 
 
 def test_other_families_decode_through_transformers(family_models):
