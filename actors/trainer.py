@@ -258,8 +258,9 @@ class TrainerGroup:
             )
             for r in range(cfg.num_ranks)
         ]
-        addr, port = ray.get(self.ranks[0].master_address.remote())
-        ray.get([r.setup.remote(addr, port) for r in self.ranks])
+        # through gather, as every call: a rank lost now is a TrainerFailure ("start"), not a raw Ray error
+        addr, port = self.gather("start", [self.ranks[0].master_address.remote()], ranks=[0])[0]
+        self.gather("start", [r.setup.remote(addr, port) for r in self.ranks], grace_s=FAILURE_GRACE_S)
 
     # -- every call to the ranks -------------------------------------------------------------------
 
