@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         pipeline.run()
     except TrainerFailure as failure:  # the pipeline printed the one line: cause, checkpoint, how to resume
         if pipeline is None:  # lost while the pipeline started: nothing trained in this run
-            print(f"[rayrl] run stopped while starting: {failure}. Nothing was trained; run the same command "
-                  "again once the cluster has its nodes back.", flush=True)
+            print(f"[rayrl] run stopped while starting: {failure}. Nothing was trained in this run; run the "
+                  "same command again once that is fixed (a lost node back, ...).", flush=True)
         return 3
     except (WeightSyncError, CheckpointError) as err:
         print(f"[rayrl] stopped: {err}", file=sys.stderr)
