@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             pipeline.resume()
         pipeline.run()
-    except TrainerFailure:  # the pipeline printed the one line: cause, checkpoint, how to resume
+    except TrainerFailure as failure:  # the pipeline printed the one line: cause, checkpoint, how to resume
+        if pipeline is None:  # lost while the pipeline started: nothing trained in this run
+            print(f"[rayrl] run stopped while starting: {failure}. Nothing was trained in this run; run the "
+                  "same command again once that is fixed (a lost node back, ...).", flush=True)
         return 3
     except (WeightSyncError, CheckpointError) as err:
         print(f"[rayrl] stopped: {err}", file=sys.stderr)

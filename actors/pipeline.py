@@ -243,11 +243,16 @@ class Pipeline:
         return self.checkpoints.save()
 
     def resume(self) -> bool:
-        """Continue from the newest complete checkpoint: the next step takes exactly the next tasks."""
-        if not self.checkpoints.resume():
-            return False
-        if self.state.version > 0:
-            self.schedule.membership.push_weights(self.state.version)
+        """Continue from the newest complete checkpoint: the next step takes exactly the next tasks. A trainer
+        rank lost while loading it or pushing its weights stops the run with the one line, naming it."""
+        try:
+            if not self.checkpoints.resume():
+                return False
+            if self.state.version > 0:
+                self.schedule.membership.push_weights(self.state.version)
+        except TrainerFailure as failure:
+            self.checkpoints.after_trainer_failure(failure, save=False)
+            raise
         return True
 
     # -- what tests, notebooks and the driver look at ------------------------------------------------

@@ -45,7 +45,9 @@ from rayrl.weights.shm import sweep_quietly
 
 logger = logging.getLogger("rayrl.pipeline")
 
-FAILURE_GRACE_S = 60.0  # how long ranks in a collective get to fail on their own once a peer has died
+# how long ranks in a collective (or a process-group meeting: MEET_TIMEOUT_S, 45 s) get to fail on their own
+# once a peer has died, before they are killed
+FAILURE_GRACE_S = 60.0
 ALIVE_TIMEOUT_S = 30.0  # how long a rank gets to answer "are you alive" after a failure
 
 
@@ -200,10 +202,13 @@ class TrainerRank:
 
         return offload_rank(self.world, self.trainer)
 
-    def onload(self) -> bool:
+    def onload(self, groups: bool = True) -> bool:
+        """Take the GPU back: the memory, then the process groups. ``groups=False``: the memory only (a
+        surviving rank that writes the checkpoint after another died: making the groups again is a
+        meeting of every rank, which the dead one never joins)."""
         from rayrl.trainers.process_groups import onload_rank
 
-        return onload_rank(self.world, self.trainer)
+        return onload_rank(self.world if groups else None, self.trainer)
 
 
 class TrainerGroup:
@@ -253,8 +258,9 @@ class TrainerGroup:
             )
             for r in range(cfg.num_ranks)
         ]
-        addr, port = ray.get(self.ranks[0].master_address.remote())
-        ray.get([r.setup.remote(addr, port) for r in self.ranks])
+        # through gather, as every call: a rank lost now is a TrainerFailure ("start"), not a raw Ray error
+        addr, port = self.gather("start", [self.ranks[0].master_address.remote()], ranks=[0])[0]
+        self.gather("start", [r.setup.remote(addr, port) for r in self.ranks], grace_s=FAILURE_GRACE_S)
 
     # -- every call to the ranks -------------------------------------------------------------------
 
@@ -411,7 +417,7 @@ class TrainerGroup:
         ranks = list(range(len(self.ranks))) if from_rank is None else [from_rank]
         leaders = self.node_leaders(ranks) if store is not None and store.s3 is not None else ranks[:0]
         if from_rank is not None:
-            self._call("checkpoint", "onload", ranks=ranks)
+            self._call("checkpoint", "onload", False, ranks=ranks)  # its memory; the groups need the dead
             leaders = ranks  # its staging directory may hold a failed save's files
         self._call("checkpoint", "clear_dir", directory, ranks=leaders)
         self._call("checkpoint", "save_checkpoint", directory, from_rank is not None, ranks=ranks)
@@ -432,12 +438,16 @@ class TrainerGroup:
         return [r for r, seen in enumerate(self._call("start", "sees", path)) if not seen]
 
     def offload(self) -> bool:
-        """Give the devices to the engines (colocated schedule); False where nothing moves (CPU)."""
-        return all(self._call("offload", "offload"))
+        """Give the devices to the engines (colocated schedule); False where nothing moves (CPU). On NCCL
+        the ranks meet to release their groups: one that died leaves the others waiting, so they get
+        ``FAILURE_GRACE_S`` (they give up after MEET_TIMEOUT_S, rayrl/trainers/process_groups.py, and
+        stay alive to write the checkpoint)."""
+        return all(self.gather("offload", [r.offload.remote() for r in self.ranks], grace_s=FAILURE_GRACE_S))
 
     def onload(self) -> bool:
-        """Take the devices back before training; False where nothing moves (CPU)."""
-        return all(self._call("onload", "onload"))
+        """Take the devices back before training; False where nothing moves (CPU). As offload: the ranks
+        meet to make their groups again."""
+        return all(self.gather("onload", [r.onload.remote() for r in self.ranks], grace_s=FAILURE_GRACE_S))
 
     def shutdown(self) -> None:
         for r in self.ranks:

@@ -661,3 +661,20 @@ def test_async_resume_after_stale_drops_runs_the_untrained_groups_first_and_noth
     groups, _ = resumed.step()
     step3 = {g.task.task_id for g in groups}
     assert step3 <= set(untrained) and not step3 & set(trained)
+
+
+def test_a_failure_while_resuming_names_the_checkpoint_it_loaded_and_writes_nothing(tmp_path, capsys):
+    """A rank lost while the checkpoint loads or its weights go to the engines (Pipeline.resume): nothing
+    trained since it, so it is named as the way back and not written again."""
+    run = make_run("pipeline.schedule=sync")
+    run_steps(run, make_checkpoints(run, tmp_path), 2, save_every=2)
+    resumed = make_run("pipeline.schedule=sync")
+    checkpoints = make_checkpoints(resumed, tmp_path)
+    assert checkpoints.resume()
+    saves = list(resumed.trainer.saved_from)
+    resumed.trainer.survivors = {1: 2}
+    checkpoints.after_trainer_failure(TrainerFailure("weight push", {0: "gone"}, {1: 2}), save=False)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("[rayrl] run stopped: trainer rank failure in weight push: rank 0: gone.")
+    assert f"Checkpoint: {checkpoints.store.location_of(2)}. Resume with: python driver.py" in line
+    assert resumed.trainer.saved_from == saves and checkpoints.store.latest() == 2

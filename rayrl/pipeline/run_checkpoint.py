@@ -117,8 +117,10 @@ class RunCheckpoints:
               f"policy version {self.state.version}", flush=True)
         return True
 
-    def after_trainer_failure(self, failure: TrainerFailure) -> None:
+    def after_trainer_failure(self, failure: TrainerFailure, save: bool = True) -> None:
         """A trainer rank died: leave a checkpoint that resumes exactly, and say how to resume, in one line.
+        ``save=False``: nothing trained since the newest checkpoint (a failure while resuming from it), which
+        is the way back as it is.
 
         The surviving rank with the newest weights writes the last completed step, whatever the phase:
         if it holds this step's update (the failure came after the trainer step: weight push, offload,
@@ -129,7 +131,7 @@ class RunCheckpoints:
         self.state.failures["trainer_rank_failures"] += 1
         where = None
         try:
-            where = self._save_from_survivor(failure)
+            where = self._save_from_survivor(failure) if save else None
         except Exception as err:  # another rank went too, or the store failed: fall back to the newest
             logger.warning("checkpoint from a surviving trainer rank failed: %s",
                            str(err).strip().splitlines()[0])

@@ -43,10 +43,18 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 WORLD_PREFIX = "rayrl-world"
+# every rank reaches a release/remake within seconds of the others (the driver calls them together, on idle
+# ranks); one still missing after this has died (its node lost), and the others raise instead of waiting
+# the collective timeout (30 min): the driver's grace for these phases (actors/trainer.py) is longer
+MEET_TIMEOUT_S = 45.0
 
 
 class GroupsReleasedError(RuntimeError):
     """A collective on a trainer process group while the groups are released (the trainer is offloaded)."""
+
+
+class RankMissingError(RuntimeError):
+    """A release or remake of the process groups where some rank never came (it died)."""
 
 
 class LiveGroup(dist.ProcessGroup):
@@ -172,9 +180,12 @@ class TrainerWorld:
     """This rank's torch.distributed world: WORLD over a kept TCP store, released and remade on NCCL."""
 
     def __init__(self, rank: int, world_size: int, backend: str, master_addr: str, master_port: int,
-                 timeout_s: float = 1800.0, releasable: Optional[bool] = None) -> None:
+                 timeout_s: float = 1800.0, releasable: Optional[bool] = None,
+                 meet_timeout_s: float = MEET_TIMEOUT_S) -> None:
         """``releasable``: destroy and remake the groups around offload/onload (default: on NCCL only; tests
-        set it on gloo to exercise the mechanism on CPU)."""
+        set it on gloo to exercise the mechanism on CPU). ``meet_timeout_s``: how long a release or remake
+        waits for the other ranks."""
+        self.meet_timeout_s = meet_timeout_s
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
@@ -221,12 +232,17 @@ class TrainerWorld:
         return len(self._calls)
 
     def _meet(self, what: str) -> None:
-        """Every rank reaches this point before any goes on (a barrier through the store, no group needed)."""
+        """Every rank reaches this point before any goes on (a barrier through the store, no group needed).
+        Raises RankMissingError after ``meet_timeout_s`` (a rank that never comes has died)."""
         self.meetings += 1
         key = f"rayrl-meet/{what}/{self.meetings}"
         if self.store.add(key, 1) == self.world_size:
             self.store.set(key + "/all", "1")
-        self.store.wait([key + "/all"], self.timeout)
+        try:
+            self.store.wait([key + "/all"], timedelta(seconds=self.meet_timeout_s))
+        except Exception as err:  # DistStoreError (timeout), or the store's server (rank 0) is gone
+            raise RankMissingError(f"rank {self.rank}: not every rank reached the {what} of the process groups "
+                                   f"within {self.meet_timeout_s:g} s (a rank died?): {err}") from None
 
     def release(self) -> bool:
         """Destroy every group (their communicators' GPU memory goes); False where not releasable or already

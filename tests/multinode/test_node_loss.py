@@ -158,12 +158,12 @@ def test_a_node_lost_in_any_phase_stops_the_run_cleanly_and_it_resumes_exactly(t
     killer = NodeKiller(two_nodes)
     monkeypatch.setattr(Schedule, "collect", killer.during_rollout(Schedule.collect))
     # "offload" and "weight push" are armed by the trainer step (the schedule also offloads when it starts, and
-    # a resume pushes the loaded weights): train -> offload (kill), or train -> offload -> push (kill)
-    after_train = {"offload-next": "offload", "push-next": "push-soon"}
+    # a resume pushes the loaded weights): the colocated step goes train -> push -> offload
+    # (rayrl/pipeline/schedules.py), so the step's own push or offload after its train is the one killed
+    after_train = {"offload-next": "offload", "push-next": "weight push"}
     train = killer.before("train", TrainerGroup.train)
     monkeypatch.setattr(TrainerGroup, "train", killer.after(train, after_train))
-    monkeypatch.setattr(TrainerGroup, "offload", killer.after(killer.before("offload", TrainerGroup.offload),
-                                                               {"push-soon": "weight push"}))
+    monkeypatch.setattr(TrainerGroup, "offload", killer.before("offload", TrainerGroup.offload))
     monkeypatch.setattr(WeightSync, "push", killer.before("weight push", WeightSync.push))
     monkeypatch.setattr(TrainerGroup, "save_checkpoint", killer.before("checkpoint", TrainerGroup.save_checkpoint))
 

@@ -79,6 +79,16 @@ def test_rank_death_in_any_phase_raises_and_a_survivor_checkpoint_resumes(ray_lo
         fresh.shutdown()
 
 
+def test_a_rank_that_cannot_start_is_a_trainer_failure_at_start(ray_local, tiny_model_dir):
+    """The ranks' set-up goes through TrainerGroup.gather like every other call: a rank that raises there (here
+    the Megatron backend on a machine without it) is a TrainerFailure in "start" naming the cause, which the
+    driver turns into its one line and exit code 3, not a raw Ray error."""
+    cfg = TrainerConfig(num_ranks=1, backend="megatron", micro_batch_tokens=256)
+    with pytest.raises(TrainerFailure, match="in start: rank 0: MegatronUnavailable") as info:
+        TrainerGroup(cfg, str(tiny_model_dir), seed=0, name_prefix="tf-start")
+    assert info.value.phase == "start" and list(info.value.errors) == [0]
+
+
 @pytest.mark.slow  # ~60 s: two pipelines
 def test_pipeline_stops_with_a_checkpoint_and_resumes_the_failed_step(ray_local, tiny_model_dir, tmp_path, capsys):
     """A rank dies between steps: step 2 fails, the run stops with a checkpoint of step 1 that marks step 2's
