@@ -16,32 +16,13 @@ starts, naming the field.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, Optional
+from typing import Literal, Optional
 
 from rayrl.config.checks import ConfigError, non_negative
+from rayrl.config.registry import named_callable
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-
-
-def named_callable(field_name: str, value: str, names: Mapping[str, Callable[..., Any]]) -> Callable[..., Any]:
-    """``names[value]``, or the callable a ``package.module:function`` names; else a ConfigError naming
-    ``field_name``. The one resolver of the algorithm's registries: the config checks with it at load,
-    rayrl/rl/advantages.py and rayrl/trainers/policy_losses.py resolve with it when they run."""
-    if value in names:
-        return names[value]
-    module, sep, attr = value.partition(":")
-    if not sep:
-        raise ConfigError(f"{field_name}: unknown {value!r}; registered: {', '.join(sorted(names))}, "
-                          "or package.module:function")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"{field_name}: cannot load {value!r}: {type(err).__name__}: {err}") from None
-    if not callable(fn):
-        raise ConfigError(f"{field_name}: {value!r} is not callable")
-    return fn
 
 
 LossAgg = Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
@@ -114,7 +95,8 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.advantage_estimator: gae needs a critic (a value model), which neither "
                               "trainer backend holds yet; use grpo, dr_grpo, rloo, reinforce_pp or "
                               "reinforce_pp_baseline")
-        # the registries, imported here and not at the top: they import named_callable from this module
+        # the registries, imported here and not at the top: policy_losses imports torch, and importing rayrl.config
+        # (which every process does) should not
         from rayrl.rl.advantages import ESTIMATORS
         from rayrl.trainers.policy_losses import POLICY_LOSSES
 

@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from rayrl.config.algorithm import named_callable
+from rayrl.config.registry import named_callable
 
 EPS = 1e-6  # keeps a division by a (near-)zero standard deviation finite
 

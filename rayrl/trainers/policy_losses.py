@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from rayrl.config.algorithm import named_callable
+from rayrl.config.registry import named_callable
 
 MAX_LOG_RATIO = 20.0  # exp() of a larger log-ratio overflows float32's useful range; clamped, as the peers do
 MAX_SEQ_LOG_RATIO = 10.0  # GSPO: the sequence log-ratio is clamped here before exp()
