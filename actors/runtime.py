@@ -36,7 +36,10 @@ def init_ray(cfg: RayConfig) -> Any:
     """``ray.init`` for this run.
 
     Under ``ray job submit`` (RAY_ADDRESS set by Ray) or with ``ray.address`` the driver joins that
-    cluster. Otherwise it starts a local Ray with token authentication and a loopback dashboard.
+    cluster. Otherwise it starts a local Ray with token authentication and a loopback dashboard, a new one
+    (``address="local"``): a bare ``ray.init`` would instead join whatever cluster Ray's temp dir last
+    recorded (``/tmp/ray/ray_current_cluster``, left behind by a ``ray start`` that may be long dead) and
+    then refuse the local cluster's resources with a traceback.
     driver.py sets ``RAY_AUTH_MODE=token`` before Ray is imported (Ray reads it at import); in a
     notebook, Ray's own default for a local ``ray.init`` turns it on (tests/ops checks both).
     """
@@ -49,6 +52,7 @@ def init_ray(cfg: RayConfig) -> Any:
                        "every interface. Use this only on a machine nobody else can reach.", AUTH_MODE_ENV, mode)
     num_cpus = cfg.num_cpus or max(4, os.cpu_count() or 1)
     return ray.init(
+        address="local",
         num_cpus=num_cpus,
         num_gpus=cfg.num_gpus,
         include_dashboard=cfg.include_dashboard,

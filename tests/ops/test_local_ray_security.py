@@ -1,10 +1,14 @@
-"""The local Ray that driver.py starts: token authentication on, dashboard on loopback only."""
+"""The local Ray that driver.py starts: token authentication on, dashboard on loopback only, and a new
+cluster even where Ray's temp dir names one that is gone (a ``ray start`` killed earlier on the machine)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -37,10 +41,18 @@ PROBE = textwrap.dedent("""
 
 
 def test_local_cluster_requires_a_token_and_binds_dashboard_to_loopback():
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env=env)
+    # Ray's temp dir (short: Ray's socket paths must fit 107 bytes) records a cluster that no longer exists
+    tmp = tempfile.mkdtemp(prefix="rr", dir="/tmp")
+    try:
+        os.makedirs(os.path.join(tmp, "ray"))
+        with open(os.path.join(tmp, "ray", "ray_current_cluster"), "w") as f:
+            f.write("192.0.2.2:40477")  # TEST-NET-1: nothing answers there
+        out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                             env={**env, "RAY_TMPDIR": tmp})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     line = next((s for s in out.stdout.splitlines() if s.startswith("RESULT ")), None)
     assert line, out.stdout[-2000:] + out.stderr[-3000:]
     result = json.loads(line[len("RESULT "):])
