@@ -77,8 +77,9 @@ class Fp16PackedLinear:
 
 
 class Fp16PackedChunks:
-    """A tall fp16-packed matrix (the vocabulary head: 49,152 x 576 for SmolLM2) as row blocks of
-    ``chunk`` output features, each packed on its own; the outputs are concatenated.
+    """A tall fp16-packed matrix (the vocabulary head: 49,152 x 576 for SmolLM2) as blocks of output
+    rows (``parts``, lean_decode.HEAD_CHUNK rows each), each packed on its own; the outputs are
+    concatenated.
 
     Why: FBGEMM's fp16 kernel holds at most 6 activation rows in AVX2 registers, so at 7-32 rows it
     streams each block of the packed weight once per group of rows (twice at 8 rows, six times at 32).
