@@ -16,12 +16,14 @@ This module is the same arithmetic in as few ops as the model allows:
   column; attention reads a view of them. Grouped-query heads reach SDPA as several queries of one KV
   head, so the shared keys are never repeated. No mask is built when no running row has padding.
 - The head's output is the ``[rows, vocab]`` float32 logits the sampler takes as is.
-- In ``fp16-packed`` the decoder layers of a step run as one TorchScript call (:func:`_packed_layers`):
-  calling FBGEMM's op on a packed weight from Python costs about a third of a small matmul in argument
-  handling, and a step has 120 of them plus ~20 small ops per layer. TorchScript is used because
-  ``torch.compile`` cannot trace the packed-weight op (a graph break at every matmul). The packed weights
-  are arguments, not constants, so a repacking after a weight update needs no recompilation. The float32
-  format keeps the same arithmetic as a Python loop (:meth:`LeanDecoder._layers`).
+- The decoder layers of a step run as one TorchScript call (:func:`_decoder_layers`, both weight
+  formats: one copy of the arithmetic): calling FBGEMM's op on a packed weight from Python costs about a
+  third of a small matmul in argument handling, and a step has 120 of them plus ~20 small ops per layer.
+  TorchScript is used because ``torch.compile`` cannot trace the packed-weight op (a graph break at every
+  matmul). The weights are arguments, not constants, so a repacking after a weight update needs no
+  recompilation.
+- In ``fp16-packed`` the vocabulary head is packed in row blocks (weight_formats.Fp16PackedChunks), so at
+  7-32 rows its weight is not streamed from memory once per group of rows FBGEMM's kernel holds.
 
 Prefill runs through the same weights (:meth:`LeanDecoder.prefill`: prompt columns in left-padded
 batches, or on top of cached prefixes, as prefill.py builds them), so a request's first token and the
@@ -34,6 +36,7 @@ through transformers as before (:func:`unsupported_reason` says why).
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,11 +46,14 @@ import torch
 import torch.nn.functional as F
 
 from rayrl.engines.kv_cache import BatchKV
-from rayrl.engines.weight_formats import Linear, make_linear
+from rayrl.engines.weight_formats import Fp16PackedChunks, Linear, make_linear
+
+logger = logging.getLogger("rayrl.engines.lean_decode")
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 ROPE_CHUNK = 4096  # positions per call of the rotary module while the table is built
+HEAD_CHUNK = 8192  # vocabulary rows per packed block of the fp16 head (weight_formats.Fp16PackedChunks)
 
 
 def unsupported_reason(model: Any, device: torch.device) -> Optional[str]:
@@ -114,45 +120,61 @@ def _fused_view(params: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
-def _packed_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
-                   new_cols: List[torch.Tensor], keys: List[torch.Tensor], values: List[torch.Tensor],
-                   norms: List[torch.Tensor], qk_norms: List[torch.Tensor],
-                   packed: List[torch.classes.quantized.LinearPackedParamsBase],
-                   sizes: List[int], eps: float, scale: float) -> torch.Tensor:
-    """Every decoder layer of :meth:`LeanDecoder.step` over fp16-packed weights, in TorchScript: the
-    interpreter calls FBGEMM's op on a packed weight without Python's per-call argument handling (about
-    a third of a small matmul's time from Python) and runs the other ~20 ops per layer without Python
-    frames. ``x`` ``[n, hidden]`` is updated in place and returned. Per layer ``i``: ``norms[2i]``,
-    ``norms[2i + 1]`` (input and post-attention), ``qk_norms[2i]``, ``qk_norms[2i + 1]`` (Qwen3's
-    q/k norms; empty list where the model has none), ``packed[4i : 4i + 4]`` (qkv, o, gate_up, down).
+def _matmul(x: torch.Tensor, i: int, packed: List[torch.classes.quantized.LinearPackedParamsBase],
+            dense: List[torch.Tensor], biases: List[Optional[torch.Tensor]]) -> torch.Tensor:
+    """Matrix ``i`` of the step applied to ``x``: FBGEMM's fp16 op on a packed weight (its bias packed
+    with it), or ``F.linear`` on the model's own float32 weight where ``dense`` is given."""
+    if len(dense) == 0:
+        return torch.ops.quantized.linear_dynamic_fp16(x, packed[i])
+    return F.linear(x, dense[i], biases[i])
+
+
+def _decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
+                    new_cols: List[torch.Tensor], keys: List[torch.Tensor], values: List[torch.Tensor],
+                    norms: List[torch.Tensor], qk_norms: List[torch.Tensor],
+                    packed: List[torch.classes.quantized.LinearPackedParamsBase], dense: List[torch.Tensor],
+                    biases: List[Optional[torch.Tensor]], sizes: List[int], eps: float, scale: float) -> torch.Tensor:
+    """Every decoder layer of :meth:`LeanDecoder.step`, in either weight format; run by TorchScript
+    (:func:`decoder_layers`): the interpreter calls the ops without Python's per-call argument handling
+    (for FBGEMM's packed-weight op about a third of a small matmul's time) and runs the ~20 other ops per
+    layer without Python frames. ``x`` ``[n, hidden]`` is updated in place and returned. Per layer ``i``:
+    ``norms[2i]``, ``norms[2i + 1]`` (input and post-attention), ``qk_norms[2i]``, ``qk_norms[2i + 1]``
+    (Qwen3's q/k norms; empty where the model has none), matrices ``4i .. 4i + 3`` (qkv, o, gate_up,
+    down) in ``packed`` (fp16-packed) or ``dense`` with ``biases`` (float32; ``packed`` is then empty).
     ``sizes``: query heads, KV heads, head size, intermediate size."""
     heads, kv_heads, dim, inter = sizes[0], sizes[1], sizes[2], sizes[3]
     n, hidden = x.size(0), x.size(1)
     qk_heads, group, half = heads + kv_heads, heads // kv_heads, dim // 2
     for i in range(len(new_cols)):
         h = torch.rms_norm(x, [hidden], norms[2 * i], eps)
-        qkv = torch.ops.quantized.linear_dynamic_fp16(h, packed[4 * i]).view(n, qk_heads + kv_heads, dim)
+        qkv = _matmul(h, 4 * i, packed, dense, biases).view(n, qk_heads + kv_heads, dim)
         qk = qkv.narrow(1, 0, qk_heads)
         if len(qk_norms) > 0:
             qk[:, :heads] = torch.rms_norm(qk[:, :heads], [dim], qk_norms[2 * i], eps)
             qk[:, heads:] = torch.rms_norm(qk[:, heads:], [dim], qk_norms[2 * i + 1], eps)
-        torch.addcmul(qk * cos, qk.roll(half, -1), sin, out=qk)
+        torch.addcmul(qk * cos, qk.roll(half, -1), sin, out=qk)  # RoPE, in place: qkv is [q, k, v] again
         new_cols[i].copy_(qkv.narrow(1, heads, 2 * kv_heads).view(n, 2, kv_heads, dim).transpose(0, 1))
         att = F.scaled_dot_product_attention(qkv.narrow(1, 0, heads).view(n, kv_heads, group, dim), keys[i],
                                              values[i], attn_mask=mask, scale=scale)
-        x += torch.ops.quantized.linear_dynamic_fp16(att.view(n, heads * dim), packed[4 * i + 1])
+        x += _matmul(att.view(n, heads * dim), 4 * i + 1, packed, dense, biases)
         h = torch.rms_norm(x, [hidden], norms[2 * i + 1], eps)
-        gate_up = torch.ops.quantized.linear_dynamic_fp16(h, packed[4 * i + 2])
+        gate_up = _matmul(h, 4 * i + 2, packed, dense, biases)
         gate = F.silu(gate_up.narrow(1, 0, inter), inplace=True).mul_(gate_up.narrow(1, inter, inter))
-        x += torch.ops.quantized.linear_dynamic_fp16(gate, packed[4 * i + 3])
+        x += _matmul(gate, 4 * i + 3, packed, dense, biases)
     return x
 
 
 @functools.lru_cache(maxsize=1)
-def scripted_packed_layers() -> Any:
-    """:func:`_packed_layers` compiled by TorchScript (once per process, on first use: it needs FBGEMM's
-    packed-weight class, which only x86 builds have)."""
-    return torch.jit.script(_packed_layers)
+def decoder_layers() -> Any:
+    """:func:`_decoder_layers` compiled by TorchScript (once per process, on first use, about 0.1 s).
+    Where it cannot be compiled (a torch build without the quantized packed-weight class), the same
+    function runs as Python, slower by the per-op overhead; that is logged once."""
+    try:
+        return torch.jit.script(_decoder_layers)
+    except Exception as err:  # the function is valid Python either way
+        logger.warning("the lean decode step runs as Python: TorchScript could not compile it (%s: %s)",
+                       type(err).__name__, err)
+        return _decoder_layers
 
 
 @dataclass
@@ -191,10 +213,13 @@ class LeanDecoder:
         self.layers: list[_Layer] = []
         self.head: Optional[Linear] = None
         self.pack_seconds = 0.0  # the last (re)packing
-        self._scripted: Any = None  # scripted_packed_layers() while the format is fp16-packed
-        self._norms: list[torch.Tensor] = []  # its arguments, flattened from self.layers
+        self._run_layers: Any = decoder_layers()  # the step's layers (TorchScript), with these arguments:
+        self._norms: list[torch.Tensor] = []  # flattened from self.layers after every (re)packing
         self._qk_norms: list[torch.Tensor] = []
-        self._packed: list[Any] = []
+        self._packed: list[Any] = []  # fp16-packed
+        self._dense: list[torch.Tensor] = []  # float32
+        self._biases: list[Optional[torch.Tensor]] = []
+        self._sizes = [self.q_heads, self.kv_heads, self.head_dim, self.intermediate]
         self.pack(weight_format)
 
     # ------------------------------------------------------------------ weights
@@ -226,16 +251,15 @@ class LeanDecoder:
         return self.pack_seconds
 
     def _flatten(self) -> None:
-        """The scripted step's per-layer arguments, from ``self.layers`` (after every (re)packing)."""
-        if self.weight_format != "fp16-packed":
-            self._scripted = None
-            return
-        self._scripted = scripted_packed_layers()
+        """The step's per-layer arguments, from ``self.layers`` (after every (re)packing)."""
         self._norms = [w for layer in self.layers for w in (layer.in_norm, layer.post_norm)]
         self._qk_norms = [w for layer in self.layers if layer.q_norm is not None
                           for w in (layer.q_norm, layer.k_norm)]
-        self._packed = [lin.packed for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        self._sizes = [self.q_heads, self.kv_heads, self.head_dim, self.intermediate]
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        packed = self.weight_format == "fp16-packed"
+        self._packed = [lin.packed for lin in linears] if packed else []
+        self._dense = [] if packed else [lin.weight for lin in linears]
+        self._biases = [] if packed else [lin.bias for lin in linears]
 
     def repack(self, names: Iterable[str]) -> float:
         """After a weight update of ``names`` (HF names): rebuild what holds a copy of them. Dense
@@ -279,8 +303,15 @@ class LeanDecoder:
             jobs[(i, "o")] = (attn.o_proj.weight, attn.o_proj.bias)
             jobs[(i, "gate_up")] = (_fused_view([mlp.gate_proj.weight, mlp.up_proj.weight]), None)
             jobs[(i, "down")] = (mlp.down_proj.weight, None)
+        head_parts = 0
         if head:
-            jobs[("head", "head")] = (self.model.get_output_embeddings().weight, None)
+            weight = self.model.get_output_embeddings().weight
+            if fmt == "fp16-packed":  # packed in blocks (Fp16PackedChunks), each block one job
+                for part in weight.split(HEAD_CHUNK):
+                    jobs[("head", head_parts)] = (part, None)
+                    head_parts += 1
+            else:
+                jobs[("head", "head")] = (weight, None)
         keys = list(jobs)
         workers = max(1, min(torch.get_num_threads(), len(keys)))
         if fmt == "float32" or workers == 1:
@@ -300,7 +331,9 @@ class LeanDecoder:
                 q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
                 linears[(i, "qkv")], linears[(i, "o")], linears[(i, "gate_up")], linears[(i, "down")],
             )
-        if head:
+        if head_parts:
+            self.head = Fp16PackedChunks([linears[("head", i)] for i in range(head_parts)])
+        elif head:
             self.head = linears[("head", "head")]
         return out
 
@@ -367,8 +400,7 @@ class LeanDecoder:
         At batch 1 a step is about 20 ops per layer of a few microseconds each, so their count and the
         Python around them are what this loop minimises: the cache views of every layer are taken once
         per step (one buffer for all layers, kv_cache.BatchKV.all_kv), a padding mask is converted once,
-        and in the fp16-packed format the layers run as one TorchScript call (:func:`_packed_layers`);
-        :meth:`_layers` is the same arithmetic in Python, for the float32 format."""
+        and the layers run as one TorchScript call (:func:`_decoder_layers`)."""
         n = ids.shape[0]
         col, dim = kv.length, self.head_dim
         cos = self.cos.index_select(0, positions).view(n, 1, dim)
@@ -385,36 +417,8 @@ class LeanDecoder:
         if mask is not None and mask.dtype == torch.bool:  # SDPA would convert it in every layer
             mask = torch.zeros(mask.shape, dtype=self.cos.dtype).masked_fill_(mask.logical_not(), float("-inf"))
         x = F.embedding(ids, self.base.embed_tokens.weight)
-        if self._scripted is not None:
-            x = self._scripted(x, cos, sin, mask, new_cols, keys, values, self._norms, self._qk_norms,
-                               self._packed, self._sizes, self.eps, self.scale)
-        else:
-            x = self._layers(x, cos, sin, mask, new_cols, keys, values)
+        x = self._run_layers(x, cos, sin, mask, new_cols, keys, values, self._norms, self._qk_norms, self._packed,
+                             self._dense, self._biases, self._sizes, self.eps, self.scale)
         x = F.rms_norm(x, (self.hidden,), self.base.norm.weight, self.eps)
         assert self.head is not None
         return self.head(x)
-
-    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
-                new_cols: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        """The decoder layers of :meth:`step` in Python (any weight format); ``x`` is updated in place."""
-        n = x.shape[0]
-        heads, kv_heads, dim, half = self.q_heads, self.kv_heads, self.head_dim, self.head_dim // 2
-        qk_heads, group, scale = heads + kv_heads, self.group, self.scale
-        eps, inter, q_width = self.eps, self.intermediate, heads * dim
-        norm_shape, head_shape = (self.hidden,), (dim,)
-        for layer, new_col, k, v in zip(self.layers, new_cols, keys, values):
-            h = F.rms_norm(x, norm_shape, layer.in_norm, eps)
-            qkv = layer.qkv(h).view(n, qk_heads + kv_heads, dim)
-            qk = qkv[:, :qk_heads]
-            if layer.q_norm is not None:
-                qk[:, :heads] = F.rms_norm(qk[:, :heads], head_shape, layer.q_norm, eps)
-                qk[:, heads:] = F.rms_norm(qk[:, heads:], head_shape, layer.k_norm, eps)
-            torch.addcmul(qk * cos, qk.roll(half, -1), sin, out=qk)  # RoPE, in place: qkv is [q, k, v] again
-            new_col.copy_(qkv[:, heads:].view(n, 2, kv_heads, dim).transpose(0, 1))
-            att = F.scaled_dot_product_attention(qkv[:, :heads].view(n, kv_heads, group, dim), k, v,
-                                                 attn_mask=mask, scale=scale)
-            x += layer.o(att.view(n, q_width))
-            h = F.rms_norm(x, norm_shape, layer.post_norm, eps)
-            gate, up = layer.gate_up(h).split(inter, 1)
-            x += layer.down(F.silu(gate, inplace=True).mul_(up))
-        return x

@@ -76,7 +76,33 @@ class Fp16PackedLinear:
         return 2 * self.out_features * self.in_features
 
 
-Linear = DenseLinear | Fp16PackedLinear
+class Fp16PackedChunks:
+    """A tall fp16-packed matrix (the vocabulary head: 49,152 x 576 for SmolLM2) as blocks of output
+    rows (``parts``, lean_decode.HEAD_CHUNK rows each), each packed on its own; the outputs are
+    concatenated.
+
+    Why: FBGEMM's fp16 kernel holds at most 6 activation rows in AVX2 registers, so at 7-32 rows it
+    streams each block of the packed weight once per group of rows (twice at 8 rows, six times at 32).
+    A whole head's block (512 x vocab halves, 48 MiB) is far beyond the last-level cache, so every
+    pass comes from memory; a chunk's block (8 MiB) can stay in the cache between the passes. At 1-6
+    rows there is one pass either way."""
+
+    fmt = "fp16-packed"
+
+    def __init__(self, parts: list[Fp16PackedLinear]) -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], -1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+Linear = DenseLinear | Fp16PackedLinear | Fp16PackedChunks
 
 
 def make_linear(fmt: str, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Linear:

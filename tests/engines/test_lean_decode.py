@@ -24,8 +24,8 @@ from _engine_kit import forward_logprobs, random_weights
 
 from rayrl.engines.cpu_engine import CPUEngine
 from rayrl.engines.kv_cache import BatchKV, KVBlock, prefill_mask
-from rayrl.engines.lean_decode import LeanDecoder, unsupported_reason
-from rayrl.engines.weight_formats import fp16_packing_available
+from rayrl.engines.lean_decode import HEAD_CHUNK, LeanDecoder, _decoder_layers, unsupported_reason
+from rayrl.engines.weight_formats import Fp16PackedChunks, Fp16PackedLinear, fp16_packing_available
 from rayrl.models import resolve_model_path
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
@@ -97,15 +97,16 @@ def test_each_family_decodes_as_transformers(family_models, kind, fmt, tolerance
         assert _max_gap(eng, _reference(path), REQUESTS) <= tolerance
 
 
-@packed_only
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_scripted_packed_step_is_the_python_step(family_models, kind):
-    """fp16-packed decode runs its layers as one TorchScript call; the Python loop (the float32 format's)
-    over the same packed weights and cache gives the same logits and writes the same cache column, with
-    and without padding (Qwen2's q/k/v biases and Qwen3's q/k norms included)."""
+@pytest.mark.parametrize("fmt", ["float32", pytest.param("fp16-packed", marks=packed_only)])
+def test_scripted_step_is_the_python_step(family_models, kind, fmt):
+    """Both weight formats run their layers through one TorchScript function; the same function run as
+    Python (what a torch build that cannot script it runs) gives the same logits and writes the same
+    cache column, with and without padding (Qwen2's q/k/v biases and Qwen3's q/k norms included)."""
     model = _reference(family_models[kind])
-    lean = LeanDecoder(model, "fp16-packed", 256)
-    assert lean._scripted is not None
+    lean = LeanDecoder(model, fmt, 256)
+    assert isinstance(lean._run_layers, torch.jit.ScriptFunction)
+    assert (len(lean._packed) > 0) == (fmt == "fp16-packed") and (len(lean._dense) > 0) == (fmt == "float32")
     torch.manual_seed(0)
     for padded in (False, True):
         n, t = 3, 9
@@ -118,19 +119,37 @@ def test_scripted_packed_step_is_the_python_step(family_models, kind):
             attn = prefill_mask(mask) if padded else None
             _, keys, values = lean.prefill(ids, positions, attn, None, False)
             outs = []
-            for scripted in (True, False):
+            for run in (lean._run_layers, _decoder_layers):
                 kv = BatchKV(len(lean.layers), n)
                 kv.append(KVBlock(keys, values, mask))
                 step_mask = kv.step_mask()
                 assert (step_mask is not None) == padded
-                saved, lean._scripted = lean._scripted, lean._scripted if scripted else None
-                try:
-                    logits = lean.step(ids[:, -1], positions[:, -1] + 1, kv, slice(0, n), step_mask)
-                finally:
-                    lean._scripted = saved
+                lean._run_layers = run
+                logits = lean.step(ids[:, -1], positions[:, -1] + 1, kv, slice(0, n), step_mask)
                 outs.append((logits, kv.all_kv[:, :, :n, :, t].clone()))
         torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=0)
         torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-6, rtol=0)
+
+
+@packed_only
+def test_packed_head_in_blocks_is_the_whole_head(tiny_model):
+    """fp16-packed packs the vocabulary head in row blocks (HEAD_CHUNK rows each): its logits are those of
+    the head packed whole, at 1 and 8 rows, and an update of the (tied) embedding reaches every block."""
+    model = _reference(tiny_model)
+    lean = LeanDecoder(model, "fp16-packed", 64)
+    weight = model.get_output_embeddings().weight
+    assert isinstance(lean.head, Fp16PackedChunks) and len(lean.head.parts) == -(-weight.shape[0] // HEAD_CHUNK) > 1
+    assert lean.head.nbytes == 2 * weight.numel()
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for rows in (1, 8):
+            x = torch.randn(rows, weight.shape[1])
+            torch.testing.assert_close(lean.head(x), Fp16PackedLinear(weight)(x), atol=1e-6, rtol=0)
+        new = random_weights(model, seed=5)["model.embed_tokens.weight"]
+        model.model.embed_tokens.weight.copy_(new)  # tied: the head's weight too
+        lean.repack(["model.embed_tokens.weight"])
+        x = torch.randn(8, weight.shape[1])
+        torch.testing.assert_close(lean.head(x), Fp16PackedLinear(new)(x), atol=1e-6, rtol=0)
 
 
 def test_other_families_decode_through_transformers(family_models):
