@@ -315,9 +315,10 @@ class Router:
         refused_since: Optional[float] = None
         loop = asyncio.get_running_loop()
         while True:
-            if await self.wait_until_resumed():
+            if self._paused and await self.wait_until_resumed():
                 refused_since = None  # the pause was the wait: a fresh window after it
-            await self.wait_for_engines()
+            if not self._clients:
+                await self.wait_for_engines()
             url = self.pick(session_key, exclude=[u for u in tried if u in self._clients and len(self._clients) > 1])
             self._in_flight[url] += 1
             try:
