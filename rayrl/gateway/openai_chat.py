@@ -13,8 +13,8 @@ Validation follows OpenAI's: numbers in range (params.py), ``logit_bias`` passed
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from typing import Any
 
 import numpy as np
@@ -105,7 +105,7 @@ async def handle(gateway: Any, request: web.Request) -> web.StreamResponse:
     session = gateway.session_for(request)
     body = await gateway.json_body(request)
     spec, prepared = await gateway.prepare_turn(request, session, lambda: parse_request(body, gateway.model_name))
-    completion_id = "chatcmpl-" + uuid.uuid4().hex
+    completion_id = "chatcmpl-" + os.urandom(16).hex()  # as opaque as a uuid4's hex, a sixth of its cost
     created = int(time.time())
     if not spec.stream:
         result = await gateway.turns.run(session, spec, prepared=prepared)
