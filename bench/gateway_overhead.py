@@ -16,7 +16,9 @@ the load generator is an aiohttp client in this process.
 
 Each round measures every endpoint once, the order rotating from round to round (bench/measure.py):
 ``--requests`` sequential calls at one client (p50 and p99 latency of that block) and ``--seconds`` of
-load from ``--concurrency`` clients (requests/s). Reported: the median and spread of those per-round
+load from ``--concurrency`` clients (requests/s), and each server's CPU time per call in the one-client
+block (its main thread's, from Linux's schedstat: what the server's own work costs, which a busy
+machine stretches far less than it stretches latency). Reported: the median and spread of those per-round
 figures, rayrl's and rllm-model-gateway's added latency (gateway minus the stub endpoint it uses, per
 round) and the per-round throughput ratio. Targets: rayrl's added p50 < 1 ms; rayrl's throughput >= 5x
 rllm-model-gateway's. ``--baseline DIR`` adds the gateway of another checkout (a git worktree of main,
@@ -164,9 +166,22 @@ async def one(session: aiohttp.ClientSession, target: Target, i: int) -> float:
     return time.perf_counter() - t0
 
 
+WARMUP = 5  # requests before each latency block
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of a server's main thread so far (Linux schedstat, in ns; NaN elsewhere): the work a server
+    does per call, a figure the machine's load stretches far less than latency."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 async def latency(target: Target, n: int) -> list[float]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
-        for _ in range(5):
+        for _ in range(WARMUP):
             await one(s, target, 0)
         return [await one(s, target, 0) for _ in range(n)]
 
@@ -275,11 +290,19 @@ def main() -> None:
         rllm_ok = loop.run_until_complete(start_servers(procs, ports, tokenizer_dir, args.baseline))
         targets = loop.run_until_complete(make_targets(ports, tokenizer_dir, args.concurrency, rllm_ok))
 
+        pids = {"stub /generate": procs[0].pid, "stub /v1/chat": procs[0].pid, "rayrl gateway": procs[1].pid}
+        if args.baseline:
+            pids[BASELINE] = procs[2].pid
+        if rllm_ok:
+            pids["rllm-model-gateway"] = procs[-1].pid
+
         def side(target: Target):
             def go() -> dict[str, float]:
+                cpu0 = cpu_seconds(pids[target.name])
                 ms = [x * 1e3 for x in loop.run_until_complete(latency(target, args.requests))]
+                cpu = (cpu_seconds(pids[target.name]) - cpu0) / (args.requests + WARMUP) * 1e3
                 rps = loop.run_until_complete(throughput(target, args.concurrency, args.seconds))
-                return {"p50": statistics.median(ms), "p99": pct(ms, 0.99), "rps": rps}
+                return {"p50": statistics.median(ms), "p99": pct(ms, 0.99), "rps": rps, "cpu": cpu}
             return go
 
         res = alternate({name: side(t) for name, t in targets.items()}, label="endpoints", **rounds)
@@ -310,8 +333,9 @@ def baseline_commit(tree: Path) -> str:
 def report(record: Record, res: dict, clients: int, requests: int, seconds: float) -> None:
     record.table(f"per endpoint, median [IQR] (min-max, n) of per-round figures; a round = {requests} sequential "
                  f"requests (p50/p99 of that block) + {seconds:g} s at {clients} clients",
-                 ["endpoint", "p50 ms", "p99 ms", f"req/s @{clients}"],
-                 [[name, r["p50"].fmt(3), r["p99"].fmt(3), r["rps"].fmt(0)] for name, r in res.items()])
+                 ["endpoint", "p50 ms", "p99 ms", f"req/s @{clients}", "server CPU ms/call (1 client)"],
+                 [[name, r["p50"].fmt(3), r["p99"].fmt(3), r["rps"].fmt(0), r["cpu"].fmt(3)]
+                  for name, r in res.items()])
     rows = []
 
     def added(gateway: str, stub: str) -> tuple:
@@ -322,12 +346,14 @@ def report(record: Record, res: dict, clients: int, requests: int, seconds: floa
     rows.append(["rayrl gateway", ours[0].fmt(3), ours[1].fmt(3),
                  paired_ratio(res["rayrl gateway"]["rps"], res["stub /generate"]["rps"]).fmt(3)])
     record.figure("rayrl_added_p50_ms", ours[0])
+    record.figure("rayrl_cpu_ms_per_call", res["rayrl gateway"]["cpu"])
     verdicts = [f"rayrl added p50 < 1 ms: {'met' if ours[0].median < 1.0 else 'NOT met'}"]
     if BASELINE in res:
         base = added(BASELINE, "stub /generate")
         rows.append([BASELINE, base[0].fmt(3), base[1].fmt(3),
                      paired_ratio(res[BASELINE]["rps"], res["stub /generate"]["rps"]).fmt(3)])
         record.figure("baseline_added_p50_ms", base[0])
+        record.figure("baseline_cpu_ms_per_call", res[BASELINE]["cpu"])
         record.figure("throughput_ratio_rayrl_over_baseline", paired_ratio(res["rayrl gateway"]["rps"],
                                                                            res[BASELINE]["rps"]))
     if "rllm-model-gateway" in res:

@@ -258,17 +258,28 @@ class Router:
 
     def pick(self, session_key: Optional[str], exclude: Sequence[str] = ()) -> str:
         """The engine for the next request of ``session_key`` (None: least loaded)."""
+        if len(self._clients) == 1 and not exclude:  # every call's path on a one-engine gateway
+            url = next(iter(self._clients))
+            if session_key is not None:
+                self.routed["affinity"] += 1
+            return url
         candidates = [u for u in self._clients if u not in exclude]
         if not candidates:
             raise EngineUnavailable("no engine servers to route to")
-        now = time.monotonic()
-        healthy = [u for u in candidates if self._avoid.get(u, 0.0) <= now]
-        candidates = healthy or candidates
-        least = min(candidates, key=lambda u: self._in_flight[u])
+        if self._avoid:
+            now = time.monotonic()
+            healthy = [u for u in candidates if self._avoid.get(u, 0.0) <= now]
+            candidates = healthy or candidates
+        in_flight = self._in_flight
+        least = min(candidates, key=in_flight.__getitem__)
         if session_key is None:
             return least
-        preferred = next(u for u in self.ranking(session_key) if u in candidates)
-        busy, idle = self._in_flight[preferred], self._in_flight[least]
+        preferred = least
+        for url in self.ranking(session_key):
+            if url in candidates:
+                preferred = url
+                break
+        busy, idle = in_flight[preferred], in_flight[least]
         if busy - idle >= self.imbalance_abs and busy > self.imbalance_rel * idle:
             self.routed["load_fallback"] += 1
             return least
@@ -315,9 +326,10 @@ class Router:
         refused_since: Optional[float] = None
         loop = asyncio.get_running_loop()
         while True:
-            if await self.wait_until_resumed():
+            if self._paused and await self.wait_until_resumed():
                 refused_since = None  # the pause was the wait: a fresh window after it
-            await self.wait_for_engines()
+            if not self._clients:
+                await self.wait_for_engines()
             url = self.pick(session_key, exclude=[u for u in tried if u in self._clients and len(self._clients) > 1])
             self._in_flight[url] += 1
             try:

@@ -203,6 +203,7 @@ class StreamingHTTP:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._expiry: Optional[asyncio.TimerHandle] = None
         self._heads: dict[tuple[str, int, str], bytes] = {}
+        self._keys: dict[str, tuple[str, int]] = {}  # url -> (host, port), parsed once per engine
 
     def post(self, url: str, path: str, body: bytes) -> _Request:
         return _Request(self, url, path, body)
@@ -271,7 +272,9 @@ class StreamingHTTP:
         """Send the request, read the response head. A reused connection the server closed before reading
         the request is never used (checked before writing); a connection that breaks after the request
         was written is a lost connection (the engine may have started on it)."""
-        key = _host_port(url)
+        key = self._keys.get(url)
+        if key is None:
+            key = self._keys[url] = _host_port(url)
         conn = self._take(key) or await self._connect(key)
         loop = asyncio.get_running_loop()
         conn.arm(loop, self.read_timeout_s)

@@ -131,32 +131,52 @@ class PromptTokenizer:
         return np.asarray(ids, dtype=np.int32)
 
     def _split_encode(self, text: str, cache: bool) -> np.ndarray:
-        parts: list[np.ndarray] = []
-        self._cut(text, 0, cache, parts)
+        pieces: list[str | np.ndarray] = []  # text between added tokens, and the added tokens' ids
+        self._cut(text, 0, pieces)
+        parts = self._pieces_ids(pieces, cache)
         if not parts:
             return np.zeros(0, dtype=np.int32)
         return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
 
-    def _cut(self, text: str, level: int, cache: bool, parts: list[np.ndarray]) -> None:
-        """Append the ids of ``text``: its added tokens of pass ``level`` and on, and the pieces between."""
+    def _cut(self, text: str, level: int, pieces: list[str | np.ndarray]) -> None:
+        """Append ``text`` cut at its added tokens of pass ``level`` and on: the pieces between them (str)
+        and the tokens' ids."""
         if level == len(self._patterns):
-            parts.append(self._piece(text, cache))
+            pieces.append(text)
             return
         # the pattern has one group: split() alternates text between tokens (maybe empty) and a token
+        last = level + 1 == len(self._patterns)
         for i, part in enumerate(self._patterns[level].split(text)):
             if i % 2:
-                parts.append(self._added[part])
+                pieces.append(self._added[part])
             elif part:
-                self._cut(part, level + 1, cache, parts)
+                if last:
+                    pieces.append(part)
+                else:
+                    self._cut(part, level + 1, pieces)
 
-    def _piece(self, piece: str, cache: bool) -> np.ndarray:
-        if cache and len(piece) <= MAX_PIECE_CHARS:
-            with self._lock:
-                ids = self._cache.get(piece)
-                if ids is not None:
+    def _pieces_ids(self, pieces: list[str | np.ndarray], cache: bool) -> list[np.ndarray]:
+        """The ids of every piece: cached ones looked up under one taking of the lock (a prompt is
+        mostly cached pieces), the others tokenized outside it (and cached)."""
+        parts: list[Any] = list(pieces)
+        missing: list[int] = []
+        with self._lock:
+            for at, piece in enumerate(pieces):
+                if isinstance(piece, np.ndarray):
+                    continue
+                ids = self._cache.get(piece) if cache and len(piece) <= MAX_PIECE_CHARS else None
+                if ids is None:
+                    missing.append(at)
+                else:
                     self._cache.move_to_end(piece)
                     self.hits += 1
-                    return ids
+                    parts[at] = ids
+        for at in missing:
+            parts[at] = self._piece(pieces[at], cache)  # type: ignore[arg-type]
+        return parts
+
+    def _piece(self, piece: str, cache: bool) -> np.ndarray:
+        """A piece not in the cache: tokenized, and cached when ``cache`` and not too long."""
         ids = np.asarray(self._backend.encode(piece, add_special_tokens=False).ids, dtype=np.int32)
         if cache and len(piece) <= MAX_PIECE_CHARS:
             ids.flags.writeable = False  # shared by every prompt that holds the piece

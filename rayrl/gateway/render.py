@@ -219,7 +219,12 @@ class ChatRenderer:
     def _direct_template(self) -> Any:
         """A function that renders as ``apply_chat_template(tokenize=False)`` does (the same compiled
         template, variables and special tokens), or None when transformers' template compiler cannot
-        be reached or a probe renders differently."""
+        be reached or a probe renders differently.
+
+        It also skips jinja's per-render merge of the template's globals: ``Template.render`` flattens
+        the globals' ChainMap into the new context's dict twice per call (pure-Python ChainMap walks,
+        half of a short prompt's render time); here they are flattened once per template and each
+        render builds the same context from the flat copy."""
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
         except ImportError:
@@ -229,12 +234,31 @@ class ChatRenderer:
             special = dict(tokenizer.special_tokens_map)
         except Exception:
             return None
+        compiled: dict[bool, tuple[Any, Any, dict[str, Any], dict[str, Any]]] = {}
+
+        def template_for(with_tools: bool) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+            """(template, environment, flat globals, globals + special tokens), per with/without tools (a
+            tokenizer with several templates picks its ``tool_use`` one for calls with tools)."""
+            entry = compiled.get(with_tools)
+            if entry is None:
+                template = _compile_jinja_template(tokenizer.get_chat_template(chosen, [{}] if with_tools else None))
+                flat = dict(template.globals)
+                entry = (template, template.environment, flat, {**flat, **special})
+                compiled[with_tools] = entry
+            return entry
 
         def render(messages: list[dict[str, Any]], tools: list | None, add_generation_prompt: bool) -> str:
-            template = tokenizer.get_chat_template(chosen, tools or None)
-            return _compile_jinja_template(template).render(
-                messages=messages, tools=tools or None, documents=None, add_generation_prompt=add_generation_prompt,
-                **special)
+            # as Template.render(messages=..., tools=..., documents=None, add_generation_prompt=..., **special)
+            template, env, flat, base = template_for(bool(tools))
+            context = env.context_class(
+                env, {**base, "messages": messages, "tools": tools or None, "documents": None,
+                      "add_generation_prompt": add_generation_prompt},
+                template.name, template.blocks, globals=flat)
+            try:
+                return env.concat(template.root_render_func(context))
+            except Exception:
+                env.handle_exception()  # raises the template's error, as Template.render does
+                raise
 
         probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                  {"role": "assistant", "content": "a"}, {"role": "user", "content": _PROBE}]

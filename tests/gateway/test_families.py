@@ -99,6 +99,27 @@ def test_qwen25_default_system_prompt_and_no_reasoning(qwen25):
     assert not renderer.generation_prompt_opens_think()
 
 
+@pytest.mark.parametrize("family", ["qwen3", "deepseek", "qwen25"])
+def test_the_direct_render_is_apply_chat_template(request, family):
+    """The renderer's own render (the compiled template, globals flattened once) writes exactly what
+    transformers' apply_chat_template writes, with tools and without, for each family's template."""
+    tokenizer = request.getfixturevalue(family)
+    direct = ChatRenderer(tokenizer, HermesToolParser())
+    assert direct._direct is not None
+    through_transformers = ChatRenderer(tokenizer, HermesToolParser())
+    through_transformers._direct = None
+    messages = normalize_messages([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 1+1?"},
+        {"role": "assistant", "content": "<think>\nuse calc\n</think>\n\nOn it.", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "2"},
+        {"role": "user", "content": "And 2*3?"},
+    ])
+    for tools, generation_prompt in itertools.product((None, chat_tools([CALC])), (True, False)):
+        assert (direct.render_text(messages, tools, generation_prompt)
+                == through_transformers.render_text(messages, tools, generation_prompt))
+
+
 def test_qwen3_tools_calls_system_prompt_and_dropped_reasoning(qwen3):
     renderer = ChatRenderer(qwen3, HermesToolParser())
     assert renderer.supports_tools and renderer.supports_tool_calls

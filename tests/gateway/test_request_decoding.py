@@ -214,3 +214,31 @@ def test_every_non_2xx_answer_is_logged_once(scripted, caplog):
             if status in (401, 404, 409):  # refused before the session was known
                 session = "-"
             assert f"session={session}" in lines[0] and lines[0].split(": ", 1)[1]
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"a": 1, "a": 2}',  # the last of duplicate keys
+    b'{"seed": 12345678901234567890123}', b'{"seed": -9223372036854775809}',  # integers beyond 64 bits
+    b'{"seed": 9223372036854775807, "u": 18446744073709551615}',
+    b'{"t": NaN, "u": Infinity, "v": -Infinity}', b'{"x": 1E400}', b'{"x": -0.0, "y": -0, "z": 1e-400}',
+    b'{"x": 0.30000000000000004, "y": 1.0000000000000002}',
+    b'\xef\xbb\xbf{"bom": true}', b'{"s": "\\ud83d\\ude00 \\u00e9 \\u0000"}', b'{"s": "a\x7fb"}',
+    b'{"deep": ' + b'[' * 1100 + b']' * 1100 + b'}', b'{"deep": ' + b'[' * 900 + b']' * 900 + b'}',
+    b'', b'  ', b'[1, 2]', b'null', b'{"a": 1}x', b'{"s": "a\nb"}', b'{"a": 01}', b'{"s": "\xff"}',
+])
+def test_the_fast_decoder_reads_what_the_standard_library_reads(raw):
+    """Small UTF-8 bodies are parsed with orjson: every body gives the same object (types included) or the
+    same 4xx message as the standard library's path (http_input.json_object)."""
+    from rayrl.engines import http_input
+    from rayrl.gateway.app import Gateway
+    from rayrl.gateway.errors import RequestError
+
+    try:
+        want = ("ok", repr(http_input.json_object(raw, None)))
+    except http_input.RequestError as err:
+        want = ("error", str(err))
+    try:
+        got = ("ok", repr(Gateway._decode(raw, None)))
+    except RequestError as err:
+        got = ("error", err.message)
+    assert got == want
