@@ -46,9 +46,7 @@ def _gateway(tokenizer: Any, router: Router, cfg: GatewayConfig | None = None, c
 
 
 @pytest.fixture(scope="module")
-def tiny_stack(tiny_model_dir):
-    from transformers import AutoTokenizer
-
+def tiny_stack(tiny_model_dir, tiny_tokenizer):
     from rayrl.engines.cpu_engine import CPUEngine
     from rayrl.engines.server import EngineServer
 
@@ -57,7 +55,7 @@ def tiny_stack(tiny_model_dir):
     server = EngineServer(engine)
     url = loop.run(server.start())
     router = Router([url])
-    gateway = _gateway(AutoTokenizer.from_pretrained(tiny_model_dir), router)
+    gateway = _gateway(tiny_tokenizer, router)
     loop.run(gateway.start())
     yield Stack(loop, gateway, engine, router)
     loop.run(gateway.stop())
@@ -68,12 +66,10 @@ def tiny_stack(tiny_model_dir):
 
 
 @pytest.fixture
-def scripted(tiny_model_dir):
+def scripted(tiny_tokenizer):
     """``scripted(script, cfg=None, token_delay_s=0)`` -> Stack over a ScriptedEngine (SmolLM2's
     tokenizer unless ``tokenizer`` is given; ``chat_template``/``model_name`` go to the Gateway)."""
-    from transformers import AutoTokenizer
-
-    smollm2 = AutoTokenizer.from_pretrained(tiny_model_dir)
+    smollm2 = tiny_tokenizer
     made: list[Stack] = []
 
     def make(script: Callable[[str], str], cfg: GatewayConfig | None = None, token_delay_s: float = 0.0,
