@@ -15,7 +15,6 @@ from typing import Any
 
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from rayrl.config import EngineConfig, GatewayConfig, TrajectoryConfig
 from rayrl.engines.launcher import EngineProcess
@@ -41,13 +40,13 @@ def engines(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture
-def stack(engines, tiny_model_dir):
+def stack(engines, tiny_tokenizer):
     """Both engines up (the test before killed one), a fresh router and gateway in front of them."""
     start_together(engines)
     loop = LoopThread()
     router = Router([p.url for p in engines])
     gateway = Gateway(GatewayConfig(tool_parser="hermes"), TrajectoryConfig(),
-                      AutoTokenizer.from_pretrained(tiny_model_dir), router, model_name="tiny")
+                      tiny_tokenizer, router, model_name="tiny")
     loop.run(gateway.start())
     yield loop, gateway, router
     loop.run(gateway.stop())
