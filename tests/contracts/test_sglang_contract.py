@@ -153,11 +153,11 @@ print("OK")
 """
 
 
-def test_our_receiver_takes_sglangs_patched_cuda_rebuild(own_interpreters):
+def test_our_receiver_takes_sglangs_patched_cuda_rebuild():
     """SGLang's serializer (used on GPU) names its own CUDA rebuild (the GPU by UUID); main refused it, so
     every CUDA IPC update into our engine failed wherever sglang was installed. CPU: the name only. In a
     process of its own: the receiver applies SGLang's process-wide patch of torch's tensor reducer."""
-    out = _finished(own_interpreters["rebuild"], timeout_s=180)
+    out = subprocess.run([sys.executable, "-c", _REBUILD], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
 
 
@@ -182,36 +182,13 @@ print(json.dumps({k: v for k, v in vars(ns).items() if isinstance(v, (str, int, 
 """
 
 
-def _launch_command() -> list[str]:
+def test_our_launch_command_parses_with_sglangs_server_args():
     cfg = EngineConfig(backend="sglang", tp_size=2, sglang=SGLangConfig(mem_fraction_static=0.55),
                        context_length=8192, max_batch_size=48, extra_args=["--chunked-prefill-size", "4096"])
-    return sglang_command(cfg, "/models/qwen", 31234, weight_version="7")
-
-
-@pytest.fixture(scope="module")
-def own_interpreters():
-    """The two checks that need an interpreter of their own (SGLang's process-wide patch above; the torchvision
-    stand-in here), started together: each is seconds of importing torch and SGLang."""
-    procs = {"rebuild": subprocess.Popen([sys.executable, "-c", _REBUILD], stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True),
-             "parse": subprocess.Popen([sys.executable, "-c", _PARSE, json.dumps(_launch_command()[3:])],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)}
-    yield procs
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
-
-
-def _finished(proc: subprocess.Popen, timeout_s: float) -> subprocess.CompletedProcess:
-    stdout, stderr = proc.communicate(timeout=timeout_s)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
-def test_our_launch_command_parses_with_sglangs_server_args(own_interpreters):
-    cmd = _launch_command()
+    cmd = sglang_command(cfg, "/models/qwen", 31234, weight_version="7")
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
-    out = _finished(own_interpreters["parse"], timeout_s=240)
+    out = subprocess.run([sys.executable, "-c", _PARSE, json.dumps(cmd[3:])], capture_output=True, text=True,
+                         timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     parsed = json.loads(out.stdout.strip().splitlines()[-1])
     assert parsed["model_path"] == "/models/qwen" and parsed["tensor_parallel_size"] == 2 and parsed["port"] == 31234
