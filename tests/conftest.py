@@ -40,6 +40,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir) -> Any:
+    """The tiny model's tokenizer (SmolLM2's), loaded once: the gateway stacks only read it, and loading it
+    for each of the hundred-odd tests that build one took most of their time."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct (converted once into the cache)."""
     return provision_smollm2()

@@ -17,6 +17,10 @@ from rayrl.types import Episode, Task
 @ray.remote(num_cpus=0)
 class Gate:
     def __init__(self, bound: int, total: int) -> None:
+        self.reset(bound, total)
+
+    def reset(self, bound: int, total: int) -> None:
+        """Count afresh for another validation run (the same actors serve each bound)."""
         self.bound, self.total = bound, total
         self.in_flight = self.peak = self.entered = 0
 

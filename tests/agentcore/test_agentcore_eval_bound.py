@@ -12,9 +12,10 @@ from tests.agentcore.eval_support import Gate, GatedWorker
 
 def test_validation_never_runs_more_than_eval_max_concurrent(ray_local):
     tasks = [Task(prompt=f"q{i}", metadata={}, task_id=f"t{i}") for i in range(7)]
+    gate = Gate.remote(1, len(tasks))
+    workers = [GatedWorker.options(max_concurrency=16).remote(gate) for _ in range(2)]  # one set for both bounds
     for bound in (1, 3):
-        gate = Gate.remote(bound, len(tasks))
-        workers = [GatedWorker.options(max_concurrency=16).remote(gate) for _ in range(2)]
+        ray.get(gate.reset.remote(bound, len(tasks)))
         metrics = evaluate(workers, tasks, max_concurrent=bound, step=4)
         stats = ray.get(gate.stats.remote())
         assert stats["entered"] == len(tasks) and stats["in_flight"] == 0

@@ -90,14 +90,12 @@ class _GatewaySessions:
 
 
 @pytest.fixture
-def gateway(loop_thread, tiny_model_dir):
-    from transformers import AutoTokenizer
-
+def gateway(loop_thread, tiny_tokenizer):
     from rayrl.engines.router import Router
     from rayrl.gateway.app import Gateway
 
     router = Router(["http://127.0.0.1:9"])  # never called: the agent below makes no LLM call
-    gw = Gateway(GatewayConfig(), TrajectoryConfig(), AutoTokenizer.from_pretrained(tiny_model_dir), router,
+    gw = Gateway(GatewayConfig(), TrajectoryConfig(), tiny_tokenizer, router,
                  model_name="tiny")
     loop_thread.run(gw.start())
     yield gw

@@ -49,10 +49,19 @@ def _env() -> dict[str, str]:
 
 
 def test_launch_health_and_teardown(tiny_model, tmp_path):
+    """Launch, health wait, a generation, teardown and the log; and the process's environment: CUDA-graph
+    memory is released only with SGLANG_MEMORY_SAVER_CUDA_GRAPH=1 in it, and NCCL_CUMEM_ENABLE must be what
+    the trainer ranks use (rayrl.weights.group.NCCL_ENV). One process for both: each start costs seconds."""
+    from rayrl.weights.group import NCCL_ENV
+
     log = tmp_path / "sglang-0.log"
     proc = EngineProcess(_cfg(), str(tiny_model), log, backend="sglang", env=_env(), weight_version="3")
     with proc:
         assert proc.healthy() and proc.url.startswith("http://127.0.0.1:")
+        raw = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+        env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+        assert env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"
+        assert env["NCCL_CUMEM_ENABLE"] == NCCL_ENV["NCCL_CUMEM_ENABLE"] == "0"
 
         async def talk() -> tuple[dict, int]:
             client = EngineClient(proc.url)
@@ -82,15 +91,3 @@ def test_bad_flag_fails_with_the_servers_reason(tiny_model, tmp_path):
         proc.start()
     assert "unrecognized arguments: --no-such-flag" in str(err.value)
 
-
-def test_the_sglang_process_gets_the_memory_saver_and_nccl_environment(tiny_model, tmp_path):
-    """CUDA-graph memory is released only with SGLANG_MEMORY_SAVER_CUDA_GRAPH=1 in the engine's environment,
-    and NCCL_CUMEM_ENABLE must be what the trainer ranks use (rayrl.weights.group.NCCL_ENV)."""
-    from rayrl.weights.group import NCCL_ENV
-
-    proc = EngineProcess(_cfg(), str(tiny_model), tmp_path / "sglang.log", backend="sglang", env=_env())
-    with proc:
-        raw = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
-        env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
-    assert env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"
-    assert env["NCCL_CUMEM_ENABLE"] == NCCL_ENV["NCCL_CUMEM_ENABLE"] == "0"

@@ -35,17 +35,37 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 GPUS = ("4", "7")  # the engine's TP ranks read these logical GPUs, in TP order
 
 
+@pytest.fixture(scope="module")
+def tp2_engines(tiny_model, tmp_path_factory):
+    """Both kinds of engine, started together (each start is seconds of imports); the strict stand-in only
+    where the pinned sglang wheel is installed."""
+    from tests.engine_procs import start_together
+
+    kinds = ["cpu-engine"]
+    try:
+        import sglang.srt.utils  # noqa: F401
+        kinds.append("strict-sglang")
+    except ImportError:
+        pass
+    procs = {}
+    for kind in kinds:
+        extra = ["--strict-sglang"] if kind == "strict-sglang" else []
+        cfg = EngineConfig(dtype="float32", max_batch_size=4, context_length=256, num_threads=1,
+                           startup_timeout_s=180, tp_size=2, extra_args=extra,
+                           weight_format="float32")  # exact numbers after an update
+        procs[kind] = EngineProcess(cfg, str(tiny_model), tmp_path_factory.mktemp("tp2") / "engine.log",
+                                    env={"CUDA_VISIBLE_DEVICES": ",".join(GPUS)})
+    start_together(list(procs.values()))
+    yield procs
+    for proc in procs.values():
+        proc.stop()
+
+
 @pytest.fixture(scope="module", params=["cpu-engine", "strict-sglang"])
-def tp2_engine(request, tiny_model, tmp_path_factory):
-    if request.param == "strict-sglang":
-        pytest.importorskip("sglang.srt.utils", reason="the pinned sglang wheel (make test installs it)")
-    extra = ["--strict-sglang"] if request.param == "strict-sglang" else []
-    cfg = EngineConfig(dtype="float32", max_batch_size=4, context_length=256, num_threads=1, startup_timeout_s=180,
-                       tp_size=2, extra_args=extra, weight_format="float32")  # exact numbers after an update
-    proc = EngineProcess(cfg, str(tiny_model), tmp_path_factory.mktemp("tp2") / "engine.log",
-                         env={"CUDA_VISIBLE_DEVICES": ",".join(GPUS)}).start()
-    yield request.param, proc
-    proc.stop()
+def tp2_engine(request, tp2_engines):
+    if request.param not in tp2_engines:
+        pytest.skip("the pinned sglang wheel (make test installs it)")
+    return request.param, tp2_engines[request.param]
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,10 @@ that need exact completions (tool calls). Both use SmolLM2's tokenizer and chat 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable
 
+import httpx
 import pytest
 
 from rayrl.config import GatewayConfig, TrajectoryConfig
@@ -34,6 +36,16 @@ class Stack:
     def root(self) -> str:
         return self.gateway.base_url[: -len("/v1")]
 
+    @cached_property
+    def http(self) -> httpx.Client:
+        """One HTTP client for the test's plain requests (httpx's defaults, 5 s timeout): ``httpx.post`` builds
+        a client, and its TLS context, each time (tens of ms). No cookies: the gateway sets none."""
+        return httpx.Client()
+
+    def close_http(self) -> None:
+        if "http" in self.__dict__:
+            self.http.close()
+
     def stats(self, info: SessionInfo) -> dict[str, Any]:
         session = self.gateway.sessions.get(info.session_id)
         return {**session.tree.stats(), "api_calls": session.api_calls, "cumulative_hits": session.cumulative_hits}
@@ -46,9 +58,7 @@ def _gateway(tokenizer: Any, router: Router, cfg: GatewayConfig | None = None, c
 
 
 @pytest.fixture(scope="module")
-def tiny_stack(tiny_model_dir):
-    from transformers import AutoTokenizer
-
+def tiny_stack(tiny_model_dir, tiny_tokenizer):
     from rayrl.engines.cpu_engine import CPUEngine
     from rayrl.engines.server import EngineServer
 
@@ -57,9 +67,11 @@ def tiny_stack(tiny_model_dir):
     server = EngineServer(engine)
     url = loop.run(server.start())
     router = Router([url])
-    gateway = _gateway(AutoTokenizer.from_pretrained(tiny_model_dir), router)
+    gateway = _gateway(tiny_tokenizer, router)
     loop.run(gateway.start())
-    yield Stack(loop, gateway, engine, router)
+    stack = Stack(loop, gateway, engine, router)
+    yield stack
+    stack.close_http()
     loop.run(gateway.stop())
     loop.run(router.close())
     loop.run(server.stop())
@@ -68,12 +80,10 @@ def tiny_stack(tiny_model_dir):
 
 
 @pytest.fixture
-def scripted(tiny_model_dir):
+def scripted(tiny_tokenizer):
     """``scripted(script, cfg=None, token_delay_s=0)`` -> Stack over a ScriptedEngine (SmolLM2's
     tokenizer unless ``tokenizer`` is given; ``chat_template``/``model_name`` go to the Gateway)."""
-    from transformers import AutoTokenizer
-
-    smollm2 = AutoTokenizer.from_pretrained(tiny_model_dir)
+    smollm2 = tiny_tokenizer
     made: list[Stack] = []
 
     def make(script: Callable[[str], str], cfg: GatewayConfig | None = None, token_delay_s: float = 0.0,
@@ -92,6 +102,7 @@ def scripted(tiny_model_dir):
 
     yield make
     for stack in made:
+        stack.close_http()
         stack.loop.run(stack.gateway.stop())
         stack.loop.run(stack.router.close())
         stack.loop.run(stack.engine.stop())

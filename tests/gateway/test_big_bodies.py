@@ -102,7 +102,7 @@ def test_a_huge_prompt_is_refused_after_counting_only_part_of_it(scripted):
     text = BIG_TEXT[:2_000_000]
     full = len(stack.gateway.renderer.tokenize(text))
     hdr = {"Authorization": f"Bearer {info.token}", "x-api-key": info.token}
-    r = httpx.post(stack.root + "/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]},
+    r = stack.http.post(stack.root + "/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]},
                    headers=hdr, timeout=120)
     assert r.status_code == 400
     message = r.json()["error"]["message"]
@@ -110,14 +110,14 @@ def test_a_huge_prompt_is_refused_after_counting_only_part_of_it(scripted):
                               "in at least ")
     at_least = int(message.split("at least ")[1].split()[0])
     assert 8192 < at_least < full // 10  # the rest of the text was never tokenized
-    r = httpx.post(stack.root + "/v1/messages", headers=hdr, timeout=120,
+    r = stack.http.post(stack.root + "/v1/messages", headers=hdr, timeout=120,
                    json={"max_tokens": 4, "messages": [{"role": "user", "content": text}]})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt is too long: at least ")
     assert r.json()["error"]["message"].endswith(" tokens > 8192 maximum")
-    r = httpx.post(stack.root + "/v1/messages/count_tokens", headers=hdr, timeout=120,
+    r = stack.http.post(stack.root + "/v1/messages/count_tokens", headers=hdr, timeout=120,
                    json={"messages": [{"role": "user", "content": text}]})
     assert r.status_code == 400 and "prompt is too long" in r.text
-    r = httpx.post(stack.root + "/v1/responses", headers=hdr, timeout=120, json={"input": text})
+    r = stack.http.post(stack.root + "/v1/responses", headers=hdr, timeout=120, json={"input": text})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
 
 
@@ -126,13 +126,13 @@ def test_a_prompt_that_does_not_fit_gets_the_numbers_in_each_dialect(scripted):
     info = stack.open()
     hdr = {"Authorization": f"Bearer {info.token}"}
     long = {"role": "user", "content": "word " * 100}
-    r = httpx.post(stack.root + "/v1/chat/completions", json={"messages": [long]}, headers=hdr)
+    r = stack.http.post(stack.root + "/v1/chat/completions", json={"messages": [long]}, headers=hdr)
     n = len(stack.gateway.renderer.render([long], None))
     assert r.status_code == 400 and r.json()["error"] == {
         "message": f"This model's maximum context length is 64 tokens. However, your messages resulted in {n} tokens. "
                    "Please reduce the length of the messages.",
         "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
-    r = httpx.post(stack.root + "/v1/messages", json={"max_tokens": 8, "messages": [long]}, headers=hdr)
+    r = stack.http.post(stack.root + "/v1/messages", json={"max_tokens": 8, "messages": [long]}, headers=hdr)
     assert r.json()["error"] == {"type": "invalid_request_error",
                                  "message": f"prompt is too long: {n} tokens > 64 maximum"}
 
@@ -142,8 +142,8 @@ def test_max_prompt_tokens_limits_prompts_below_the_context(scripted):
     info = stack.open()
     hdr = {"Authorization": f"Bearer {info.token}"}
     short = {"messages": [{"role": "user", "content": "hi"}]}
-    assert httpx.post(stack.root + "/v1/chat/completions", json=short, headers=hdr).status_code == 200
-    r = httpx.post(stack.root + "/v1/chat/completions", headers=hdr,
+    assert stack.http.post(stack.root + "/v1/chat/completions", json=short, headers=hdr).status_code == 200
+    r = stack.http.post(stack.root + "/v1/chat/completions", headers=hdr,
                    json={"messages": [{"role": "user", "content": "word " * 60}]})
     assert r.status_code == 400 and "gateway.max_prompt_tokens" in r.json()["error"]["message"]
     assert "is 40 tokens" in r.json()["error"]["message"]

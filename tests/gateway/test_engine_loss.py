@@ -15,7 +15,6 @@ from typing import Any
 
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from rayrl.config import EngineConfig, GatewayConfig, TrajectoryConfig
 from rayrl.engines.launcher import EngineProcess
@@ -23,6 +22,7 @@ from rayrl.engines.router import Router
 from rayrl.gateway.app import Gateway
 from tests.conftest import LoopThread
 from tests.engine_kill import kept_and_continued, kill_after_tokens
+from tests.engine_procs import start_together
 
 N = 400  # tokens per call: far more than are generated before the kill
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
@@ -40,14 +40,13 @@ def engines(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture
-def stack(engines, tiny_model_dir):
+def stack(engines, tiny_tokenizer):
     """Both engines up (the test before killed one), a fresh router and gateway in front of them."""
-    for p in engines:
-        p.start()
+    start_together(engines)
     loop = LoopThread()
     router = Router([p.url for p in engines])
     gateway = Gateway(GatewayConfig(tool_parser="hermes"), TrajectoryConfig(),
-                      AutoTokenizer.from_pretrained(tiny_model_dir), router, model_name="tiny")
+                      tiny_tokenizer, router, model_name="tiny")
     loop.run(gateway.start())
     yield loop, gateway, router
     loop.run(gateway.stop())

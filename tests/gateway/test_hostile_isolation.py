@@ -93,7 +93,7 @@ def varied_stack(tiny_model_dir, tmp_path_factory):
 
 
 def _send(stack: Stack, token: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(stack.root + path, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=120)
+    return stack.http.post(stack.root + path, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=120)
 
 
 def _greedy_turn(stack: Stack) -> tuple[list[int], str]:

@@ -31,7 +31,7 @@ def stack(scripted):
 
 
 def _post(stack, info, path: str, content: bytes, **headers: str) -> httpx.Response:
-    return httpx.post(stack.root + path, content=content, timeout=60,
+    return stack.http.post(stack.root + path, content=content, timeout=60,
                       headers={"Authorization": f"Bearer {info.token}", "Content-Type": "application/json", **headers})
 
 
@@ -198,7 +198,7 @@ def test_every_non_2xx_answer_is_logged_once(scripted, caplog):
     with caplog.at_level(logging.INFO, logger="rayrl.gateway"):
         for path, token, content, headers, status in cases:
             caplog.clear()
-            r = httpx.post(stack.root + path, content=content, timeout=60,
+            r = stack.http.post(stack.root + path, content=content, timeout=60,
                            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json", **headers})
             assert r.status_code == status
             # the line is written before the answer is sent: it is there when the client has the answer

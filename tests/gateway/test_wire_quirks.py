@@ -84,13 +84,13 @@ def test_claude_code_request_shape_and_event_sequence(stack):
         follow = {**body, "stream": False,
                   "messages": body["messages"] + [{"role": "assistant", "content": echoed},
                                                   {"role": "user", "content": "again"}]}
-        r = httpx.post(stack.root + "/v1/messages?beta=true", json=follow, headers=headers)
+        r = stack.http.post(stack.root + "/v1/messages?beta=true", json=follow, headers=headers)
         assert r.status_code == 200, r.text
         assert r.json()["content"][0] == {"type": "thinking", "thinking": "First 1, then 2.", "signature": ""}
     stats = stack.stats(info)
     assert stats["turns"] == 3 == stats["api_calls"] and stats["cumulative_hits"] == 2
 
-    count = httpx.post(stack.root + "/v1/messages/count_tokens?beta=true", json=body, headers=headers)
+    count = stack.http.post(stack.root + "/v1/messages/count_tokens?beta=true", json=body, headers=headers)
     assert count.status_code == 200 and count.json()["input_tokens"] == start["usage"]["input_tokens"]
 
 
@@ -123,21 +123,21 @@ def test_responses_event_sequence_with_reasoning(stack):
 def test_auth_and_finished_sessions_in_each_dialect(stack):
     info = stack.open()
     msg = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
-    r = httpx.post(stack.root + "/v1/messages", json=msg, headers={"x-api-key": "wrong"})
+    r = stack.http.post(stack.root + "/v1/messages", json=msg, headers={"x-api-key": "wrong"})
     assert r.status_code == 401 and r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
-    r = httpx.post(stack.root + "/v1/messages", json=msg, headers={"Authorization": f"Bearer {info.token}"})
+    r = stack.http.post(stack.root + "/v1/messages", json=msg, headers={"Authorization": f"Bearer {info.token}"})
     assert r.status_code == 200
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-    r = httpx.post(info.base_url + "/chat/completions", json=chat)
+    r = stack.http.post(info.base_url + "/chat/completions", json=chat)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     stack.loop.run(stack.gateway.finish_session(info.session_id, 0.0))
     for url, body, hdr in [(info.base_url + "/chat/completions", chat, "Authorization"),
                            (info.base_url + "/responses", {"input": "hi"}, "Authorization"),
                            (stack.root + "/v1/messages", msg, "x-api-key")]:
         value = f"Bearer {info.token}" if hdr == "Authorization" else info.token
-        r = httpx.post(url, json=body, headers={hdr: value})
+        r = stack.http.post(url, json=body, headers={hdr: value})
         assert r.status_code == 409 and "finished" in r.text
-    models = httpx.get(info.base_url + "/models").json()
+    models = stack.http.get(info.base_url + "/models").json()
     assert models["data"][0]["id"] == "tiny"
 
 
@@ -145,10 +145,10 @@ def test_served_model_names_restrict_when_set(scripted):
     stack = scripted(lambda p: "ok", cfg=GatewayConfig(tool_parser="hermes", served_model_names=["tiny", "claude-x"]))
     info = stack.open()
     hdr = {"Authorization": f"Bearer {info.token}"}
-    ok = httpx.post(info.base_url + "/chat/completions", headers=hdr,
+    ok = stack.http.post(info.base_url + "/chat/completions", headers=hdr,
                     json={"model": "claude-x", "messages": [{"role": "user", "content": "hi"}]})
     assert ok.status_code == 200
-    bad = httpx.post(stack.root + "/v1/messages", headers=hdr,
+    bad = stack.http.post(stack.root + "/v1/messages", headers=hdr,
                      json={"model": "claude-opus-4-8", "max_tokens": 4,
                            "messages": [{"role": "user", "content": "hi"}]})
     assert bad.status_code == 404 and bad.json()["error"]["type"] == "not_found_error"
