@@ -16,8 +16,18 @@ class TrainerFailure(RuntimeError):
         self.phase = phase
         self.errors = errors
         self.survivors = survivors
-        detail = "; ".join(f"rank {r}: {e}" for r, e in errors.items())
+        detail = "; ".join(f"rank {r}: {_bounded(e)}" for r, e in errors.items())
         super().__init__(f"trainer rank failure in {phase}: {detail}")
+
+
+CAUSE_CHARS = 300  # the driver prints this message as its one line; ``errors`` keeps every cause whole
+
+
+def _bounded(cause: str) -> str:
+    """A rank's cause cut to :data:`CAUSE_CHARS` (transformers' "unrecognized model" lists ~400 model types)."""
+    if len(cause) <= CAUSE_CHARS:
+        return cause
+    return f"{cause[:CAUSE_CHARS]}... ({len(cause) - CAUSE_CHARS} more characters)"
 
 
 class WeightSyncError(RuntimeError):

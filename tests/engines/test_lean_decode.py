@@ -293,6 +293,7 @@ def smollm2():
     return path, _reference(path), prompts
 
 
+@pytest.mark.slow  # ~12 s, SmolLM2 in both formats; fast twin: test_each_family_decodes_as_transformers
 def test_real_smollm2_log_probs_hold_to_transformers(smollm2):
     """The reference test on the real model, in each weight format: greedy and sampled requests decoded
     together, every output token's log-prob against one transformers forward in float32."""

@@ -111,6 +111,7 @@ def test_a_plain_call_keeps_its_tokens_when_its_engine_dies(stack, engines):
     _check_recorded(loop, gateway, router, session, answer, logprobs, finish, victim, survivor)
 
 
+@pytest.mark.slow  # ~11 s, two engines started again; fast twin: the plain call above (the same internal stream)
 def test_a_streamed_call_keeps_its_tokens_when_its_engine_dies(stack, engines):
     loop, gateway, router = stack
     session, answer, logprobs, finish, victim, survivor = _call(loop, gateway, router, engines, stream=True)
