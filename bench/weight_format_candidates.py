@@ -151,7 +151,7 @@ def step_matrices(model) -> list[torch.Tensor]:
     return out
 
 
-def speed(model, head: torch.Tensor, rounds: int, int8pack: bool) -> None:
+def speed(model, head: torch.Tensor, rounds: int, with_int8pack: bool) -> None:
     mats = step_matrices(model)
     formats: dict[str, tuple[Callable, Callable]] = {
         "float32": (lambda w: (lambda x: F.linear(x, w)), lambda w: (lambda x: F.linear(x, w))),
@@ -161,7 +161,7 @@ def speed(model, head: torch.Tensor, rounds: int, int8pack: bool) -> None:
         "fp16 layers + int8 hybrid head": (fp16_packed, lambda w: int8_hybrid_head(w, torch.arange(0, 576, 18))),
         "int8 two-part, all": (int8_two_part, lambda w: int8_two_part(w)),
     }
-    if int8pack:
+    if with_int8pack:
         formats["_weight_int8pack_mm, all"] = (int8pack, int8pack)
     built = {name: ([lay(m) for m in mats], hd(head)) for name, (lay, hd) in formats.items()}
     print(f"\nspeed: CPU ms of one thread, median [q1-q3] (min-max, n); load {os.getloadavg()}", flush=True)
