@@ -5,6 +5,7 @@
     python scripts/compare_algorithms.py run grpo 0 5      # a reduced run: 5 steps, held-out eval at 0 and 5
     python scripts/compare_algorithms.py report            # PNGs + the tables, from every finished run
                                                            # (and the distillation run's, runs/files-distill)
+    python scripts/compare_algorithms.py report /other/checkout/runs   # the same, from runs made elsewhere
 
 A side is a few config overrides (:data:`SIDES`); every side runs the committed examples/files config
 with the same seeds, the same tasks in the same order and the same budget (:data:`STEPS` steps of 2
@@ -53,8 +54,11 @@ def run(side: str, seed: int, steps: int = STEPS) -> int:
     return code
 
 
+RUNS = ROOT / "runs"  # where ``report`` reads finished runs (its optional argument replaces it)
+
+
 def load(side: str, seed: int) -> list[dict] | None:
-    path = ROOT / "runs" / exp_id(side, seed) / "metrics.jsonl"
+    path = RUNS / exp_id(side, seed) / "metrics.jsonl"
     if not path.is_file():
         return None
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -107,6 +111,20 @@ def report() -> None:
         clip = sum(c["clip"]) / len(c["clip"]) if c["clip"] else 0.0
         print(f"| {side} | {seed} | {evals} (at {', '.join(map(str, c['eval_episodes']))}) | "
               f"{sum(c['trained'])} of {len(c['trained'])} | {clip:.3f} | {c['dropped']} |")
+    print()
+    print("| side | seeds | held-out at the start, mean | held-out at the end, mean [each seed] "
+          "| steps that trained, all seeds |")
+    print("|---|---|---|---|---|")
+    for side in SIDES:
+        runs = [(seed, c) for (s, seed), c in sorted(found.items()) if s == side]
+        if not runs:
+            continue
+        start = sum(c["eval_success"][0] for _, c in runs) / len(runs)
+        ends = [c["eval_success"][-1] for _, c in runs]
+        each = ", ".join(f"seed {seed}: {end:.3f}" for (seed, _), end in zip(runs, ends))
+        trained = sum(sum(c["trained"]) for _, c in runs)
+        steps = sum(len(c["trained"]) for _, c in runs)
+        print(f"| {side} | {len(runs)} | {start:.3f} | {sum(ends) / len(ends):.3f} [{each}] | {trained} of {steps} |")
 
 
 def report_distillation() -> None:
@@ -117,7 +135,7 @@ def report_distillation() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = ROOT / "runs" / "files-distill" / "metrics.jsonl"
+    path = RUNS / "files-distill" / "metrics.jsonl"
     if not path.is_file():
         return
     rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -139,5 +157,7 @@ def report_distillation() -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["run"]:
         sys.exit(run(sys.argv[2], int(sys.argv[3]), *map(int, sys.argv[4:5])))
+    if sys.argv[2:3]:
+        RUNS = Path(sys.argv[2]).resolve()
     report()
     report_distillation()
