@@ -181,7 +181,7 @@ class Pipeline:
         in_flight = self.dispatcher.groups_in_flight  # before the train phase (async: groups go on)
         self.ray_sink.staleness(batch.staleness(version))
         train = self.schedule.train(batch) if batch.trains else None
-        if train is None and not groups:
+        if train is None and not groups and counts["budget_stopped_draws"]:
             logger.info("step %d: the episode budget ran out before the step kept a group; no gradient step",
                         state.step)
         elif train is None:
