@@ -181,7 +181,10 @@ class Pipeline:
         in_flight = self.dispatcher.groups_in_flight  # before the train phase (async: groups go on)
         self.ray_sink.staleness(batch.staleness(version))
         train = self.schedule.train(batch) if batch.trains else None
-        if train is None:
+        if train is None and not groups and counts["budget_stopped_draws"]:
+            logger.info("step %d: the episode budget ran out before the step kept a group; no gradient step",
+                        state.step)
+        elif train is None:
             logger.info("step %d: every group had equal rewards; no gradient step", state.step)
         self._check_engine_gap(train)
         self.checkpoints.step_trained()  # trained (or nothing to learn: equal rewards in every group)
@@ -205,9 +208,9 @@ class Pipeline:
 
     @property
     def budget_spent(self) -> bool:
-        """``pipeline.episode_budget`` is set and the steps have taken that many episodes."""
-        budget = self.cfg.pipeline.episode_budget
-        return budget > 0 and self.state.episodes >= budget
+        """``pipeline.episode_budget`` is set, has no room for another group and every group it paid for
+        was taken (rayrl/pipeline/schedules.py counts episodes when their group is queued)."""
+        return self.schedule.budget_spent
 
     def build_batch(self, episodes: list) -> Batch:
         """The step's batch (rayrl/rl/batch.py); with a distillation teacher, its per-token advantages."""

@@ -24,6 +24,7 @@ SUMMARY_FIELDS: list[tuple[str, str, str]] = [
     ("rollout/episodes_failed", "failed", "{:d}"),
     ("train/trained_samples", "samples", "{:d}"),
     ("pipeline/dynamic_dropped_groups", "equal groups dropped", "{:d}"),  # with dynamic sampling
+    ("pipeline/budget_stopped_draws", "groups the budget left undrawn", "{:d}"),  # pipeline.episode_budget ran out
     ("distill/reverse_kl", "reverse KL", "{:.3f}"),  # with a distillation teacher
     ("rollout/generated_tokens_per_s", "gen tok/s", "{:.1f}"),
     ("time/step_s", "step", "{:.1f}s"),

@@ -186,6 +186,8 @@ def test_out_of_range_values_name_the_field(override, message):
         (["pipeline.eval_interval=2"], "pipeline.eval_interval: set data.val_path"),
         (["pipeline.schedule=async", "rollout.prompts_per_step=4", "pipeline.groups_in_flight=2"],
          "pipeline.groups_in_flight: must be 0 or at least rollout.prompts_per_step"),
+        (["rollout.group_size=8", "pipeline.episode_budget=5"],
+         "pipeline.episode_budget: 5 is less than one group (rollout.group_size 8"),
         (["rollout.agent=agentcore"], "agentcore.runtime_arn: rollout.agent=agentcore needs a runtime ARN"),
         (["placement.mode=split", "placement.num_gpus=4", "placement.trainer_gpus=1"],
          "placement.trainer_gpus: split gives the trainer 1 GPUs"),

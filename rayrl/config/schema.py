@@ -65,8 +65,11 @@ class PipelineConfig:
     # default runs/<exp_id>/checkpoints
     keep_checkpoints: int = 1  # keep only the newest N complete checkpoints (0: keep all); one checkpoint is the
     # weights plus AdamW's two moments, 12 bytes per parameter in float32 (1.6 GB for SmolLM2-135M)
-    episode_budget: int = 0  # stop the run once its steps have taken this many episodes (those dynamic sampling dropped
-    # too), checked after each step; compares runs at equal rollout cost (0: trainer.steps alone)
+    episode_budget: int = 0  # the run's episodes, those dynamic sampling dropped and reruns included: a group of
+    # rollout.group_size episodes is queued only if the budget still has room for all of them (counted when queued, so
+    # async prefetch is counted too); the step that runs out stops drawing and trains on the groups it kept (none: no
+    # gradient step), and the run ends once every group paid for was taken; compares runs at equal rollout cost (0:
+    # trainer.steps alone)
     eval_interval: int = 0  # validate on data.val_path before step 1 and every N steps (0: never)
     eval_tasks: int = 64  # validation tasks per evaluation (0: the whole set)
     eval_max_concurrent: int = 16  # episodes in flight during validation
@@ -162,6 +165,9 @@ class RunConfig:
         self._check_algorithm()
         if self.pipeline.eval_interval and not self.data.val_path:
             raise ConfigError("pipeline.eval_interval: set data.val_path to validate")
+        if 0 < self.pipeline.episode_budget < self.rollout.group_size:
+            raise ConfigError(f"pipeline.episode_budget: {self.pipeline.episode_budget} is less than one group "
+                              f"(rollout.group_size {self.rollout.group_size}); groups start whole")
         groups = self.pipeline.groups_in_flight
         if self.pipeline.schedule != "sync" and 0 < groups < self.rollout.prompts_per_step:
             raise ConfigError("pipeline.groups_in_flight: must be 0 or at least rollout.prompts_per_step")

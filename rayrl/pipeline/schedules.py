@@ -11,7 +11,9 @@ picks the class once from ``pipeline.schedule`` and then only calls :meth:`Sched
        group where infrastructure failures left fewer than ``rollout.min_group_episodes`` scored episodes
        runs its task again (every schedule does this: those failures say nothing about the policy; the
        agent's own failures are scored and never rerun); with ``algorithm.dynamic_sampling`` a group whose
-       rewards are all equal is dropped and another drawn;
+       rewards are all equal is dropped and another drawn; with ``pipeline.episode_budget`` a group is
+       queued (a rerun too) only while the budget has room for all its episodes, so the step that runs
+       out of budget stops drawing and trains on what it kept;
     2. (pipeline) advantages (``algorithm.advantage_estimator``, GRPO by default) over each group's scored
        episodes (rayrl/rl/batch.py);
     3. one trainer step (nothing else runs);
@@ -20,7 +22,8 @@ picks the class once from ``pipeline.schedule`` and then only calls :meth:`Sched
 ``async`` (disaggregated)
     1. keep ``groups_in_flight`` groups queued or running; take the first ``prompts_per_step`` groups
        that complete; a group with tokens more than ``max_staleness`` versions old is dropped (counted)
-       and its task queued again;
+       and its task queued again; the groups queued ahead count against ``pipeline.episode_budget`` when
+       queued, so prefetch never runs past it;
     2. as in sync;
     3. one trainer step while the episodes go on (engines keep generating; new groups start);
     4. new weights to the engines with nothing generating: the gateway holds new LLM calls, the engines
@@ -90,12 +93,30 @@ class Schedule:
     # -- the dispatch loop ---------------------------------------------------------------------------
 
     def queue_new_groups(self, target: int) -> None:
-        """Queue tasks from the sampler until ``target`` groups are in flight."""
+        """Queue tasks from the sampler until ``target`` groups are in flight, or until the episode budget
+        has no room for another group."""
         dispatcher = self.parts.dispatcher
-        while dispatcher.groups_in_flight < target:
+        while dispatcher.groups_in_flight < target and self.budget_allows_group():
             task = self.parts.sampler.next(1)[0]
             self.state.group_seq += 1
+            self.state.episodes += self.cfg.rollout.group_size
             dispatcher.submit(task, f"g{self.state.group_seq:06d}-{task.task_id}")
+
+    # -- the episode budget --------------------------------------------------------------------------
+
+    def budget_allows_group(self) -> bool:
+        """Whether one more whole group fits in ``pipeline.episode_budget`` (0: no budget, always). Episodes
+        count when their group is queued, not when it completes: the groups an async schedule keeps in
+        flight ahead of training are already paid for, so prefetch cannot run the budget over."""
+        budget = self.cfg.pipeline.episode_budget
+        return budget <= 0 or self.state.episodes + self.cfg.rollout.group_size <= budget
+
+    @property
+    def budget_spent(self) -> bool:
+        """The budget has no room for another group and every group it paid for was taken: no step could
+        take anything more (the pipeline ends the run)."""
+        return (self.cfg.pipeline.episode_budget > 0 and not self.budget_allows_group()
+                and self.parts.dispatcher.groups_in_flight == 0)
 
     def tick(self) -> None:
         """One turn of the dispatch loop while the driver waits on something else."""
@@ -139,11 +160,16 @@ class Schedule:
                     self.queue_new_groups(need - len(taken))
                 self.tick()
                 got = dispatcher.take(need - len(taken))
-                self.state.episodes += sum(len(g.episodes) for g in got)
                 fresh = self.keep_varied(self.keep_fresh(self.keep_full(got, counts), counts), counts)
                 if fresh:
                     taken += fresh
                     bar.update(sum(g.size for g in fresh))
+                if len(taken) < need and self.budget_spent:  # nothing left to take, no room to draw more
+                    counts["budget_stopped_draws"] = need - len(taken)
+                    logger.info("step %d: the episode budget (%d) is spent; training on the %d group(s) kept, "
+                                "%d short of %d", self.state.step, cfg.pipeline.episode_budget, len(taken),
+                                need - len(taken), need)
+                    break
                 if deadline is not None and time.monotonic() > deadline and self.deadline_ends_step(len(taken), enough):
                     break
         if len(taken) < need and not self.runs_ahead:
@@ -153,8 +179,19 @@ class Schedule:
     def rerun(self, group: Group) -> None:
         """Run ``group``'s task again, first in the queue, as a new group: not lost, not trained twice."""
         self.state.group_seq += 1
+        self.state.episodes += self.cfg.rollout.group_size
         self.parts.dispatcher.submit(group.task, f"g{self.state.group_seq:06d}-{group.task.task_id}", front=True,
                                      reruns=group.reruns + 1)
+
+    def budget_refuses_rerun(self, group: Group, counts: Counter) -> bool:
+        """True (counted as ``pipeline/budget_skipped_reruns``, logged) where the episode budget has no room
+        to run ``group``'s task again."""
+        if self.budget_allows_group():
+            return False
+        counts["budget_skipped_reruns"] += 1
+        logger.info("group %s (task %s) not run again: the episode budget (%d) has no room for it",
+                    group.group_id, group.task.task_id, self.cfg.pipeline.episode_budget)
+        return True
 
     def set_aside(self, group: Group, why: str) -> None:
         """Keep a group that will not train for the step's records (``why``: rerun | stale): its episodes
@@ -165,11 +202,15 @@ class Schedule:
 
     def keep_full(self, groups: list[Group], counts: Counter) -> list[Group]:
         """Groups with enough scored episodes (``rollout.min_group_episodes``); the others, short because
-        infrastructure failed their episodes, run again (``pipeline.max_group_reruns`` times at most, then
-        they are kept as they are)."""
+        infrastructure failed their episodes, run again (``pipeline.max_group_reruns`` times at most, and
+        only while the episode budget has room for them; then they are kept as they are)."""
         need = self.cfg.rollout.min_group_episodes
-        keep, short = split_short(groups, need, self.cfg.pipeline.max_group_reruns)
+        _, short = split_short(groups, need, self.cfg.pipeline.max_group_reruns)
+        run_again: list[Group] = []
         for group in short:
+            if self.budget_refuses_rerun(group, counts):
+                continue  # kept as it is
+            run_again.append(group)
             counts["rerun_short_groups"] += 1
             causes = ", ".join(f"{kind} x{n}" for kind, n in group.infra_causes().most_common())
             logger.warning("group %s (task %s): infrastructure failed %d of %d episodes (%s); running the task "
@@ -178,6 +219,7 @@ class Schedule:
                            self.cfg.pipeline.max_group_reruns)
             self.set_aside(group, "rerun")
             self.rerun(group)
+        keep = [g for g in groups if all(g is not r for r in run_again)]  # in the order they were drawn
         counts["short_groups_kept"] += sum(1 for g in keep if g.scored < min(need, g.size))
         return keep
 
@@ -247,7 +289,8 @@ class AsyncSchedule(Schedule):
 
     def keep_fresh(self, groups: list[Group], counts: Counter) -> list[Group]:
         """Drop (count, re-queue in front) groups with tokens more than ``max_staleness`` versions old: the
-        task runs again on newer weights, so it is neither lost nor trained twice."""
+        task runs again on newer weights, so it is neither lost nor trained twice (unless the episode
+        budget has no room for it: ``pipeline/budget_skipped_reruns``)."""
         version = self.state.version
         fresh, stale = split_stale(groups, version, self.cfg.pipeline.max_staleness)
         for group in stale:
@@ -255,7 +298,8 @@ class AsyncSchedule(Schedule):
             counts["dropped_stale_samples"] += sum(len(e.samples) for e in group.episodes.values())
             logger.info("group %s dropped: %d policy versions old", group.group_id, group.staleness(version))
             self.set_aside(group, "stale")
-            self.rerun(group)
+            if not self.budget_refuses_rerun(group, counts):
+                self.rerun(group)
         return fresh
 
     def deadline_ends_step(self, taken: int, enough: int) -> bool:
