@@ -8,6 +8,9 @@ prefix of the request makes all of these separate branches without any special c
 * Matching is structural (:func:`messages_equal`); tool schemas never affect routing.
 * Each node remembers the child it routed through last (``hot``) and checks it first, so an agent that
   keeps extending one conversation costs one ``dict ==`` per history message: less than parsing it.
+  A node with many children (a prompt retried hundreds of times, a fresh conversation under one
+  system prompt on every call) finds a message by its routing key (:meth:`Node.candidates`), so no
+  part of recording a turn scans the turns recorded before it.
 * Request messages past the mount point become routing-only nodes; the response becomes a generated
   node carrying the turn's tokens (see :mod:`rayrl.trajectory.nodes` for the shared-prefix store).
 * A retried call (same response message at the same place) is kept as a new sibling: both responses
@@ -115,7 +118,7 @@ class TrajectoryTree:
         if depth < n and messages[depth].get("role") == "assistant":
             candidate = self._merge_candidate(node)
             if candidate is not None:
-                self._merge(candidate, messages[depth])
+                self._merge(node, candidate, messages[depth])
                 node.hot = candidate
                 node, base = candidate, candidate
                 depth += 1
@@ -123,7 +126,8 @@ class TrajectoryTree:
         for message in messages[depth:]:
             node = self._add_child(node, Node(message=message))
         gen = self._make_gen(turn, base, live)
-        retry = any(c.gen is not None and messages_equal(c.message, turn.response_message) for c in node.children)
+        response = turn.response_message
+        retry = any(c.gen is not None and messages_equal(c.message, response) for c in node.candidates(response))
         if retry:
             self._retries += 1
         added = self._add_child(node, Node(message=turn.response_message, gen=gen))
@@ -159,11 +163,12 @@ class TrajectoryTree:
                        "recording goes on", event.kind, self.session_id or "-", event.turn, exc_info=True)
 
     def _find_child(self, node: Node, message: dict[str, Any]) -> Node | None:
-        """The child equal to ``message``: the hot child first, then the newest equal sibling."""
+        """The child equal to ``message``: the hot child first, then the newest equal sibling (among those
+        under its routing key once the node has many children: no scan of a long list)."""
         hot = node.hot
         if hot is not None and messages_equal(hot.message, message):
             return hot
-        for child in reversed(node.children):
+        for child in reversed(node.candidates(message)):
             if child is not hot and messages_equal(child.message, message):
                 return child
         return None
@@ -186,20 +191,25 @@ class TrajectoryTree:
         limit = self.fork_merge_max_response_tokens
         if limit <= 0:
             return None
-        assistants = [c for c in node.children if c.role == "assistant"]
-        if len(assistants) != 1:
+        candidate = None
+        for child in node.children:  # stops at a second assistant child (retries pile up many)
+            if child.role == "assistant":
+                if candidate is not None:
+                    return None
+                candidate = child
+        if candidate is None:
             return None
-        candidate = assistants[0]
         gen = candidate.gen
         if candidate.children or gen is None or gen.merged or gen.response_len >= limit:
             return None
         return candidate
 
-    def _merge(self, node: Node, rewritten: dict[str, Any]) -> None:
-        """Adopt the rewritten message so later turns route onto this node; it trains nothing now."""
+    def _merge(self, parent: Node, node: Node, rewritten: dict[str, Any]) -> None:
+        """Adopt the rewritten message so later turns route onto ``node`` (a child of ``parent``); it trains
+        nothing now."""
         gen = node.gen
         assert gen is not None
-        node.message = rewritten
+        parent.replace_message(node, rewritten)
         gen.merged = True
         if gen.drift is not None:  # a merged turn is transparent: its drift no longer splits anything
             self._drift[gen.drift.kind.value] -= 1
@@ -218,7 +228,7 @@ class TrajectoryTree:
         elif parent.children:
             self._forks += 1
             self._leaves += 1
-        parent.children.append(child)
+        parent.add(child)
         parent.hot = child
         self._nodes += 1
         return child
