@@ -99,25 +99,27 @@ class Node:
     def role(self) -> str:
         return str(self.message.get("role", ""))
 
-    def add(self, child: "Node") -> None:
-        """Append ``child`` (the newest child) and index it."""
+    def add(self, child: "Node", key: Hashable = None) -> None:
+        """Append ``child`` (the newest child) and index it (under ``key`` when the caller has its
+        :func:`routing_key` already)."""
         children = self.children
         children.append(child)
         index = self.index
         if index is not None:
-            index.setdefault(routing_key(child.message), []).append(child)
+            index.setdefault(routing_key(child.message) if key is None else key, []).append(child)
         elif len(children) >= INDEX_FROM:
             index = self.index = {}
             for c in children:
                 index.setdefault(routing_key(c.message), []).append(c)
 
-    def candidates(self, message: dict[str, Any]) -> list["Node"]:
+    def candidates(self, message: dict[str, Any], key: Hashable = None) -> list["Node"]:
         """The children that may equal ``message``, oldest first: all of them, or (once indexed) those
-        under its routing key. Callers still compare with :func:`messages_equal`."""
+        under its routing key (``key``, when the caller has it). Callers still compare with
+        :func:`messages_equal`."""
         index = self.index
         if index is None:
             return self.children
-        return index.get(routing_key(message), [])
+        return index.get(routing_key(message) if key is None else key, [])
 
     def replace_message(self, child: "Node", message: dict[str, Any]) -> None:
         """Give ``child`` (one of this node's children) a new message, moving it to its new key."""

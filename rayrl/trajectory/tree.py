@@ -34,7 +34,7 @@ reads (:meth:`TrajectoryTree.describe`) in :mod:`rayrl.trajectory.describe`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import numpy as np
 
@@ -49,7 +49,7 @@ from rayrl.trajectory.drift import (
 )
 from rayrl.trajectory.events import TreeCallback, TreeEvent
 from rayrl.trajectory.linearize import linearize
-from rayrl.trajectory.messages import messages_equal
+from rayrl.trajectory.messages import messages_equal, routing_key
 from rayrl.trajectory.nodes import GenTurn, Node, common_prefix
 from rayrl.types import Sample, TurnRecord
 
@@ -127,10 +127,11 @@ class TrajectoryTree:
             node = self._add_child(node, Node(message=message))
         gen = self._make_gen(turn, base, live)
         response = turn.response_message
-        retry = any(c.gen is not None and messages_equal(c.message, response) for c in node.candidates(response))
+        key = routing_key(response) if node.index is not None else None  # once for the lookup and the add
+        retry = any(c.gen is not None and messages_equal(c.message, response) for c in node.candidates(response, key))
         if retry:
             self._retries += 1
-        added = self._add_child(node, Node(message=turn.response_message, gen=gen))
+        added = self._add_child(node, Node(message=response, gen=gen), key)
         self._turns += 1
         self._generated_tokens += gen.response_len
         if self.debug_callback is not None:
@@ -220,7 +221,7 @@ class TrajectoryTree:
                        self.session_id or "-", gen.index, gen.response_len, self._masked_tokens)
         self._emit(TreeEvent("merge", "merge", self.session_id, gen.index, node, gen.response_len))
 
-    def _add_child(self, parent: Node, child: Node) -> Node:
+    def _add_child(self, parent: Node, child: Node, key: Hashable = None) -> Node:
         root = self._root
         if parent is root:
             self._root_branches += 1
@@ -228,7 +229,7 @@ class TrajectoryTree:
         elif parent.children:
             self._forks += 1
             self._leaves += 1
-        parent.add(child)
+        parent.add(child, key)
         parent.hot = child
         self._nodes += 1
         return child
