@@ -55,7 +55,6 @@ def messages_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return routing_view(a) == routing_view(b)
 
 
-
 def _frozen(value: Any) -> Hashable:
     """A hashable stand-in for ``value`` that is equal for equal values: dicts become frozensets of their
     items, lists and tuples tuples; anything else unhashable one shared marker (which only makes a
