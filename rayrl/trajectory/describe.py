@@ -79,11 +79,11 @@ def _versions(g: GenTurn) -> int | list[int]:
     return g.bridge_version
 
 
-def _gen(node: Node, siblings: list[Node]) -> dict[str, Any]:
+def _gen(node: Node, parent: Node) -> dict[str, Any]:
     g = node.gen
     assert g is not None
     retry = any(s is not node and s.gen is not None and s.gen.index < g.index
-                and messages_equal(s.message, node.message) for s in siblings)
+                and messages_equal(s.message, node.message) for s in parent.candidates(node.message))
     return {
         "turn": g.index,
         "prompt_len": g.prompt_len,
@@ -105,10 +105,10 @@ def describe_tree(root: Node, stats: dict[str, Any], text_chars: int = DEFAULT_T
     first_call: list[int] = []  # per node: the smallest turn index at or below it
     counts: list[int] = []
     parents: list[int | None] = []
-    stack: list[tuple[Node, int | None, list[Node], int]] = [
-        (c, None, root.children, i) for i, c in reversed(list(enumerate(root.children)))]
+    stack: list[tuple[Node, int | None, Node, int]] = [
+        (c, None, root, i) for i, c in reversed(list(enumerate(root.children)))]
     while stack:
-        node, parent, siblings, position = stack.pop()
+        node, parent, parent_node, position = stack.pop()
         index = len(nodes)
         message = node.message
         text = message_text(message)
@@ -122,13 +122,13 @@ def describe_tree(root: Node, stats: dict[str, Any], text_chars: int = DEFAULT_T
         if message.get("tool_call_id"):
             entry["tool_call_id"] = str(message["tool_call_id"])
         if node.gen is not None:
-            entry["gen"] = _gen(node, siblings)
+            entry["gen"] = _gen(node, parent_node)
         nodes.append(entry)
         parents.append(parent)
         own = node.gen.index if node.gen is not None else None
         first_call.append(own if own is not None else -1)
         counts.append(1 if own is not None else 0)
-        stack.extend((c, index, node.children, i) for i, c in reversed(list(enumerate(node.children))))
+        stack.extend((c, index, node, i) for i, c in reversed(list(enumerate(node.children))))
     for index in range(len(nodes) - 1, -1, -1):  # children come after their parent: fold upwards
         parent = parents[index]
         if parent is None:

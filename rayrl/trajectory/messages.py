@@ -21,7 +21,7 @@ The rule (top level of the message only, documented so every caller agrees):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Hashable
 
 IGNORED_KEYS: frozenset[str] = frozenset({"reasoning_content", "refusal", "annotations"})
 
@@ -53,3 +53,45 @@ def messages_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
     if a == b:
         return True
     return routing_view(a) == routing_view(b)
+
+
+def _frozen(value: Any) -> Hashable:
+    """A hashable stand-in for ``value`` that is equal for equal values: dicts become frozensets of their
+    items, lists and tuples tuples; anything else unhashable one shared marker (which only makes a
+    coarser bucket, never a wrong one)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return frozenset([(k, _frozen(v)) for k, v in value.items()])
+    if isinstance(value, (list, tuple)):
+        return tuple([_frozen(v) for v in value])
+    try:
+        hash(value)
+    except TypeError:
+        return _UNHASHABLE
+    return value
+
+
+_UNHASHABLE = object()
+
+
+def routing_key(message: dict[str, Any]) -> Hashable:
+    """A hash key under which :func:`messages_equal` messages always meet: equal messages have equal keys
+    (the converse need not hold; a bucket is still checked with :func:`messages_equal`).
+
+    Why: a node of the tree may collect thousands of children (a session that retries one prompt, or
+    that opens a fresh conversation under one system prompt on every call), and looking a message up
+    among them must not cost a comparison per child. The key is that of the routing view (role
+    included), so key order, empty fields and ignored fields never change it; the common message (text
+    values only) takes the inlined path.
+    """
+    items = []
+    for k, v in message.items():
+        if v is None or k in IGNORED_KEYS:
+            continue
+        if isinstance(v, str):
+            if v:
+                items.append((k, v))
+        elif not _is_empty(v):
+            items.append((k, _frozen(v)))
+    return frozenset(items)

@@ -18,11 +18,12 @@ No parent pointers: the tree has no reference cycles, so dropping it frees it at
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Hashable
 
 import numpy as np
 
 from rayrl.trajectory.drift import DriftInfo
+from rayrl.trajectory.messages import routing_key
 
 
 @dataclass(eq=False, slots=True)
@@ -74,18 +75,66 @@ class GenTurn:
         return np.full(self.response_len, self.versions, dtype=np.int32)
 
 
+INDEX_FROM = 8  # children a node scans as a list; from this many on it looks them up by routing key
+
+
 @dataclass(eq=False, slots=True)
 class Node:
-    """One chat message in the tree. ``hot`` is the child routed through most recently (checked first)."""
+    """One chat message in the tree. ``hot`` is the child routed through most recently (checked first).
+
+    ``index`` (built once a node has :data:`INDEX_FROM` children) maps :func:`routing_key` to the
+    children under that key in insertion order, so finding a message among a node's children costs the
+    same with ten children or ten thousand (a session retrying one prompt, or opening a new conversation
+    under one system prompt on every call). Children are added with :meth:`add` and a child's message is
+    replaced with :meth:`replace_message`, which keep it up to date.
+    """
 
     message: dict[str, Any]
     gen: GenTurn | None = None
     children: list["Node"] = field(default_factory=list)
     hot: "Node | None" = None
+    index: "dict[Hashable, list[Node]] | None" = None
 
     @property
     def role(self) -> str:
         return str(self.message.get("role", ""))
+
+    def add(self, child: "Node", key: Hashable = None) -> None:
+        """Append ``child`` (the newest child) and index it (under ``key`` when the caller has its
+        :func:`routing_key` already)."""
+        children = self.children
+        children.append(child)
+        index = self.index
+        if index is not None:
+            index.setdefault(routing_key(child.message) if key is None else key, []).append(child)
+        elif len(children) >= INDEX_FROM:
+            index = self.index = {}
+            for c in children:
+                index.setdefault(routing_key(c.message), []).append(c)
+
+    def candidates(self, message: dict[str, Any], key: Hashable = None) -> list["Node"]:
+        """The children that may equal ``message``, oldest first: all of them, or (once indexed) those
+        under its routing key (``key``, when the caller has it). Callers still compare with
+        :func:`messages_equal`."""
+        index = self.index
+        if index is None:
+            return self.children
+        return index.get(routing_key(message) if key is None else key, [])
+
+    def replace_message(self, child: "Node", message: dict[str, Any]) -> None:
+        """Give ``child`` (one of this node's children) a new message, moving it to its new key."""
+        index = self.index
+        if index is not None:
+            old = routing_key(child.message)
+            bucket = index[old]
+            bucket.remove(child)
+            if not bucket:
+                del index[old]
+            new = index.setdefault(routing_key(message), [])
+            new.append(child)
+            if len(new) > 1:  # keep insertion order within the bucket (a merge is rare: this may scan)
+                new.sort(key=self.children.index)
+        child.message = message
 
 
 def seq_slices(node: Node, start: int, end: int) -> list[np.ndarray]:

@@ -8,6 +8,9 @@ prefix of the request makes all of these separate branches without any special c
 * Matching is structural (:func:`messages_equal`); tool schemas never affect routing.
 * Each node remembers the child it routed through last (``hot``) and checks it first, so an agent that
   keeps extending one conversation costs one ``dict ==`` per history message: less than parsing it.
+  A node with many children (a prompt retried hundreds of times, a fresh conversation under one
+  system prompt on every call) finds a message by its routing key (:meth:`Node.candidates`), so no
+  part of recording a turn scans the turns recorded before it.
 * Request messages past the mount point become routing-only nodes; the response becomes a generated
   node carrying the turn's tokens (see :mod:`rayrl.trajectory.nodes` for the shared-prefix store).
 * A retried call (same response message at the same place) is kept as a new sibling: both responses
@@ -31,7 +34,7 @@ reads (:meth:`TrajectoryTree.describe`) in :mod:`rayrl.trajectory.describe`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import numpy as np
 
@@ -46,7 +49,7 @@ from rayrl.trajectory.drift import (
 )
 from rayrl.trajectory.events import TreeCallback, TreeEvent
 from rayrl.trajectory.linearize import linearize
-from rayrl.trajectory.messages import messages_equal
+from rayrl.trajectory.messages import messages_equal, routing_key
 from rayrl.trajectory.nodes import GenTurn, Node, common_prefix
 from rayrl.types import Sample, TurnRecord
 
@@ -115,7 +118,7 @@ class TrajectoryTree:
         if depth < n and messages[depth].get("role") == "assistant":
             candidate = self._merge_candidate(node)
             if candidate is not None:
-                self._merge(candidate, messages[depth])
+                self._merge(node, candidate, messages[depth])
                 node.hot = candidate
                 node, base = candidate, candidate
                 depth += 1
@@ -123,10 +126,12 @@ class TrajectoryTree:
         for message in messages[depth:]:
             node = self._add_child(node, Node(message=message))
         gen = self._make_gen(turn, base, live)
-        retry = any(c.gen is not None and messages_equal(c.message, turn.response_message) for c in node.children)
+        response = turn.response_message
+        key = routing_key(response) if node.index is not None else None  # once for the lookup and the add
+        retry = any(c.gen is not None and messages_equal(c.message, response) for c in node.candidates(response, key))
         if retry:
             self._retries += 1
-        added = self._add_child(node, Node(message=turn.response_message, gen=gen))
+        added = self._add_child(node, Node(message=response, gen=gen), key)
         self._turns += 1
         self._generated_tokens += gen.response_len
         if self.debug_callback is not None:
@@ -159,11 +164,12 @@ class TrajectoryTree:
                        "recording goes on", event.kind, self.session_id or "-", event.turn, exc_info=True)
 
     def _find_child(self, node: Node, message: dict[str, Any]) -> Node | None:
-        """The child equal to ``message``: the hot child first, then the newest equal sibling."""
+        """The child equal to ``message``: the hot child first, then the newest equal sibling (among those
+        under its routing key once the node has many children: no scan of a long list)."""
         hot = node.hot
         if hot is not None and messages_equal(hot.message, message):
             return hot
-        for child in reversed(node.children):
+        for child in reversed(node.candidates(message)):
             if child is not hot and messages_equal(child.message, message):
                 return child
         return None
@@ -186,20 +192,25 @@ class TrajectoryTree:
         limit = self.fork_merge_max_response_tokens
         if limit <= 0:
             return None
-        assistants = [c for c in node.children if c.role == "assistant"]
-        if len(assistants) != 1:
+        candidate = None
+        for child in node.children:  # stops at a second assistant child (retries pile up many)
+            if child.role == "assistant":
+                if candidate is not None:
+                    return None
+                candidate = child
+        if candidate is None:
             return None
-        candidate = assistants[0]
         gen = candidate.gen
         if candidate.children or gen is None or gen.merged or gen.response_len >= limit:
             return None
         return candidate
 
-    def _merge(self, node: Node, rewritten: dict[str, Any]) -> None:
-        """Adopt the rewritten message so later turns route onto this node; it trains nothing now."""
+    def _merge(self, parent: Node, node: Node, rewritten: dict[str, Any]) -> None:
+        """Adopt the rewritten message so later turns route onto ``node`` (a child of ``parent``); it trains
+        nothing now."""
         gen = node.gen
         assert gen is not None
-        node.message = rewritten
+        parent.replace_message(node, rewritten)
         gen.merged = True
         if gen.drift is not None:  # a merged turn is transparent: its drift no longer splits anything
             self._drift[gen.drift.kind.value] -= 1
@@ -210,7 +221,7 @@ class TrajectoryTree:
                        self.session_id or "-", gen.index, gen.response_len, self._masked_tokens)
         self._emit(TreeEvent("merge", "merge", self.session_id, gen.index, node, gen.response_len))
 
-    def _add_child(self, parent: Node, child: Node) -> Node:
+    def _add_child(self, parent: Node, child: Node, key: Hashable = None) -> Node:
         root = self._root
         if parent is root:
             self._root_branches += 1
@@ -218,7 +229,7 @@ class TrajectoryTree:
         elif parent.children:
             self._forks += 1
             self._leaves += 1
-        parent.children.append(child)
+        parent.add(child, key)
         parent.hot = child
         self._nodes += 1
         return child
