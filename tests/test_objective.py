@@ -87,6 +87,28 @@ def test_without_tis_the_ratio_is_against_the_rollout():
     assert loss.item() == pytest.approx(-2.56) and stats["clip"].item() == 1  # exp(0.5) clipped at 1.28
 
 
+def test_gspo_is_not_clipped_by_the_engine_gap_when_its_ratio_is_the_trainers():
+    """One sequence of 4 tokens whose engine log-probs sit 1e-3 below the trainer's (an fp16 engine's gap):
+    against the rollout its sequence ratio is exp(1e-3), past GSPO's 1 + 4e-4, so the whole sequence is
+    clipped and gives no gradient; against the trainer's own log-probs (tis_cap > 0, what resolve gives
+    gspo by default) the ratio is 1, nothing is clipped, and TIS weighs each token by exp(1e-3)."""
+    gap_logp = [-1.0, -2.0, -3.0, -4.0]
+    sample = Sample(tokens=np.arange(6), prompt_length=2, loss_mask=np.ones(4),
+                    rollout_logprobs=np.array(gap_logp) - 1e-3, policy_versions=np.zeros(4), reward=1.0)
+    for tis_cap, clipped in ((0.0, 1.0), (2.0, 0.0)):
+        obj = Objective(AlgorithmConfig(policy_loss="gspo", clip_eps=3e-4, clip_eps_high=4e-4,
+                                        loss_agg="seq_mean_token_mean", tis_cap=tis_cap))
+        logp = torch.tensor(gap_logp, requires_grad=True)
+        loss, stats = obj.loss(_tokens(obj, [sample], [1.0]), logp)
+        loss.backward()
+        assert stats["clip"].item() / 4 == clipped
+        if clipped:
+            assert logp.grad.abs().max().item() == 0.0
+            assert loss.item() == pytest.approx(-(1 + 4e-4), abs=1e-6)  # the clipped value, A = 1
+        else:
+            assert logp.grad.tolist() == pytest.approx([-math.exp(1e-3) / 4] * 4, abs=1e-6)
+
+
 def test_kl_loss_and_kl_in_reward():
     samples = [_sample(2)]
     ref = torch.tensor([-1.5, -1.0])

@@ -49,7 +49,8 @@ class AlgorithmConfig:
     dual_clip_c: float = 0.0  # ppo_clip: dual-clip bound on the loss of negative-advantage tokens, c x |A| (> 1, 3.0 is
     # usual; 0: off)
     tis_cap: Optional[float] = None  # truncated importance sampling against the rollout log-probs: cap of the weight
-    # (0: off); unset: 0 for sync, 2.0 for the async schedules
+    # (0: off); unset: 0 for sync, 2.0 for the async schedules and for gspo (its 3e-4 band needs the ratio against the
+    # trainer's own log-probs: rayrl/config/resolve.py)
     entropy_coef: float = 0.0  # entropy bonus: subtract this x the policy's per-token entropy (aggregated like the
     # loss)
     kl_loss_coef: float = 0.0  # KL to the frozen reference model, in the loss (0: off; no reference is loaded unless a

@@ -18,8 +18,9 @@ config.yaml, so what ran is what the file says. Resolved here:
   in flight but waiting for a thread ages against ``max_staleness`` without progress), plus
   ``pipeline.eval_max_concurrent`` when validation is on, spread over ``rollout.num_workers``.
 - ``algorithm`` (:func:`resolve_algorithm`): ``tis_cap`` unset: 0 (off) for ``sync``,
-  :data:`DEFAULT_ASYNC_TIS_CAP` for the async schedules, where samples can be stale; the clip ranges and
-  ``loss_agg`` ``auto``: what the loss's (or the estimator's) paper uses (:data:`CLIP_DEFAULTS`);
+  :data:`DEFAULT_ASYNC_TIS_CAP` for the async schedules, where samples can be stale, and for a loss whose
+  clip band is narrower than the engine-trainer gap (:data:`NARROW_BAND_LOSSES`: GSPO's 3e-4 / 4e-4); the
+  clip ranges and ``loss_agg`` ``auto``: what the loss's (or the estimator's) paper uses (:data:`CLIP_DEFAULTS`);
   ``loss_agg_norm`` 0: ``rollout.max_turns`` x ``rollout.max_tokens``; ``dynamic_sampling_max_groups``
   0: 4 x ``rollout.prompts_per_step``; ``reference_path`` unset: ``model.path``.
 - ``model.tokenizer_path`` unset: ``model.path``.
@@ -44,6 +45,11 @@ from rayrl.config.schema import RunConfig
 from rayrl.config.serving import EngineConfig
 
 DEFAULT_ASYNC_TIS_CAP = 2.0  # algorithm.tis_cap when unset and the schedule is async or colocated_async
+# Losses whose clip band is narrower than the engine-trainer log-prob gap, so their ratio must be taken against the
+# trainer's own log-probs (tis_cap > 0; the gap goes into the TIS weight instead). Against the engine's, GSPO's
+# 3e-4 band clipped 60% of a step's sequences before any update (docs/results/algorithms.md, 2026-11-27: a
+# per-token gap of 2.5e-3 mean after the first weight update, fp16-packed engine against the float32 trainer).
+NARROW_BAND_LOSSES = frozenset({"gspo"})
 # (clip_eps, clip_eps_high) when unset, by policy loss: PPO with DAPO's clip-higher; GSPO's paper
 # (sequence-level ratios sit much closer to 1); CISPO with no lower bound and slime's wide upper bound
 CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.28), "gspo": (3e-4, 4e-4), "cispo": (1.0, 4.0)}
@@ -153,7 +159,8 @@ def resolve_algorithm(cfg: RunConfig) -> AlgorithmConfig:
     algo = cfg.algorithm
     tis_cap = algo.tis_cap
     if tis_cap is None:
-        tis_cap = 0.0 if cfg.pipeline.schedule == "sync" else DEFAULT_ASYNC_TIS_CAP
+        on = cfg.pipeline.schedule != "sync" or algo.policy_loss in NARROW_BAND_LOSSES
+        tis_cap = DEFAULT_ASYNC_TIS_CAP if on else 0.0
     low, high = clip_range(algo)
     return dataclasses.replace(
         algo, tis_cap=tis_cap, clip_eps=low, clip_eps_high=high, loss_agg=loss_aggregation(algo),
