@@ -32,7 +32,8 @@ SIDES: dict[str, list[str]] = {
     "grpo": ["algorithm.advantage_estimator=grpo", "algorithm.policy_loss=ppo_clip"],
     "dr_grpo": ["algorithm.advantage_estimator=dr_grpo", "algorithm.policy_loss=ppo_clip"],
     "rloo": ["algorithm.advantage_estimator=rloo", "algorithm.policy_loss=ppo_clip"],
-    "gspo": ["algorithm.advantage_estimator=grpo", "algorithm.policy_loss=gspo"],
+    # tis_cap 2.0: resolve's default for gspo since f960102 (said here for checkouts before it)
+    "gspo": ["algorithm.advantage_estimator=grpo", "algorithm.policy_loss=gspo", "algorithm.tis_cap=2.0"],
     "grpo+dynamic_sampling": ["algorithm.advantage_estimator=grpo", "algorithm.dynamic_sampling=true"],
 }
 
