@@ -9,6 +9,7 @@ Before this rule the budget was checked after each step, so a dynamic-sampling s
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any, Optional
 
@@ -154,3 +155,32 @@ def test_without_a_budget_dynamic_sampling_draws_as_before():
     groups, _ = run.step(counts)
     assert [g.task.task_id for g in groups] == ["t2", "t4"] and started(run) == ["t0", "t1", "t2", "t3", "t4"]
     assert "budget_stopped_draws" not in counts and not run.schedule.budget_spent
+
+
+@pytest.mark.parametrize("old_format", [False, True])
+def test_a_resumed_run_keeps_to_the_budget(old_format, tmp_path):
+    # async, 4 groups of 2 in flight, 2 per step, budget 12 (six groups): step 1 queues four groups (8 episodes
+    # counted) and trains two; a checkpoint then, resumed into a fresh run, restores the two untrained groups
+    # without counting them again and starts two more: six groups in all. A checkpoint written before the count
+    # meant "queued" (no ``episodes_counted``, episodes = those taken: 4) counts its restored groups on resume,
+    # so the resumed run can end early but never runs over.
+    from tests.test_schedule_phases import make_checkpoints, run_steps
+
+    schedule = ("pipeline.schedule=async", "pipeline.groups_in_flight=4", "pipeline.max_staleness=4",
+                "pipeline.episode_budget=12")
+    run = make_run(*schedule)
+    checkpoints = make_checkpoints(run, tmp_path)
+    run_steps(run, checkpoints, 1)
+    assert run.state.episodes == 8 and len(started(run)) == 4
+    if old_format:
+        marker = next((tmp_path / "ckpt").glob("*/pipeline.json"))
+        state = json.loads(marker.read_text())
+        del state["schedule"]["episodes_counted"]
+        state["schedule"]["episodes"] = 4  # the two groups step 1 took
+        marker.write_text(json.dumps(state))
+    resumed = make_run(*schedule)
+    assert make_checkpoints(resumed, tmp_path).resume()
+    assert resumed.state.episodes == 8  # restored groups counted once, in either format
+    run_until_spent(resumed)
+    # the two restored groups run again (fresh episodes), then two new ones: six groups, 12 episodes in all
+    assert started(resumed) == ["t2", "t3", "t4", "t5"] and resumed.state.episodes == 12

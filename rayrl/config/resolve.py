@@ -154,13 +154,19 @@ def clip_range(algo: AlgorithmConfig) -> tuple[float, float]:
     return (low if algo.clip_eps is None else algo.clip_eps, high if algo.clip_eps_high is None else algo.clip_eps_high)
 
 
+def default_tis_cap(algo: AlgorithmConfig, schedule: str) -> float:
+    """``algorithm.tis_cap`` when unset (module docstring): on where samples can be stale or the loss's band is
+    narrower than the engine-trainer gap, else off."""
+    on = schedule != "sync" or algo.policy_loss in NARROW_BAND_LOSSES
+    return DEFAULT_ASYNC_TIS_CAP if on else 0.0
+
+
 def resolve_algorithm(cfg: RunConfig) -> AlgorithmConfig:
     """``cfg.algorithm`` with every auto value concrete (module docstring)."""
     algo = cfg.algorithm
     tis_cap = algo.tis_cap
     if tis_cap is None:
-        on = cfg.pipeline.schedule != "sync" or algo.policy_loss in NARROW_BAND_LOSSES
-        tis_cap = DEFAULT_ASYNC_TIS_CAP if on else 0.0
+        tis_cap = default_tis_cap(algo, cfg.pipeline.schedule)
     low, high = clip_range(algo)
     return dataclasses.replace(
         algo, tis_cap=tis_cap, clip_eps=low, clip_eps_high=high, loss_agg=loss_aggregation(algo),

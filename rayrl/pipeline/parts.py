@@ -30,7 +30,8 @@ class RunState:
     version: int = 0
     group_seq: int = 0  # groups ever queued; part of each group id
     failures: Counter = field(default_factory=Counter)
-    episodes: int = 0  # episodes of every group the steps took, dropped ones too (pipeline.episode_budget)
+    episodes: int = 0  # episodes of every group queued, reruns and dropped ones too, counted when queued
+    # (pipeline.episode_budget; episodes retried inside a group after a worker death are not counted)
     set_aside: list[Group] = field(default_factory=list)
 
 

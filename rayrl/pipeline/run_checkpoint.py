@@ -112,7 +112,11 @@ class RunCheckpoints:
         schedule = saved.get("schedule") or {}
         self.state.group_seq = int(schedule.get("group_seq", self.state.group_seq))
         self.state.episodes = int(schedule.get("episodes", self.state.episodes))
-        self.dispatcher.restore(schedule.get("untrained_groups", []))
+        untrained = schedule.get("untrained_groups", [])
+        if schedule.get("episodes_counted") != "queued":  # an older checkpoint counted groups when taken: the
+            # groups it restores were not all in its count; counting them all keeps the budget from being exceeded
+            self.state.episodes += len(untrained) * self.schedule.cfg.rollout.group_size
+        self.dispatcher.restore(untrained)
         print(f"[rayrl] resumed from {self.store.location_of(step)} at step {self.state.step}, "
               f"policy version {self.state.version}", flush=True)
         return True

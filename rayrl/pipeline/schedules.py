@@ -278,7 +278,10 @@ class Schedule:
         return self.parts.trainer.train(batch.samples, batch.train_advantages())
 
     def state_dict(self) -> dict[str, Any]:
-        return {"schedule": self.name, "group_seq": self.state.group_seq, "episodes": self.state.episodes}
+        """``episodes_counted: queued`` marks the count's meaning since the budget became exact (checkpoints
+        before it counted groups when taken: rayrl/pipeline/run_checkpoint.py adds their untrained groups)."""
+        return {"schedule": self.name, "group_seq": self.state.group_seq, "episodes": self.state.episodes,
+                "episodes_counted": "queued"}
 
 
 class AsyncSchedule(Schedule):

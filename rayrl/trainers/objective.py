@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from rayrl.config.algorithm import AlgorithmConfig
-from rayrl.config.resolve import clip_range, loss_aggregation
+from rayrl.config.resolve import clip_range, default_tis_cap, loss_aggregation
 from rayrl.rl.logprob_gap import GapMeter
 from rayrl.rl.updates import MiniBatch, UpdatePlan, sft_applies
 from rayrl.trainers.policy_losses import PolicyLossInput, get_policy_loss, kl_estimate
@@ -89,14 +89,15 @@ def token_advantages(sample: Sample, advantage: float | np.ndarray) -> np.ndarra
 
 class Objective:
     """The configured loss for one rank (module docstring); ``algo`` may be unresolved (clip ranges and
-    aggregation ``auto`` are made concrete the way rayrl/config/resolve.py does; TIS unset is off)."""
+    aggregation ``auto`` are made concrete the way rayrl/config/resolve.py does; TIS unset as in a sync run:
+    off, except for a narrow-band loss such as GSPO)."""
 
     def __init__(self, algo: AlgorithmConfig) -> None:
         self.algo = algo
         self.policy_loss = get_policy_loss(algo.policy_loss)
         self.clip_low, self.clip_high = clip_range(algo)
         self.aggregation = loss_aggregation(algo)
-        self.tis_cap = algo.tis_cap or 0.0
+        self.tis_cap = default_tis_cap(algo, "sync") if algo.tis_cap is None else algo.tis_cap
         if self.aggregation == "seq_mean_token_sum_norm" and algo.loss_agg_norm <= 0:
             raise ValueError("algorithm.loss_agg seq_mean_token_sum_norm needs loss_agg_norm > 0 (resolve() sets it)")
         self._first: list[tuple[torch.Tensor, torch.Tensor]] = []

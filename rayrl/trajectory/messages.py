@@ -57,22 +57,21 @@ def messages_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def _frozen(value: Any) -> Hashable:
     """A hashable stand-in for ``value`` that is equal for equal values: dicts become frozensets of their
-    items, lists and tuples tuples; anything else unhashable one shared marker (which only makes a
-    coarser bucket, never a wrong one)."""
+    items, lists and tuples tuples, sets frozensets; anything else unhashable a marker naming its type
+    (which only makes a coarser bucket, never a wrong one)."""
     if isinstance(value, str):
         return value
     if isinstance(value, dict):
         return frozenset([(k, _frozen(v)) for k, v in value.items()])
     if isinstance(value, (list, tuple)):
         return tuple([_frozen(v) for v in value])
+    if isinstance(value, (set, frozenset)):
+        return frozenset([_frozen(v) for v in value])
     try:
         hash(value)
     except TypeError:
-        return _UNHASHABLE
+        return ("unhashable", type(value).__name__)  # equal after pickling, unlike a sentinel object
     return value
-
-
-_UNHASHABLE = object()
 
 
 def routing_key(message: dict[str, Any]) -> Hashable:

@@ -9,8 +9,9 @@ prefix of the request makes all of these separate branches without any special c
 * Each node remembers the child it routed through last (``hot``) and checks it first, so an agent that
   keeps extending one conversation costs one ``dict ==`` per history message: less than parsing it.
   A node with many children (a prompt retried hundreds of times, a fresh conversation under one
-  system prompt on every call) finds a message by its routing key (:meth:`Node.candidates`), so no
-  part of recording a turn scans the turns recorded before it.
+  system prompt on every call) finds a message by its routing key (:meth:`Node.candidates`), so routing
+  and the retry check never scan the turns recorded before it (the fork-merge check still looks through
+  a node's children for its assistant child, stopping at the second).
 * Request messages past the mount point become routing-only nodes; the response becomes a generated
   node carrying the turn's tokens (see :mod:`rayrl.trajectory.nodes` for the shared-prefix store).
 * A retried call (same response message at the same place) is kept as a new sibling: both responses
@@ -99,7 +100,11 @@ class TrajectoryTree:
     # ------------------------------------------------------------------ recording
 
     def record_turn(self, turn: TurnRecord) -> None:
-        """Mount one LLM call: route its request messages, add the rest, then the generated response."""
+        """Mount one LLM call: route its request messages, add the rest, then the generated response.
+
+        The tree keeps the message dicts it mounts and indexes them by value (a node with many children
+        looks its children up by routing key), so they must not be changed after this call: the gateway
+        builds fresh dicts per request; a caller of its own passes copies if it reuses them."""
         root = self._require_open()
         messages = turn.messages
         node, base, live = root, None, None

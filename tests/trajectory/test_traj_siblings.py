@@ -155,3 +155,21 @@ def test_a_merge_under_an_indexed_node_moves_the_child_to_its_new_key() -> None:
                             {"role": "user", "content": "next"}], {"role": "assistant", "content": "e"}))
     after = tree.stats()
     assert after["forks"] == before["forks"] and after["merged_rewrites"] == 1, tree.dump()
+
+
+def test_an_indexed_tree_routes_the_same_after_pickling_and_keys_unhashable_values_by_type():
+    """A copied tree (pickle: a checkpoint or a process boundary) keeps finding its children; a value JSON never
+    gives (a bytearray) is keyed by its type, so equal messages still meet after the copy."""
+    import pickle
+
+    odd = {"role": "user", "content": "blob", "data": bytearray(b"x")}
+    assert routing_key(odd) == routing_key(pickle.loads(pickle.dumps(odd)))
+    assert routing_key({"role": "user", "tags": {1, 2}}) == routing_key({"role": "user", "tags": frozenset({1, 2})})
+    tree = TrajectoryTree()
+    for i in range(12):
+        tree.record_turn(_turn([SYSTEM, dict(odd, content=f"blob {i}")], {"role": "assistant", "content": f"ok {i}"}))
+    copy = pickle.loads(pickle.dumps(tree))
+    system = copy._root.children[0]
+    assert system.index is not None and len(system.children) == 12
+    again = dict(odd, content="blob 3")
+    assert [c.message["content"] for c in system.candidates(again) if messages_equal(c.message, again)] == ["blob 3"]
