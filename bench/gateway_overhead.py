@@ -109,11 +109,7 @@ RAYRL = textwrap.dedent('''
             pass
         print("ready", flush=True)
         await asyncio.Event().wait()
-    try:  # the loop the gateway's hosts run it on (a baseline checkout may predate rayrl.event_loop)
-        from rayrl.event_loop import run
-    except ImportError:
-        run = asyncio.run
-    run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
+    asyncio.run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
 ''')
 
 RLLM = textwrap.dedent('''

@@ -10,7 +10,6 @@ from typing import Any, Awaitable
 
 import pytest
 
-from rayrl import event_loop
 from rayrl.models import build_tiny_model, provision_smollm2
 
 # Every Ray a test starts without an address is a fresh local one, never a cluster that happens to run on this
@@ -19,11 +18,10 @@ os.environ.setdefault("RAY_ADDRESS", "local")
 
 
 class LoopThread:
-    """An asyncio loop in a daemon thread, so sync clients (openai SDK) can call servers it runs; the kind
-    of loop the servers' hosts use (rayrl/event_loop.py: uvloop where installed, as Ray's actors)."""
+    """An asyncio loop in a daemon thread, so sync clients (openai SDK) can call servers it runs."""
 
     def __init__(self) -> None:
-        self.loop = event_loop.new_event_loop()
+        self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 

@@ -21,7 +21,6 @@ import signal
 import sys
 from typing import Any
 
-from rayrl import event_loop
 from rayrl.config import GatewayConfig, TrajectoryConfig
 
 logger = logging.getLogger("rayrl.gateway")
@@ -130,7 +129,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    event_loop.run(serve(args))
+    asyncio.run(serve(args))
     return 0
 
 
