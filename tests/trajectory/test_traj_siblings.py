@@ -51,23 +51,28 @@ def _tool_call_retry(i: int) -> TurnRecord:
                  {"role": "assistant", "content": None, "tool_calls": [call]})
 
 
+def _count_comparisons(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[int]:
+    """Make ``module``'s ``messages_equal`` count its calls, in the returned one-element list."""
+    calls = [0]
+
+    def counted(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        calls[0] += 1
+        return messages_equal(a, b)
+
+    monkeypatch.setattr(module, "messages_equal", counted)
+    return calls
+
+
 def _comparisons_for_turn(monkeypatch: pytest.MonkeyPatch, make: Callable[[int], TurnRecord], earlier: int) -> int:
     """``messages_equal`` calls made recording one more turn into a session of ``earlier`` turns."""
     tree = TrajectoryTree()
     for i in range(earlier):
         tree.record_turn(make(i))
-    calls = 0
-
-    def counted(a: dict[str, Any], b: dict[str, Any]) -> bool:
-        nonlocal calls
-        calls += 1
-        return messages_equal(a, b)
-
-    monkeypatch.setattr(tree_mod, "messages_equal", counted)
+    calls = _count_comparisons(monkeypatch, tree_mod)
     tree.record_turn(make(earlier))
     monkeypatch.setattr(tree_mod, "messages_equal", messages_equal)
     assert tree.stats()["turns"] == earlier + 1
-    return calls
+    return calls[0]
 
 
 @pytest.mark.parametrize("make", [_retry_sampled, _retry_same, _fresh_conversation, _tool_call_retry])
@@ -83,16 +88,9 @@ def test_describing_many_retries_compares_each_node_with_its_equals_only(monkeyp
     tree = TrajectoryTree()
     for i in range(400):
         tree.record_turn(_retry_sampled(i))
-    calls = 0
-
-    def counted(a: dict[str, Any], b: dict[str, Any]) -> bool:
-        nonlocal calls
-        calls += 1
-        return messages_equal(a, b)
-
-    monkeypatch.setattr(describe_mod, "messages_equal", counted)
+    calls = _count_comparisons(monkeypatch, describe_mod)
     nodes = tree.describe()["nodes"]
-    assert len(nodes) == 402 and calls == 0  # 400 distinct answers: nothing shares a key
+    assert len(nodes) == 402 and calls[0] == 0  # 400 distinct answers: nothing shares a key
     assert not any(n["gen"]["retry"] for n in nodes if "gen" in n)
 
 
