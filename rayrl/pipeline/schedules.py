@@ -70,6 +70,7 @@ from rayrl.pipeline.membership import EngineMembership
 from rayrl.pipeline.parts import RunParts
 from rayrl.rl.batch import Batch
 from rayrl.rl.groups import Group, equal_reward, split_short, split_stale
+from rayrl.types import Task
 
 logger = logging.getLogger("rayrl.pipeline")
 
@@ -97,10 +98,14 @@ class Schedule:
         has no room for another group."""
         dispatcher = self.parts.dispatcher
         while dispatcher.groups_in_flight < target and self.budget_allows_group():
-            task = self.parts.sampler.next(1)[0]
-            self.state.group_seq += 1
-            self.state.episodes += self.cfg.rollout.group_size
-            dispatcher.submit(task, f"g{self.state.group_seq:06d}-{task.task_id}")
+            self.queue_group(self.parts.sampler.next(1)[0])
+
+    def queue_group(self, task: Task, **submit: Any) -> None:
+        """Submit ``task`` as a new group (its id numbered in queue order), its episodes counted against the
+        budget now."""
+        self.state.group_seq += 1
+        self.state.episodes += self.cfg.rollout.group_size
+        self.parts.dispatcher.submit(task, f"g{self.state.group_seq:06d}-{task.task_id}", **submit)
 
     # -- the episode budget --------------------------------------------------------------------------
 
@@ -178,10 +183,7 @@ class Schedule:
 
     def rerun(self, group: Group) -> None:
         """Run ``group``'s task again, first in the queue, as a new group: not lost, not trained twice."""
-        self.state.group_seq += 1
-        self.state.episodes += self.cfg.rollout.group_size
-        self.parts.dispatcher.submit(group.task, f"g{self.state.group_seq:06d}-{group.task.task_id}", front=True,
-                                     reruns=group.reruns + 1)
+        self.queue_group(group.task, front=True, reruns=group.reruns + 1)
 
     def budget_refuses_rerun(self, group: Group, counts: Counter) -> bool:
         """True (counted as ``pipeline/budget_skipped_reruns``, logged) where the episode budget has no room
