@@ -134,6 +134,24 @@ def test_a_stale_group_past_the_budget_is_dropped_without_a_rerun():
     assert [g.task.task_id for g in run.state.set_aside] == ["t2", "t3"]  # recorded as stale, not lost silently
 
 
+def test_a_group_both_short_and_stale_past_the_budget_counts_one_skipped_rerun():
+    # as above, and t2 also lost an episode to the engine: the budget refuses its rerun as a short group, then
+    # again as a stale one; one group whose rerun was refused is one count, not two
+    def engine_fails_t2(group: Group, index: int) -> Episode:
+        if group.task.task_id == "t2" and index == 1:
+            return _episode(group, 0.0, ENGINE_ERROR)
+        return scored_by_index(group, index)
+
+    run = make_run("pipeline.schedule=async", "pipeline.groups_in_flight=4", "pipeline.max_staleness=0",
+                   "pipeline.episode_budget=8", outcome=engine_fails_t2)
+    steps = run_until_spent(run)
+    assert started(run) == ["t0", "t1", "t2", "t3"] and run.state.episodes == 8
+    _, counts, _ = steps[1]
+    assert counts["short_groups_kept"] == 1 and counts["dropped_stale_groups"] == 2
+    assert counts["budget_skipped_reruns"] == 2  # t2 once (short and stale), t3 once (stale)
+    assert [g.task.task_id for g in run.state.set_aside] == ["t2", "t3"]
+
+
 def test_a_short_group_past_the_budget_is_kept_as_it_is():
     def engine_fails_t0(group: Group, index: int) -> Episode:
         if group.task.task_id == "t0" and index == 1:

@@ -89,6 +89,7 @@ class Schedule:
         self.cfg = parts.cfg
         self.state = parts.state
         self.dropped: list[Group] = []  # this step's groups dynamic sampling dropped (recorded, not trained)
+        self.rerun_refused: set[str] = set()  # groups the budget refused a rerun: each is counted once
         self.membership = EngineMembership(parts.engines, parts.weights, parts.gateway, parts.state.failures)
 
     # -- the dispatch loop ---------------------------------------------------------------------------
@@ -187,9 +188,12 @@ class Schedule:
 
     def budget_refuses_rerun(self, group: Group, counts: Counter) -> bool:
         """True (counted as ``pipeline/budget_skipped_reruns``, logged) where the episode budget has no room
-        to run ``group``'s task again."""
+        to run ``group``'s task again. A group refused twice in one step (short, then stale) counts once."""
         if self.budget_allows_group():
             return False
+        if group.group_id in self.rerun_refused:
+            return True
+        self.rerun_refused.add(group.group_id)
         counts["budget_skipped_reruns"] += 1
         logger.info("group %s (task %s) not run again: the episode budget (%d) has no room for it",
                     group.group_id, group.task.task_id, self.cfg.pipeline.episode_budget)
