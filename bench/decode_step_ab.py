@@ -15,11 +15,16 @@ process over the same model weights; the two sides must give the same greedy tok
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import types
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -30,19 +35,18 @@ MODULES = ("weight_formats", "lean_decode")  # loaded from the base revision, in
 
 
 def base_module(rev: str) -> types.ModuleType:
-    """lean_decode.py of ``rev`` (with that revision's weight_formats.py) as a module of this process."""
-    loaded: dict[str, types.ModuleType] = {}
+    """lean_decode.py of ``rev`` (with that revision's weight_formats.py) as a module of this process. The
+    files are written out and imported, so TorchScript can read their source (it compiles the step)."""
+    folder = Path(tempfile.mkdtemp(prefix="decode_step_ab_"))
+    atexit.register(shutil.rmtree, folder, True)
     for name in MODULES:
         src = subprocess.run(["git", "show", f"{rev}:rayrl/engines/{name}.py"], cwd=ROOT, check=True,
                              capture_output=True, text=True).stdout
-        for dep in loaded:
+        for dep in MODULES:
             src = src.replace(f"rayrl.engines.{dep} import", f"_base_{dep} import")
-        mod = types.ModuleType(f"_base_{name}")
-        mod.__file__ = f"{rev}:rayrl/engines/{name}.py"
-        sys.modules[mod.__name__] = mod
-        exec(compile(src, mod.__file__, "exec"), mod.__dict__)
-        loaded[name] = mod
-    return loaded["lean_decode"]
+        (folder / f"_base_{name}.py").write_text(src)
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("_base_lean_decode")
 
 
 def rows(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +123,9 @@ def main() -> int:
         profile(Side(new, *rows(args.profile, 0)), args.steps)
         return 0
     old = base_module(args.base).LeanDecoder(model, args.weight_format, 1024)
+    for side in (old, new):  # a side whose step fell back to Python would measure the fallback
+        if not isinstance(side._run_layers, torch.jit.ScriptFunction):
+            raise SystemExit("a side's decode step is not scripted: the comparison would be unfair")
     print(f"load average {os.getloadavg()[0]:.2f}, {args.threads} threads, base {args.base}", flush=True)
     for batch in map(int, args.batches.split(",")):
         ids, mask = rows(batch, batch)
