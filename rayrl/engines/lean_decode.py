@@ -129,14 +129,6 @@ def _matmul(x: torch.Tensor, i: int, packed: List[torch.classes.quantized.Linear
     return F.linear(x, dense[i], biases[i])
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, the same arithmetic as ``torch.rms_norm`` in four ops. Why: on CPU
-    ``torch.rms_norm`` is a composite of about ten ops (two dtype copies among them) and a decode step
-    calls it 61 times; at batch 1 each op's dispatch costs more than its arithmetic on 576 floats."""
-    scale = torch.mul(x, x).mean(-1, keepdim=True).add_(eps).rsqrt_()
-    return torch.mul(x, scale).mul_(weight)
-
-
 def _decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
                     new_cols: List[torch.Tensor], keys: List[torch.Tensor], values: List[torch.Tensor],
                     norms: List[torch.Tensor], qk_norms: List[torch.Tensor],
@@ -151,21 +143,21 @@ def _decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
     down) in ``packed`` (fp16-packed) or ``dense`` with ``biases`` (float32; ``packed`` is then empty).
     ``sizes``: query heads, KV heads, head size, intermediate size."""
     heads, kv_heads, dim, inter = sizes[0], sizes[1], sizes[2], sizes[3]
-    n = x.size(0)
+    n, hidden = x.size(0), x.size(1)
     qk_heads, group, half = heads + kv_heads, heads // kv_heads, dim // 2
     for i in range(len(new_cols)):
-        h = _rms_norm(x, norms[2 * i], eps)
+        h = torch.rms_norm(x, [hidden], norms[2 * i], eps)
         qkv = _matmul(h, 4 * i, packed, dense, biases).view(n, qk_heads + kv_heads, dim)
         qk = qkv.narrow(1, 0, qk_heads)
         if len(qk_norms) > 0:
-            qk[:, :heads] = _rms_norm(qk[:, :heads], qk_norms[2 * i], eps)
-            qk[:, heads:] = _rms_norm(qk[:, heads:], qk_norms[2 * i + 1], eps)
+            qk[:, :heads] = torch.rms_norm(qk[:, :heads], [dim], qk_norms[2 * i], eps)
+            qk[:, heads:] = torch.rms_norm(qk[:, heads:], [dim], qk_norms[2 * i + 1], eps)
         torch.addcmul(qk * cos, qk.roll(half, -1), sin, out=qk)  # RoPE, in place: qkv is [q, k, v] again
         new_cols[i].copy_(qkv.narrow(1, heads, 2 * kv_heads).view(n, 2, kv_heads, dim).transpose(0, 1))
         att = F.scaled_dot_product_attention(qkv.narrow(1, 0, heads).view(n, kv_heads, group, dim), keys[i],
                                              values[i], attn_mask=mask, scale=scale)
         x += _matmul(att.view(n, heads * dim), 4 * i + 1, packed, dense, biases)
-        h = _rms_norm(x, norms[2 * i + 1], eps)
+        h = torch.rms_norm(x, [hidden], norms[2 * i + 1], eps)
         gate_up = _matmul(h, 4 * i + 2, packed, dense, biases)
         gate = F.silu(gate_up.narrow(1, 0, inter), inplace=True).mul_(gate_up.narrow(1, inter, inter))
         x += _matmul(gate, 4 * i + 3, packed, dense, biases)
@@ -427,6 +419,6 @@ class LeanDecoder:
         x = F.embedding(ids, self.base.embed_tokens.weight)
         x = self._run_layers(x, cos, sin, mask, new_cols, keys, values, self._norms, self._qk_norms, self._packed,
                              self._dense, self._biases, self._sizes, self.eps, self.scale)
-        x = _rms_norm(x, self.base.norm.weight, self.eps)
+        x = F.rms_norm(x, (self.hidden,), self.base.norm.weight, self.eps)
         assert self.head is not None
         return self.head(x)
