@@ -24,7 +24,7 @@ from _engine_kit import forward_logprobs, random_weights
 
 from rayrl.engines.cpu_engine import CPUEngine
 from rayrl.engines.kv_cache import BatchKV, KVBlock, prefill_mask
-from rayrl.engines.lean_decode import HEAD_CHUNK, LeanDecoder, _decoder_layers, _rms_norm, unsupported_reason
+from rayrl.engines.lean_decode import HEAD_CHUNK, LeanDecoder, _decoder_layers, unsupported_reason
 from rayrl.engines.weight_formats import Fp16PackedChunks, Fp16PackedLinear, fp16_packing_available
 from rayrl.models import resolve_model_path
 
@@ -129,19 +129,6 @@ def test_scripted_step_is_the_python_step(family_models, kind, fmt):
                 outs.append((logits, kv.all_kv[:, :, :n, :, t].clone()))
         torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=0)
         torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-6, rtol=0)
-
-
-def test_step_rms_norm_is_torchs():
-    """The step's RMSNorm (four ops, lean_decode._rms_norm) is torch.rms_norm: on the hidden rows at 1 and 8
-    rows, on Qwen3's per-head q/k slices (strided views of the qkv output), as Python and scripted."""
-    torch.manual_seed(0)
-    scripted = torch.jit.script(_rms_norm)
-    cases = [(torch.randn(rows, 576) * 20, torch.randn(576)) for rows in (1, 8)]
-    cases.append((torch.randn(8, 12, 64)[:, :9], torch.randn(64)))
-    for x, w in cases:
-        expected = torch.rms_norm(x, [x.shape[-1]], w, 1e-5)
-        for norm in (_rms_norm, scripted):
-            torch.testing.assert_close(norm(x, w, 1e-5), expected, atol=1e-6, rtol=1e-6)
 
 
 @packed_only
