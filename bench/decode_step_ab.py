@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-
 from measure import ROOT, alternate, paired_ratio
 
 MODULES = ("weight_formats", "lean_decode")  # loaded from the base revision, in this order
@@ -91,7 +90,8 @@ class Side:
 
 
 def profile(side: Side, steps: int) -> None:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     side.run(3)
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
