@@ -58,6 +58,7 @@ from gateway_overhead import (  # noqa: E402
     latency,
     pct,
     spawn,
+    stop_all,
     wait_up,
 )
 from measure import Record, Spread, add_common_args, alternate  # noqa: E402
@@ -268,13 +269,7 @@ def main() -> None:
         res = alternate({name: side(targets[name]) for name in SIDES}, label="sides", **rounds)
     finally:
         loop.close()
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
     report(record, res, args.requests)
     record.save()
 

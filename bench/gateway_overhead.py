@@ -133,6 +133,17 @@ def spawn(code: str, *args: str, tree: Path = REPO) -> subprocess.Popen:
                             text=True, env={**os.environ, "PYTHONPATH": str(tree)})
 
 
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """Terminate every server process, then kill any that has not exited within 10 s."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 async def wait_up(url: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as s:
@@ -308,13 +319,7 @@ def main() -> None:
         res = alternate({name: side(t) for name, t in targets.items()}, label="endpoints", **rounds)
     finally:
         loop.close()
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
     if args.baseline:
         record.note(f"baseline: the gateway of {args.baseline} ({baseline_commit(args.baseline)}), same stub")
     report(record, res, args.concurrency, args.requests, args.seconds)
