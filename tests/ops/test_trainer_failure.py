@@ -3,6 +3,7 @@ rank writes a checkpoint, and a fresh trainer group resumes from it with the exa
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,20 @@ def _weights(group: TrainerGroup, root: Path, version: int) -> dict[str, np.ndar
     return merged
 
 
+def _kill_and_wait(rank: ray.actor.ActorHandle, timeout_s: float = 30.0) -> None:
+    """Kill a rank and return once Ray reports it dead: ``ray.kill`` only asks for the kill, and a call sent
+    right after it can still be answered by the process before it goes."""
+    ray.kill(rank)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            ray.get(rank.policy_version.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the killed rank still answers {timeout_s:.0f} s after ray.kill")
+
+
 # ~50 s, real ranks killed in each phase; fast: test_schedule_phases.py (what the pipeline does with a TrainerFailure:
 # survivor checkpoint, fallback, resume line)
 @pytest.mark.slow
@@ -51,12 +66,12 @@ def test_rank_death_in_any_phase_raises_and_a_survivor_checkpoint_resumes(ray_lo
     try:
         assert group.train(samples, advantages)["policy_version"] == 1
         before = _weights(group, tmp_path / "w-before", 1)
-        ray.kill(group.ranks[1])
+        _kill_and_wait(group.ranks[1])
         with pytest.raises(TrainerFailure, match="in train: .*rank 1: ActorDiedError") as info:
             group.train(samples, advantages)
         assert info.value.phase == "train" and info.value.survivors == {0: 1, 2: 1}  # nobody stepped
 
-        ray.kill(group.ranks[0])
+        _kill_and_wait(group.ranks[0])  # onload is instant on CPU: rank 0 must be gone before it is asked
         with pytest.raises(TrainerFailure, match="in onload: rank 0: ActorDiedError") as info:
             group.onload()
         assert info.value.survivors == {2: 1} and set(info.value.errors) == {0, 1}
@@ -116,7 +131,7 @@ def test_pipeline_stops_with_a_checkpoint_and_resumes_the_failed_step(ray_local,
     pipeline = Pipeline(cfg)
     try:
         pipeline.run_step()
-        ray.kill(pipeline.trainer.ranks[1])
+        _kill_and_wait(pipeline.trainer.ranks[1])
         with pytest.raises(TrainerFailure):
             pipeline.run()
         out = capsys.readouterr().out
