@@ -220,3 +220,57 @@ def test_idle_connections_are_closed():
             await runner.cleanup()
 
     asyncio.run(run())
+
+
+def test_the_read_timeout_spans_requests_on_a_reused_connection():
+    """The watchdog timer is kept per connection: idle in the pool past the read timeout, a connection is
+    not aborted (its next request is answered on it); a stall on that reused connection still times out."""
+    answers = ["ok", "ok", "stall"]
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        kind = answers.pop(0)
+        if kind == "ok":
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: a\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    async def handle_all(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                await reader.readexactly(length)
+                await answer(writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    async def run():
+        server = await asyncio.start_server(handle_all, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        http = StreamingHTTP(read_timeout_s=0.3, idle_s=10)
+        try:
+            async with http.post(url, "/x", b"{}") as resp:
+                assert await resp.read() == b"ok"
+            (conn,) = next(iter(http._idle.values()))
+            await asyncio.sleep(0.5)  # idle past the read timeout: the timer lapses, the connection stays
+            assert conn.usable() and not conn.timed_out
+            async with http.post(url, "/x", b"{}") as resp:
+                assert await resp.read() == b"ok"
+            assert resp._conn is conn  # the same connection answered again
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            async with http.post(url, "/x", b"{}") as resp:
+                assert resp._conn is conn
+                with pytest.raises(StreamHTTPError) as info:
+                    while await resp.next_block() is not None:
+                        pass
+            assert info.value.timed_out and 0.25 <= loop.time() - started < 5
+        finally:
+            await http.close()
+            server.close()
+
+    asyncio.run(run())
