@@ -34,6 +34,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import time
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
@@ -70,10 +71,20 @@ def _sse_data(block: bytes, rest: bytes) -> tuple[list[bytes], bytes]:
     """The ``data:`` payloads of the complete lines in ``rest + block``, and the incomplete line left over.
     A server-sent event stream is read as the bytes arrive, not line by line: its chunks often come several
     to a read. (A plain function, not an async generator: one left unfinished would cost a thread-safe wakeup
-    of the event loop when it is collected.)"""
-    lines = (rest + block).split(b"\n")
-    rest = lines.pop()
-    return [line[5:].strip() for line in lines if line.startswith(b"data:")], rest
+    of the event loop when it is collected.)
+
+    One regular expression over the complete lines, not a method call or two per line: a read often holds
+    several events, each a ``data:`` line and a blank one. It finds what ``line[5:].strip()`` of every line
+    starting with ``data:`` gives: the lines hold no newline, so the whitespace strip() removes is the rest
+    of its set."""
+    text = rest + block
+    end = text.rfind(b"\n")
+    if end < 0:
+        return [], text
+    return _DATA_LINE.findall(text, 0, end), text[end + 1:]
+
+
+_DATA_LINE = re.compile(rb"^data:[ \t\r\x0b\x0c]*(.*?)[ \t\r\x0b\x0c]*$", re.MULTILINE)
 
 
 def _score(url: str, key: str) -> int:
@@ -330,7 +341,8 @@ class Router:
                 refused_since = None  # the pause was the wait: a fresh window after it
             if not self._clients:
                 await self.wait_for_engines()
-            url = self.pick(session_key, exclude=[u for u in tried if u in self._clients and len(self._clients) > 1])
+            exclude = [u for u in tried if u in self._clients and len(self._clients) > 1] if tried else ()
+            url = self.pick(session_key, exclude=exclude)
             self._in_flight[url] += 1
             try:
                 return await call(url)
@@ -415,7 +427,7 @@ class Router:
         EngineUnavailable with the tokens received so far (``partial``); an unfinished one is aborted."""
         payload = {
             "input_ids": np.ascontiguousarray(input_ids),  # encoded straight from the array (wire_json)
-            "sampling_params": dict(params),
+            "sampling_params": params,  # the part's own copy (_generate_parts)
             "rid": rid,
             "return_logprob": True,
             "stream": True,
