@@ -28,6 +28,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gateway_calls import ONE_WRITE_STUB  # noqa: E402
 from gateway_overhead import (  # noqa: E402
     MESSAGES, RAYRL, REPO, STUB, WARMUP, Target, _gateway_target, free_port, one, spawn, stop_all, wait_up,
 )
@@ -66,7 +67,7 @@ async def run(args: argparse.Namespace) -> None:
     tokenizer_dir = str(provision_smollm2())
     ports = {k: free_port() for k in ("stub", "branch", "base")}
     stub_url = f"http://127.0.0.1:{ports['stub']}"
-    procs = [spawn(STUB, str(ports["stub"]))]
+    procs = [spawn(ONE_WRITE_STUB if args.stub == "one-write" else STUB, str(ports["stub"]))]
     try:
         await wait_up(stub_url + "/health")
         procs.append(spawn(RAYRL, str(ports["branch"]), stub_url, tokenizer_dir))
@@ -89,7 +90,7 @@ async def run(args: argparse.Namespace) -> None:
         stop_all(procs)
     diff = [a - b for a, b in zip(figures["branch"], figures["base"])]
     ratio = [a / b for a, b in zip(figures["branch"], figures["base"])]
-    print(f"gateway CPU ms per call, {args.rounds} rounds of {args.requests} calls:")
+    print(f"gateway CPU ms per call, {args.rounds} rounds of {args.requests} calls, stub: {args.stub}:")
     print(f"  branch ({REPO}): {spread(figures['branch'])}")
     print(f"  base ({args.baseline}): {spread(figures['base'])}")
     print(f"  branch - base: {spread(diff)}")
@@ -101,6 +102,8 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, required=True, help="the other checkout's root")
     ap.add_argument("--requests", type=int, default=300, help="calls per block")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--stub", choices=["bench", "one-write"], default="bench",
+                    help="one-write: the stub sends its stream in one write (gateway_calls.py says why)")
     asyncio.run(run(ap.parse_args()))
 
 
