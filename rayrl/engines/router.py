@@ -34,7 +34,6 @@ import functools
 import hashlib
 import logging
 import os
-import re
 import time
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
@@ -71,20 +70,10 @@ def _sse_data(block: bytes, rest: bytes) -> tuple[list[bytes], bytes]:
     """The ``data:`` payloads of the complete lines in ``rest + block``, and the incomplete line left over.
     A server-sent event stream is read as the bytes arrive, not line by line: its chunks often come several
     to a read. (A plain function, not an async generator: one left unfinished would cost a thread-safe wakeup
-    of the event loop when it is collected.)
-
-    One regular expression over the complete lines, not a method call or two per line: a read often holds
-    several events, each a ``data:`` line and a blank one. It finds what ``line[5:].strip()`` of every line
-    starting with ``data:`` gives: the lines hold no newline, so the whitespace strip() removes is the rest
-    of its set."""
-    text = rest + block
-    end = text.rfind(b"\n")
-    if end < 0:
-        return [], text
-    return _DATA_LINE.findall(text, 0, end), text[end + 1:]
-
-
-_DATA_LINE = re.compile(rb"^data:[ \t\r\x0b\x0c]*(.*?)[ \t\r\x0b\x0c]*$", re.MULTILINE)
+    of the event loop when it is collected.)"""
+    lines = (rest + block).split(b"\n")
+    rest = lines.pop()
+    return [line[5:].strip() for line in lines if line.startswith(b"data:")], rest
 
 
 def _score(url: str, key: str) -> int:
