@@ -139,11 +139,11 @@ class StreamResponse:
     def _dechunk(self) -> bytes:
         """Decode as much of the chunked framing in ``_raw`` as has arrived; the payload bytes so far."""
         raw, pos, out = self._raw, 0, []
-        size = len(raw)
+        have = len(raw)
         while True:
             if self._in_chunk:
                 end = pos + self._in_chunk
-                if end + 2 <= size:  # the rest of the payload and its CRLF have arrived: one slice
+                if end + 2 <= have:  # the rest of the payload and its CRLF have arrived: one slice
                     if raw[end:end + 2] != b"\r\n":
                         raise ValueError("a chunk did not end with CRLF")
                     out.append(raw[pos:end])
@@ -157,7 +157,7 @@ class StreamResponse:
                     break
                 self._crlf = True
             if self._crlf:
-                if size - pos < 2:
+                if have - pos < 2:
                     break
                 if raw[pos:pos + 2] != b"\r\n":
                     raise ValueError("a chunk did not end with CRLF")
@@ -165,7 +165,7 @@ class StreamResponse:
                 self._crlf = False
             end = raw.find(b"\r\n", pos)
             if end < 0:
-                if size - pos > _MAX_HEAD:
+                if have - pos > _MAX_HEAD:
                     raise ValueError("a chunk size line longer than 64 KiB")
                 break
             line, pos = raw[pos:end], end + 2

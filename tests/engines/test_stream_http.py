@@ -274,3 +274,29 @@ def test_the_read_timeout_spans_requests_on_a_reused_connection():
             server.close()
 
     asyncio.run(run())
+
+
+def test_dechunk_decodes_everything_that_has_arrived():
+    """One _dechunk call decodes every complete chunk in the buffer (the whole body at once: all of it, and
+    the end seen); cut anywhere, the pieces' payloads join to the same bytes."""
+    import random
+
+    from rayrl.engines.stream_http import StreamResponse
+
+    payloads = [b"data: %d %s\n\n" % (i, b"x" * (i * 37 % 300)) for i in range(12)] + [b"data: [DONE]\n\n"]
+    body = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in payloads) + b"0\r\nTrailer: t\r\n\r\n"
+
+    def decoder() -> StreamResponse:
+        return StreamResponse(None, ("h", 1), None, 200, chunked=True, length=None, keep_alive=True)  # type: ignore[arg-type]
+
+    whole = decoder()
+    whole._raw = body
+    assert whole._dechunk() == b"".join(payloads) and whole.complete and whole._raw == b""
+    rng = random.Random(0)
+    for _ in range(300):
+        cuts = sorted(rng.sample(range(1, len(body)), rng.randint(1, 40)))
+        resp, out = decoder(), []
+        for a, b in zip([0, *cuts], [*cuts, len(body)]):
+            resp._raw += body[a:b]
+            out.append(resp._dechunk())
+        assert b"".join(out) == b"".join(payloads) and resp.complete
