@@ -330,7 +330,8 @@ class Router:
                 refused_since = None  # the pause was the wait: a fresh window after it
             if not self._clients:
                 await self.wait_for_engines()
-            url = self.pick(session_key, exclude=[u for u in tried if u in self._clients and len(self._clients) > 1])
+            exclude = [u for u in tried if u in self._clients and len(self._clients) > 1] if tried else ()
+            url = self.pick(session_key, exclude=exclude)
             self._in_flight[url] += 1
             try:
                 return await call(url)
@@ -415,7 +416,7 @@ class Router:
         EngineUnavailable with the tokens received so far (``partial``); an unfinished one is aborted."""
         payload = {
             "input_ids": np.ascontiguousarray(input_ids),  # encoded straight from the array (wire_json)
-            "sampling_params": dict(params),
+            "sampling_params": params,  # the part's own copy (_generate_parts)
             "rid": rid,
             "return_logprob": True,
             "stream": True,

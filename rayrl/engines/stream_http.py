@@ -49,31 +49,43 @@ class _Connection:
         self.idle_since = 0.0
         self.deadline = 0.0  # loop time by which the pending read must make progress
         self.timed_out = False
+        self.armed = False  # a request is being answered on it (idle in the pool: False)
         self._watchdog: Optional[asyncio.TimerHandle] = None
 
     def usable(self) -> bool:
         return not (self.reader.at_eof() or self.writer.is_closing() or self.reader.exception() is not None)
 
     def arm(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
-        """Start watching reads: one timer per request, re-armed only when it fires early."""
+        """Start watching reads. One timer per connection, kept across its requests: a timer that fires
+        before the deadline (moved on by every read, and by the next request) is set again for it, and one
+        that fires while the connection is idle in the pool lapses (the next request starts another). So a
+        request on a reused connection schedules and cancels no timer of its own."""
         self.timed_out = False
+        self.armed = True
         self.deadline = loop.time() + timeout_s
-        self._watchdog = loop.call_at(self.deadline, self._check, loop)
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(self.deadline, self._check, loop)
 
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self.armed:
+            self._watchdog = None
+            return
         if loop.time() < self.deadline:
             self._watchdog = loop.call_at(self.deadline, self._check, loop)
             return
+        self._watchdog = None
         self.timed_out = True
         self.writer.transport.abort()  # the pending read fails at once
 
     def disarm(self) -> None:
+        """Stop watching reads (the timer, if any, lapses when it fires)."""
+        self.armed = False
+
+    def close(self) -> None:
+        self.armed = False
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-
-    def close(self) -> None:
-        self.disarm()
         self.writer.transport.abort()
 
 
@@ -127,7 +139,15 @@ class StreamResponse:
     def _dechunk(self) -> bytes:
         """Decode as much of the chunked framing in ``_raw`` as has arrived; the payload bytes so far."""
         raw, pos, out = self._raw, 0, []
+        have = len(raw)
         while True:
+            if self._in_chunk:
+                end = pos + self._in_chunk
+                if end + 2 <= have:  # the rest of the payload and its CRLF have arrived: one slice
+                    if raw[end:end + 2] != b"\r\n":
+                        raise ValueError("a chunk did not end with CRLF")
+                    out.append(raw[pos:end])
+                    pos, self._in_chunk = end + 2, 0
             if self._in_chunk:
                 take = raw[pos:pos + self._in_chunk]
                 out.append(take)
@@ -137,7 +157,7 @@ class StreamResponse:
                     break
                 self._crlf = True
             if self._crlf:
-                if len(raw) - pos < 2:
+                if have - pos < 2:
                     break
                 if raw[pos:pos + 2] != b"\r\n":
                     raise ValueError("a chunk did not end with CRLF")
@@ -145,7 +165,7 @@ class StreamResponse:
                 self._crlf = False
             end = raw.find(b"\r\n", pos)
             if end < 0:
-                if len(raw) - pos > _MAX_HEAD:
+                if have - pos > _MAX_HEAD:
                     raise ValueError("a chunk size line longer than 64 KiB")
                 break
             line, pos = raw[pos:end], end + 2

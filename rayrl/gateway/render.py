@@ -31,6 +31,42 @@ CHUNK_CHARS = 65536  # texts longer than two chunks are counted chunk by chunk a
 CHUNK_SLACK_TOKENS = 64  # tokens a cut between chunks may add: a count proves "too long" only past them
 
 
+_LOOP_NUMBERS = frozenset({"first", "last", "index", "index0", "revindex", "revindex0", "length", "depth", "depth0"})
+
+
+def _with_loop_reads(template: Any, source: str) -> Any:
+    """``template`` compiled again in an overlay of its sandboxed environment whose ``getattr`` reads the
+    numbers of jinja's own ``loop`` object (``loop.first``, ``loop.index``, ...) directly.
+
+    Why: chat templates read ``loop.first``/``loop.last`` once per message, and the sandbox checks every
+    attribute read (is it private, internal, a mutating method of a known mutable type: a dozen calls,
+    abc ``isinstance`` checks among them), on every render, twice per call in cumulative token mode. Those
+    checks pass for these attributes of a ``LoopContext`` whatever the template (no underscore, not a
+    function, frame or code object, not a list, dict or set method), and the values are numbers and
+    booleans, never a ``str.format`` the sandbox would wrap, so the answer is the same without them. Every
+    other read goes through the sandbox as before. The environment is transformers' (shared with
+    ``apply_chat_template``): it is overlaid, not changed. On anything unexpected the template is returned
+    as it was."""
+    try:
+        from jinja2.runtime import LoopContext
+
+        env = template.environment.overlay()
+        checked = env.getattr
+
+        def getattr_(obj: Any, attribute: str) -> Any:
+            if type(obj) is LoopContext and attribute in _LOOP_NUMBERS:
+                try:
+                    return getattr(obj, attribute)
+                except AttributeError:
+                    pass
+            return checked(obj, attribute)
+
+        env.getattr = getattr_
+        return env.from_string(source)
+    except Exception:
+        return template
+
+
 class PromptTooLong(Exception):
     """A text has at least ``at_least`` tokens, more than the limit it was tokenized against; exactly
     that many when ``exact`` (it was tokenized in full)."""
@@ -241,7 +277,8 @@ class ChatRenderer:
             tokenizer with several templates picks its ``tool_use`` one for calls with tools)."""
             entry = compiled.get(with_tools)
             if entry is None:
-                template = _compile_jinja_template(tokenizer.get_chat_template(chosen, [{}] if with_tools else None))
+                source = tokenizer.get_chat_template(chosen, [{}] if with_tools else None)
+                template = _with_loop_reads(_compile_jinja_template(source), source)
                 flat = dict(template.globals)
                 entry = (template, template.environment, flat, {**flat, **special})
                 compiled[with_tools] = entry

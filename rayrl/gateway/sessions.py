@@ -76,9 +76,10 @@ class Session:
         and reasoning fields never matter), the same rule routing uses, so whatever routes onto a turn
         also reuses its exact tokens. The newest message is compared first: it differs most often.
         """
+        n = len(messages)
         for turn in reversed(self.recent):
             k = len(turn.messages)
-            if len(messages) <= k + 1 or not messages_equal(messages[k], turn.response_message):
+            if n <= k + 1 or not messages_equal(messages[k], turn.response_message):
                 continue
             if all(messages_equal(a, b) for a, b in zip(messages[:k], turn.messages)):
                 return turn

@@ -97,3 +97,22 @@ def test_add_remove_and_failover(two_servers):
         await router.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("block, rest", [
+    (b'data: {"a": 1}\n\ndata: {"b": 2}\n\n', b""),
+    (b'1}\n\ndata: [DONE]\n\n', b'data: {"a": '),
+    (b"data:x \r\n: comment\n\nevent: e\ndata:\t y\t\r\ndat", b""),
+    (b"data:\n\n data: no\ndata:  \x0b\x0c\n", b""),
+    (b"no newline yet", b"data: 1"),
+    (b"", b""),
+])
+def test_sse_data_lines(block, rest):
+    """The data payloads of the complete lines (as ``line[5:].strip()`` of each ``data:`` line) and the
+    incomplete line left over."""
+    from rayrl.engines.router import _sse_data
+
+    lines = (rest + block).split(b"\n")
+    expected_rest = lines.pop()
+    expected = [line[5:].strip() for line in lines if line.startswith(b"data:")]
+    assert _sse_data(block, rest) == (expected, expected_rest)

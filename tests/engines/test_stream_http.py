@@ -220,3 +220,83 @@ def test_idle_connections_are_closed():
             await runner.cleanup()
 
     asyncio.run(run())
+
+
+def test_the_read_timeout_spans_requests_on_a_reused_connection():
+    """The watchdog timer is kept per connection: idle in the pool past the read timeout, a connection is
+    not aborted (its next request is answered on it); a stall on that reused connection still times out."""
+    answers = ["ok", "ok", "stall"]
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        kind = answers.pop(0)
+        if kind == "ok":
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: a\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    async def handle_all(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                await reader.readexactly(length)
+                await answer(writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    async def run():
+        server = await asyncio.start_server(handle_all, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        http = StreamingHTTP(read_timeout_s=0.3, idle_s=10)
+        try:
+            async with http.post(url, "/x", b"{}") as resp:
+                assert await resp.read() == b"ok"
+            (conn,) = next(iter(http._idle.values()))
+            await asyncio.sleep(0.5)  # idle past the read timeout: the timer lapses, the connection stays
+            assert conn.usable() and not conn.timed_out
+            async with http.post(url, "/x", b"{}") as resp:
+                assert await resp.read() == b"ok"
+            assert resp._conn is conn  # the same connection answered again
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            async with http.post(url, "/x", b"{}") as resp:
+                assert resp._conn is conn
+                with pytest.raises(StreamHTTPError) as info:
+                    while await resp.next_block() is not None:
+                        pass
+            assert info.value.timed_out and 0.25 <= loop.time() - started < 5
+        finally:
+            await http.close()
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_dechunk_decodes_everything_that_has_arrived():
+    """One _dechunk call decodes every complete chunk in the buffer (the whole body at once: all of it, and
+    the end seen); cut anywhere, the pieces' payloads join to the same bytes."""
+    import random
+
+    from rayrl.engines.stream_http import StreamResponse
+
+    payloads = [b"data: %d %s\n\n" % (i, b"x" * (i * 37 % 300)) for i in range(12)] + [b"data: [DONE]\n\n"]
+    body = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in payloads) + b"0\r\nTrailer: t\r\n\r\n"
+
+    def decoder() -> StreamResponse:
+        return StreamResponse(None, ("h", 1), None, 200, chunked=True, length=None, keep_alive=True)  # type: ignore[arg-type]
+
+    whole = decoder()
+    whole._raw = body
+    assert whole._dechunk() == b"".join(payloads) and whole.complete and whole._raw == b""
+    rng = random.Random(0)
+    for _ in range(300):
+        cuts = sorted(rng.sample(range(1, len(body)), rng.randint(1, 40)))
+        resp, out = decoder(), []
+        for a, b in zip([0, *cuts], [*cuts, len(body)]):
+            resp._raw += body[a:b]
+            out.append(resp._dechunk())
+        assert b"".join(out) == b"".join(payloads) and resp.complete

@@ -129,3 +129,40 @@ def test_cumulative_extend_reuses_exact_tokens(tokenizer):
     tail = tokenizer.decode(ids[len(prompt) + len(response_ids):].tolist())
     assert tokenizer.decode(full.tolist()).endswith(tail)
     assert tail.startswith("\n<|im_start|>user\nthanks<|im_end|>")
+
+
+def test_loop_reads_skip_the_sandbox_checks_and_nothing_else(tokenizer):
+    """The direct render reads jinja's ``loop`` numbers without the sandbox's per-read checks
+    (render._with_loop_reads) and renders what apply_chat_template renders; every other attribute read is
+    still checked (a private attribute of ``loop`` and a list's mutating method stay refused), and
+    transformers' own environment is left as it was."""
+    from jinja2.exceptions import SecurityError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    template = (
+        "{% for message in messages %}{{ loop.first }}|{{ loop.last }}|{{ loop.index }}|{{ loop.index0 }}|"
+        "{{ loop.revindex }}|{{ loop.revindex0 }}|{{ loop.length }}|{{ loop.depth }}|{{ loop.depth0 }}|"
+        "{{ loop.previtem['role'] if loop.previtem else '-' }}|{{ message['role'] }}:{{ message['content'] }}\n"
+        "{% endfor %}{% if add_generation_prompt %}GO{% endif %}"
+    )
+    renderer = ChatRenderer(tokenizer, HermesToolParser(), chat_template=template)
+    assert renderer._direct is not None
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+    for prompt in (True, False):
+        assert renderer._apply_template(messages, None, prompt) == tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=prompt)
+    assert "getattr" not in vars(_compile_jinja_template(template).environment)
+    def outcome(render):
+        try:
+            return render()
+        except Exception as err:
+            return type(err)
+
+    for refused, refusal in (("{% for m in messages %}[{{ loop._after }}]{% endfor %}", "[][][][]"),
+                             ("{% for m in messages %}{{ messages.append(m) }}{% endfor %}", SecurityError)):
+        sneaky = ChatRenderer(tokenizer, HermesToolParser(), chat_template=refused)
+        assert outcome(lambda: tokenizer.apply_chat_template(messages, chat_template=refused, tokenize=False)) \
+            == refusal
+        if sneaky._direct is not None:
+            assert outcome(lambda: sneaky._direct(messages, None, False)) == refusal
