@@ -30,7 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gateway_calls import ONE_WRITE_STUB  # noqa: E402
 from gateway_overhead import (  # noqa: E402
-    MESSAGES, RAYRL, REPO, STUB, WARMUP, Target, _gateway_target, free_port, one, spawn, stop_all, wait_up,
+    MESSAGES,
+    RAYRL,
+    REPO,
+    STUB,
+    WARMUP,
+    Target,
+    _gateway_target,
+    free_port,
+    one,
+    spawn,
+    stop_all,
+    wait_up,
 )
 
 

@@ -153,6 +153,7 @@ def test_loop_reads_skip_the_sandbox_checks_and_nothing_else(tokenizer):
         assert renderer._apply_template(messages, None, prompt) == tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=False, add_generation_prompt=prompt)
     assert "getattr" not in vars(_compile_jinja_template(template).environment)
+
     def outcome(render):
         try:
             return render()
@@ -162,7 +163,8 @@ def test_loop_reads_skip_the_sandbox_checks_and_nothing_else(tokenizer):
     for refused, refusal in (("{% for m in messages %}[{{ loop._after }}]{% endfor %}", "[][][][]"),
                              ("{% for m in messages %}{{ messages.append(m) }}{% endfor %}", SecurityError)):
         sneaky = ChatRenderer(tokenizer, HermesToolParser(), chat_template=refused)
-        assert outcome(lambda: tokenizer.apply_chat_template(messages, chat_template=refused, tokenize=False)) \
+        assert outcome(lambda refused=refused: tokenizer.apply_chat_template(messages, chat_template=refused,
+                                                                           tokenize=False)) \
             == refusal
         if sneaky._direct is not None:
-            assert outcome(lambda: sneaky._direct(messages, None, False)) == refusal
+            assert outcome(lambda sneaky=sneaky: sneaky._direct(messages, None, False)) == refusal
