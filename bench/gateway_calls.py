@@ -31,7 +31,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gateway_overhead import MESSAGES, STUB, free_port, spawn, wait_up  # noqa: E402
+from gateway_overhead import CHAT_CALL, STUB, free_port, spawn, wait_up  # noqa: E402
 
 ONE_WRITE_STUB = STUB.replace("    for chunk in CHUNKS:\n        await resp.write(chunk)\n",
                               "    await resp.write(b''.join(CHUNKS))\n")
@@ -40,7 +40,7 @@ assert ONE_WRITE_STUB != STUB, "the stub's stream loop moved: update gateway_cal
 
 def client(url: str, token: str, n: int, ready: threading.Event, go: threading.Event, done: list) -> None:
     async def run() -> None:
-        body = json.dumps({"model": "stub", "messages": MESSAGES, "max_tokens": 16, "temperature": 1.0}).encode()
+        body = json.dumps(CHAT_CALL).encode()
         headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
             async def one() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gateway_calls import ONE_WRITE_STUB  # noqa: E402
 from gateway_overhead import (  # noqa: E402
-    MESSAGES,
+    CHAT_CALL,
     RAYRL,
     REPO,
     STUB,
@@ -43,6 +42,7 @@ from gateway_overhead import (  # noqa: E402
     stop_all,
     wait_up,
 )
+from measure import Spread, paired_ratio  # noqa: E402
 
 
 def process_cpu_s(pid: int) -> float:
@@ -67,11 +67,6 @@ async def block(session: aiohttp.ClientSession, target: Target, pid: int, n: int
     return (process_cpu_s(pid) - cpu0) / n * 1e3
 
 
-def spread(xs: list[float]) -> str:
-    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
-    return f"{statistics.median(xs):.4f} [{q[0]:.4f}-{q[2]:.4f}] ({min(xs):.4f}-{max(xs):.4f}, n={len(xs)})"
-
-
 async def run(args: argparse.Namespace) -> None:
     from rayrl.models import provision_smollm2
 
@@ -83,12 +78,11 @@ async def run(args: argparse.Namespace) -> None:
         await wait_up(stub_url + "/health")
         procs.append(spawn(RAYRL, str(ports["branch"]), stub_url, tokenizer_dir))
         procs.append(spawn(RAYRL, str(ports["base"]), stub_url, tokenizer_dir, tree=args.baseline))
-        chat = {"model": "stub", "messages": MESSAGES, "max_tokens": 16, "temperature": 1.0}
         sides = {}
         for name, proc in (("branch", procs[1]), ("base", procs[2])):
             root = f"http://127.0.0.1:{ports[name]}"
             await wait_up(root + "/health")
-            sides[name] = (await _gateway_target(name, root, 1, chat), proc.pid)
+            sides[name] = (await _gateway_target(name, root, 1, CHAT_CALL), proc.pid)
         figures: dict[str, list[float]] = {name: [] for name in sides}
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
             for r in range(args.rounds):
@@ -99,13 +93,13 @@ async def run(args: argparse.Namespace) -> None:
                 print(f"round {r + 1}: " + "  ".join(f"{n} {figures[n][-1]:.4f}" for n in sides), flush=True)
     finally:
         stop_all(procs)
-    diff = [a - b for a, b in zip(figures["branch"], figures["base"])]
-    ratio = [a / b for a, b in zip(figures["branch"], figures["base"])]
+    branch, base = Spread(tuple(figures["branch"])), Spread(tuple(figures["base"]))
+    diff = Spread(tuple(a - b for a, b in zip(branch.samples, base.samples)))
     print(f"gateway CPU ms per call, {args.rounds} rounds of {args.requests} calls, stub: {args.stub}:")
-    print(f"  branch ({REPO}): {spread(figures['branch'])}")
-    print(f"  base ({args.baseline}): {spread(figures['base'])}")
-    print(f"  branch - base: {spread(diff)}")
-    print(f"  branch / base: {spread(ratio)}")
+    print(f"  branch ({REPO}): {branch.fmt(4)}")
+    print(f"  base ({args.baseline}): {base.fmt(4)}")
+    print(f"  branch - base: {diff.fmt(4)}")
+    print(f"  branch / base: {paired_ratio(branch, base).fmt(4)}")
 
 
 def main() -> None:

@@ -47,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gateway_overhead import (  # noqa: E402
+    CHAT_CALL,
     MESSAGES,
     RAYRL,
     STUB,
@@ -213,7 +214,6 @@ async def make_targets(ports: dict[str, int], tokenizer_dir: str) -> dict[str, T
 
     ids = AutoTokenizer.from_pretrained(tokenizer_dir).apply_chat_template(MESSAGES, add_generation_prompt=True)
     gen = {"input_ids": ids, "sampling_params": {"max_new_tokens": 16}, "return_logprob": True}
-    chat = {"model": "stub", "messages": MESSAGES, "max_tokens": 16, "temperature": 1.0}
     root = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     return {
         "stub /generate": Target("stub /generate", root["stub"] + "/generate", gen),
@@ -223,7 +223,7 @@ async def make_targets(ports: dict[str, int], tokenizer_dir: str) -> dict[str, T
         "C-parser server": Target("C-parser server", root["parsed"] + "/generate", gen),
         "aiohttp server": Target("aiohttp server", root["aio"] + "/generate", gen),
         "aiohttp + router": Target("aiohttp + router", root["aio"] + "/routed", gen),
-        "rayrl gateway": await _gateway_target("rayrl gateway", root["rayrl"], 1, chat),
+        "rayrl gateway": await _gateway_target("rayrl gateway", root["rayrl"], 1, CHAT_CALL),
     }
 
 

@@ -47,6 +47,7 @@ BASELINE = "rayrl gateway (baseline)"
 OUTPUT_IDS = [28, 1530, 314, 253, 3526, 30, 2, 2]
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is the capital of France? Answer in one word."}]
+CHAT_CALL = {"model": "stub", "messages": MESSAGES, "max_tokens": 16, "temperature": 1.0}  # the benches' LLM call
 
 STUB = textwrap.dedent('''
     import json, sys, time
@@ -260,20 +261,20 @@ async def make_targets(ports: dict[str, int], tokenizer_dir: str, clients: int, 
     from transformers import AutoTokenizer
 
     stub_url = f"http://127.0.0.1:{ports['stub']}"
-    chat = {"model": "stub", "messages": MESSAGES, "max_tokens": 16, "temperature": 1.0}
     ids = AutoTokenizer.from_pretrained(tokenizer_dir).apply_chat_template(MESSAGES, add_generation_prompt=True)
     targets = {
         "stub /generate": Target("stub /generate", stub_url + "/generate",
                                  {"input_ids": ids, "sampling_params": {"max_new_tokens": 16}, "return_logprob": True}),
-        "rayrl gateway": await _gateway_target("rayrl gateway", f"http://127.0.0.1:{ports['rayrl']}", clients, chat),
-        "stub /v1/chat": Target("stub /v1/chat", stub_url + "/v1/chat/completions", chat),
+        "rayrl gateway": await _gateway_target("rayrl gateway", f"http://127.0.0.1:{ports['rayrl']}", clients,
+                                               CHAT_CALL),
+        "stub /v1/chat": Target("stub /v1/chat", stub_url + "/v1/chat/completions", CHAT_CALL),
     }
     if "baseline" in ports:
-        targets[BASELINE] = await _gateway_target(BASELINE, f"http://127.0.0.1:{ports['baseline']}", clients, chat)
+        targets[BASELINE] = await _gateway_target(BASELINE, f"http://127.0.0.1:{ports['baseline']}", clients, CHAT_CALL)
     if rllm_ok:
         rllm_root = f"http://127.0.0.1:{ports['rllm']}"
         targets["rllm-model-gateway"] = Target(
-            "rllm-model-gateway", "", chat, url_for=lambda i: f"{rllm_root}/sessions/s{i}/v1/chat/completions")
+            "rllm-model-gateway", "", CHAT_CALL, url_for=lambda i: f"{rllm_root}/sessions/s{i}/v1/chat/completions")
     return targets
 
 
