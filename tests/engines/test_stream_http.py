@@ -50,6 +50,14 @@ async def _aiohttp_server() -> tuple[web.AppRunner, str, list]:
     return runner, f"http://127.0.0.1:{port}", peers
 
 
+async def _read_request(reader: asyncio.StreamReader) -> None:
+    """Read one request's head and its ``Content-Length`` body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    await reader.readexactly(length)
+
+
 async def _raw_server(answer) -> tuple[asyncio.AbstractServer, str, list]:
     """A server that reads one request head + body per connection and lets ``answer(writer)`` reply."""
     connections: list = []
@@ -57,10 +65,7 @@ async def _raw_server(answer) -> tuple[asyncio.AbstractServer, str, list]:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(writer)
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
-            await reader.readexactly(length)
+            await _read_request(reader)
             await answer(writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -240,10 +245,7 @@ def test_the_read_timeout_spans_requests_on_a_reused_connection():
     async def handle_all(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while answers:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                                  if line.lower().startswith(b"content-length")))
-                await reader.readexactly(length)
+                await _read_request(reader)
                 await answer(writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
