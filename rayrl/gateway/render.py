@@ -16,6 +16,7 @@ chunk, not the 14 s of tokenizing it all.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,8 @@ from rayrl.gateway.errors import RequestError
 from rayrl.gateway.parsers import ToolParser
 from rayrl.gateway.prompt_tokens import PromptTokenizer
 from rayrl.types import TurnRecord
+
+logger = logging.getLogger(__name__)
 
 _ROLES = {"system", "user", "assistant", "tool"}
 _PROBE = "\u2063rayrl-probe\u2063"
@@ -63,7 +66,8 @@ def _with_loop_reads(template: Any, source: str) -> Any:
 
         env.getattr = getattr_
         return env.from_string(source)
-    except Exception:
+    except Exception as err:  # the template as it was: same output, the sandbox's checks on every read
+        logger.warning("chat template: loop reads stay fully sandboxed (%s: %s)", type(err).__name__, err)
         return template
 
 
