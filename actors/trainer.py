@@ -125,7 +125,14 @@ class TrainerRank:
         return rank
 
     def train_step(self, samples: list[Sample], advantages: list[Any], plan: UpdatePlan) -> dict[str, Any]:
-        return self.trainer.train_step(samples, advantages, plan)
+        """One step; a rank whose step raised (a collective whose peer died, its own error) leaves its process
+        groups before it answers, so no peer stays blocked on it in a collective (TrainerWorld.leave)."""
+        try:
+            return self.trainer.train_step(samples, advantages, plan)
+        except Exception as err:
+            if self.world is not None:
+                self.world.leave(f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
+            raise
 
     def export_weights(self, root: str, version: int, dtype: str) -> str:
         import torch

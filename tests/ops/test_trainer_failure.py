@@ -108,6 +108,28 @@ def test_a_rank_that_cannot_start_is_a_trainer_failure_at_start(ray_local, tmp_p
     assert len(str(info.value)) < 500 < len(info.value.errors[0])  # one readable line; the whole cause is kept
 
 
+def test_a_rank_whose_step_raises_frees_the_others_waiting_on_it_in_the_collective(ray_local, tiny_model_dir):
+    """One rank's step raises before the gradients' all-reduce (here a token id past the vocabulary in its
+    share of the batch); the other is already waiting on it inside the all-reduce, which on gloo would wait
+    out the collective timeout. The failing rank leaves its process groups as it raises, so the other's
+    collective fails at once: both answer, TrainerFailure names both causes and both ranks as survivors,
+    and nobody is killed by the driver's grace. (The rank-death test above is the same cascade after a
+    peer's death, where a surviving rank was seen waiting on the other survivor.)"""
+    cfg = TrainerConfig(num_ranks=2, lr=1e-3, micro_batch_tokens=256)
+    samples, advantages = _samples(4), [1.0, -1.0] * 2
+    samples[0].tokens[3] = 10**6  # no such token: its rank's forward raises
+    group = TrainerGroup(cfg, str(tiny_model_dir), seed=0, name_prefix="tf-leave")
+    try:
+        with pytest.raises(TrainerFailure, match="in train") as info:
+            group.train(samples, advantages)
+        errors = info.value.errors
+        assert info.value.survivors == {0: 0, 1: 0}, errors
+        assert sorted(errors) == [0, 1] and not any("no answer" in e for e in errors.values()), errors
+        assert sum("IndexError" in e for e in errors.values()) == 1, errors
+    finally:
+        group.shutdown()
+
+
 def test_a_rank_asked_for_its_stacks_writes_every_thread_to_its_log(ray_local):
     """Before the group kills a rank that gave no answer within the grace, the rank's process writes every
     thread's Python stack to its Ray log (found through its pid and node, as the group records them at start):
