@@ -152,22 +152,27 @@ def test_a_broken_stream_keeps_the_tokens_received(cumulative):
 ERROR = b'{"error": {"message": "CUDA out of memory"}}'
 
 
+@pytest.mark.parametrize("cumulative", [True, False])
 @pytest.mark.parametrize("at", [0, 1])
-def test_an_error_chunk_before_the_kind_is_known_raises_when_it_arrives(at):
-    events = _chunks(6, cumulative=True)
-    fold = StreamFold(URL)
-    fold.feed(events[:at])
-    with pytest.raises(EngineError, match="CUDA out of memory") as err:
-        fold.feed([ERROR])  # not held to the stream's end
-    assert err.value.status == 500
-    with pytest.raises(EngineError, match="CUDA out of memory"):
-        _before(events[:at] + [ERROR])
+def test_an_error_chunk_before_the_kind_is_known_raises_as_before(cumulative, at):
+    """Where the fold before raised (an error chunk among the chunks that tell the stream's kind), this one
+    raises too, even when answer chunks follow it and the last of them holds the whole answer."""
+    events = _chunks(6, cumulative)
+    for stream in (events[:at] + [ERROR], events[:at] + [ERROR] + events[at:]):
+        fold = StreamFold(URL)
+        _feed(fold, stream, 1)
+        with pytest.raises(EngineError, match="CUDA out of memory") as err:
+            fold.settle()
+        assert err.value.status == 500
+        with pytest.raises(EngineError, match="CUDA out of memory"):
+            _before(stream)
 
 
-def test_an_error_chunk_in_an_incremental_stream_raises_when_it_arrives():
-    events = _chunks(6, cumulative=False)
-    fold = StreamFold(URL)
-    fold.feed(events[:4])
+def test_an_error_chunk_once_the_stream_is_known_incremental_raises_when_it_arrives():
+    events = _chunks(300, cumulative=False)
+    fold = StreamFold(URL, hold_bytes=4096)
+    _feed(fold, events[:200], 1)
+    assert fold.acc.cumulative is False
     with pytest.raises(EngineError, match="CUDA out of memory"):
         fold.feed([ERROR])
 
