@@ -372,13 +372,17 @@ class Gateway:
     async def json_body(self, request: web.Request) -> dict[str, Any]:
         """The request body as a JSON object; any decoding failure is a 4xx naming what was wrong
         (Content-Encoding, charset, JSON, a lone surrogate's field; 413 when too large)."""
+        raw, charset = await self._raw_body(request)
+        return await self.off_loop(request, lambda: self._decode(raw, charset))
+
+    async def _raw_body(self, request: web.Request) -> tuple[bytes, str | None]:
+        """The body's bytes (decompressed) and declared charset; marks a large body for :meth:`off_loop`."""
         try:
             raw = await http_input.read_body(request)
         except http_input.RequestError as err:
             raise RequestError(str(err), status=err.status) from None
         request[_BIG] = len(raw) > http_input.OFF_LOOP_BYTES
-        charset = http_input.request_charset(request)
-        return await self.off_loop(request, lambda: self._decode(raw, charset))
+        return raw, http_input.request_charset(request)
 
     @staticmethod
     def _decode(raw: bytes, charset: str | None) -> dict[str, Any]:
@@ -398,17 +402,22 @@ class Gateway:
                                    "Unicode", param=where)
         return body
 
-    async def prepare_turn(self, request: web.Request, session: Session,
-                           parse: Callable[[], TurnSpec]) -> tuple[TurnSpec, Prepared]:
-        """Parse a request into a TurnSpec and render its prompt (off the event loop when large)."""
+    async def turn_request(
+        self, request: web.Request, session: Session, parse: Callable[[dict[str, Any]], TurnSpec]
+    ) -> tuple[dict[str, Any], TurnSpec, Prepared]:
+        """An LLM call's body decoded (as :meth:`json_body`), parsed into a TurnSpec by ``parse`` and its
+        prompt rendered: one piece of work under :attr:`cpu` (in a worker thread when the body is large),
+        then the call counted and admitted on the event loop."""
+        raw, charset = await self._raw_body(request)
 
-        def work() -> tuple[TurnSpec, Prepared]:
-            spec = parse()
-            return spec, self.turns.build(session, spec)
+        def work() -> tuple[dict[str, Any], TurnSpec, Prepared]:
+            body = self._decode(raw, charset)
+            spec = parse(body)
+            return body, spec, self.turns.build(session, spec)
 
-        spec, prepared = await self.off_loop(request, work)
+        body, spec, prepared = await self.off_loop(request, work)
         self.turns.count(session, prepared)
-        return spec, prepared
+        return body, spec, prepared
 
     @staticmethod
     def _bearer(request: web.Request) -> str | None:
