@@ -113,7 +113,14 @@ class Runner(YamlDataclass):
 
         token = self._token()
         headers = {"Authorization": f"Bearer {token}"} if token else None
-        return JobSubmissionClient(self.address, headers=headers)
+        # Ray's client takes RAY_API_SERVER_ADDRESS or RAY_ADDRESS from the environment over the address it is
+        # given (RAY_ADDRESS=local or auto then means "whichever Ray runs on this machine"): the runner's own
+        # address wins, so a job goes to the cluster it names
+        saved = {k: os.environ.pop(k) for k in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS") if k in os.environ}
+        try:
+            return JobSubmissionClient(self.address, headers=headers)
+        finally:
+            os.environ.update(saved)
 
     def submit(self, agent_wait_s: float = 120.0) -> str:
         """Submit the job; returns its submission id.

@@ -43,6 +43,20 @@ def test_yaml_round_trip_and_unknown_fields(tmp_path):
         Runner.from_yaml("exp_id: a\nconfig: b\ngpus: 8\n")
 
 
+@pytest.mark.parametrize("env_address", ["local", "auto", "127.0.0.1:1"])
+def test_the_runners_address_wins_over_ray_address_in_the_environment(monkeypatch, env_address):
+    """Ray's job client takes RAY_ADDRESS (or RAY_API_SERVER_ADDRESS) from the environment over the address it
+    is given; the runner's address must win, or a job goes to whichever Ray the environment names (with
+    RAY_ADDRESS=local: any Ray on this machine, and none or two of them is an error). Nothing listens at the
+    runner's address here, so the client's error names the address it tried."""
+    monkeypatch.setenv("RAY_ADDRESS", env_address)
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", env_address)
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ConnectionError, match=url.replace(".", r"\.")):
+        Runner(exp_id="addr", config="examples/calculator/config.yaml", address=url)._client()
+    assert os.environ["RAY_ADDRESS"] == env_address == os.environ["RAY_API_SERVER_ADDRESS"]  # put back
+
+
 @pytest.fixture
 def ray_head(tmp_path):
     """`ray start --head --block` on loopback; terminating it stops exactly the processes it started."""

@@ -3,15 +3,17 @@ rank writes a checkpoint, and a fresh trainer group resumes from it with the exa
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import ray
 from safetensors.numpy import load_file
 
-from actors.trainer import TrainerFailure, TrainerGroup
+from actors.trainer import TrainerFailure, TrainerGroup, TrainerRank
 from rayrl.config import TrainerConfig
 from rayrl.types import Sample
 from tests.shm_support import left_by_a_killed_owner
@@ -104,6 +106,43 @@ def test_a_rank_that_cannot_start_is_a_trainer_failure_at_start(ray_local, tmp_p
         TrainerGroup(cfg, str(tmp_path), seed=0, name_prefix="tf-start")
     assert info.value.phase == "start" and list(info.value.errors) == [0]
     assert len(str(info.value)) < 500 < len(info.value.errors[0])  # one readable line; the whole cause is kept
+
+
+def test_a_rank_whose_step_raises_frees_the_others_waiting_on_it_in_the_collective(ray_local, tiny_model_dir):
+    """One rank's step raises before the gradients' all-reduce (here a token id past the vocabulary in its
+    share of the batch); the other is already waiting on it inside the all-reduce, which on gloo would wait
+    out the collective timeout. The failing rank leaves its process groups as it raises, so the other's
+    collective fails at once: both answer, TrainerFailure names both causes and both ranks as survivors,
+    and nobody is killed by the driver's grace. (The rank-death test above is the same cascade after a
+    peer's death, where a surviving rank was seen waiting on the other survivor.)"""
+    cfg = TrainerConfig(num_ranks=2, lr=1e-3, micro_batch_tokens=256)
+    samples, advantages = _samples(4), [1.0, -1.0] * 2
+    samples[0].tokens[3] = 10**6  # no such token: its rank's forward raises
+    group = TrainerGroup(cfg, str(tiny_model_dir), seed=0, name_prefix="tf-leave")
+    try:
+        with pytest.raises(TrainerFailure, match="in train") as info:
+            group.train(samples, advantages)
+        errors = info.value.errors
+        assert info.value.survivors == {0: 0, 1: 0}, errors
+        assert sorted(errors) == [0, 1] and not any("no answer" in e for e in errors.values()), errors
+        assert sum("IndexError" in e for e in errors.values()) == 1, errors
+    finally:
+        group.shutdown()
+
+
+def test_a_rank_asked_for_its_stacks_writes_every_thread_to_its_log(ray_local):
+    """Before the group kills a rank that gave no answer within the grace, the rank's process writes every
+    thread's Python stack to its Ray log (found through its pid and node, as the group records them at start):
+    where a stuck rank waited is then on record."""
+    rank = TrainerRank.options(name="tf-stacks").remote("unused", TrainerConfig(num_ranks=1), 0, 1, 0)
+    where = ray.get(rank.place.remote())
+    log = Path(os.readlink(f"/proc/{where['pid']}/fd/2"))  # Ray sends the worker's stderr to its log file
+    group = SimpleNamespace(processes={0: (where["node_id"], where["pid"])})
+    assert TrainerGroup._stacks_to_log(group, 0) == f"its stacks are in its log (pid {where['pid']})"
+    text = log.read_text()
+    assert "most recent call first" in text and "ray/_private/worker.py" in text, text[-2000:]
+    assert TrainerGroup._stacks_to_log(SimpleNamespace(processes={}), 1) == "its stacks are unknown"
+    ray.kill(rank)
 
 
 @pytest.mark.slow  # ~60 s: two pipelines
