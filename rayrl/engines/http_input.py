@@ -57,7 +57,10 @@ async def read_body(request: web.Request) -> bytes:
         raise
     except Exception as err:  # a broken chunked body, a payload aiohttp could not read
         raise RequestError(f"the request body could not be read in full: {type(err).__name__}") from None
-    codings = [c.strip().lower() for c in request.headers.get("Content-Encoding", "").split(",") if c.strip()]
+    header = request.headers.get("Content-Encoding")
+    if not header:  # most requests: nothing to undo
+        return raw
+    codings = [c.strip().lower() for c in header.split(",") if c.strip()]
     codings = [c for c in codings if c != "identity"]
     for coding in codings:
         if coding not in _INFLATE_WBITS:

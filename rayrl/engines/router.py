@@ -41,7 +41,8 @@ import numpy as np
 
 from rayrl.engines import wire_json
 from rayrl.engines.client import EngineClient, EngineError, EngineUnavailable, GenerateOutput, error_message
-from rayrl.engines.outputs import StreamAccumulator, join_parts
+from rayrl.engines.outputs import join_parts
+from rayrl.engines.stream_fold import StreamFold
 from rayrl.engines.stream_http import StreamHTTPError, StreamingHTTP
 
 # on_text(text so far, output ids so far, their log-probs): streaming callers can emit each chunk's
@@ -421,19 +422,7 @@ class Router:
             "return_logprob": True,
             "stream": True,
         }
-        acc = StreamAccumulator()
-        finished = False
-        held: Optional[bytes] = None  # the latest chunk, not parsed yet (a cumulative stream, no on_text)
-
-        def fold(data: bytes) -> None:
-            nonlocal finished
-            chunk = wire_json.loads(data)
-            if isinstance(chunk, dict) and "error" in chunk:
-                err = chunk["error"]
-                raise EngineError(500, str(err.get("message") if isinstance(err, dict) else err), url)
-            acc.add(chunk)
-            finished = (acc.meta.get("finish_reason") or None) is not None
-
+        stream = StreamFold(url)
         try:
             try:
                 async with self._http().post(url, "/generate", wire_json.dumps(payload)) as resp:
@@ -444,38 +433,34 @@ class Router:
                         if done:
                             continue  # read to the body's end, so the connection can be reused
                         events, rest = _sse_data(block, rest)
+                        if on_text is None:
+                            done = stream.feed(events)  # parses only what the answer needs (stream_fold)
+                            continue
                         for data in events:
                             if data == b"[DONE]":
                                 done = True
                                 break
-                            if on_text is None and acc.cumulative:
-                                # each chunk holds all tokens so far: only the last one needs reading
-                                # (parsing every chunk of a long generation costs the square of its length)
-                                held = data
-                                continue
-                            fold(data)
-                            if on_text is not None:
-                                await on_text(acc.text, acc.ids, acc.logprobs)
+                            stream.fold(data)
+                            acc = stream.acc
+                            await on_text(acc.text, acc.ids, acc.logprobs)
             except StreamHTTPError:
-                if held is not None:
-                    fold(held)  # the last chunk received before the stream broke: the tokens so far
+                stream.settle()  # the chunks received before the stream broke: the tokens so far
                 raise
-            if held is not None:
-                fold(held)
-            if not finished:
+            stream.settle()
+            if not stream.finished:
                 raise EngineUnavailable("the engine stream ended before the request finished", url,
-                                        connection_lost=True, partial=acc.partial(url))
-            return acc.output(url)
+                                        connection_lost=True, partial=stream.acc.partial(url))
+            return stream.acc.output(url)
         except StreamHTTPError as err:
             if err.connect_failed:
                 raise EngineUnavailable(str(err), url, connect_failed=True) from None
-            if finished:  # the last chunk had arrived: only the end of the stream was lost
-                return acc.output(url)
+            if stream.finished:  # the last chunk had arrived: only the end of the stream was lost
+                return stream.acc.output(url)
             if err.timed_out:
                 raise EngineUnavailable(f"no answer from /generate: {err}", url) from None
-            raise EngineUnavailable(str(err), url, connection_lost=True, partial=acc.partial(url)) from None
+            raise EngineUnavailable(str(err), url, connection_lost=True, partial=stream.acc.partial(url)) from None
         finally:
-            if not finished:
+            if not stream.finished:
                 await asyncio.shield(self._abort_quietly(url, rid))
 
     async def _abort_quietly(self, url: str, rid: str) -> None:

@@ -218,8 +218,8 @@ def _usage(input_tokens: int, output_tokens: int, cached: int = 0) -> dict[str, 
 
 async def handle(gateway: Any, request: web.Request) -> web.StreamResponse:
     session = gateway.session_for(request)
-    body = await gateway.json_body(request)
-    spec, prepared = await gateway.prepare_turn(request, session, lambda: parse_request(body, gateway.model_name))
+    body, spec, prepared = await gateway.turn_request(request, session,
+                                                      lambda body: parse_request(body, gateway.model_name))
     message_id = "msg_" + uuid.uuid4().hex
     if not spec.stream:
         result = await gateway.turns.run(session, spec, prepared=prepared)

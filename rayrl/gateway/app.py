@@ -20,8 +20,8 @@ prompt early, so ``/health`` and other sessions' calls keep being answered meanw
 (front_door.FrontDoor), which answers health checks itself and hands every other connection, unread,
 to the event loop. There, the CPU work for LLM calls (decoding and rendering a request, parsing and
 recording its answer) and for finishing sessions runs one piece at a time under :attr:`Gateway.cpu`, a
-fair lock; under contention each piece waits its turn in a later turn of the event loop, after the
-sockets are polled again, so the calls of a thousand sessions are taken in turn.
+fair lock (work_lock.py); under contention each piece waits its turn in a later turn of the event loop,
+after the sockets are polled again, so the calls of a thousand sessions are taken in turn.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from rayrl.gateway.render import ChatRenderer
 from rayrl.gateway.sessions import Session, SessionInfo, SessionRegistry
 from rayrl.gateway.turns import Prepared, TurnPipeline
 from rayrl.gateway.upstream import StreamingUpstream
+from rayrl.gateway.work_lock import WorkLock
 from rayrl.types import Sample
 
 logger = logging.getLogger("rayrl.gateway")
@@ -181,7 +182,7 @@ class Gateway:
             "stream_mismatches": 0,
         }
         self.upstream = StreamingUpstream(router, timeout_s=getattr(router, "timeout_s", 600.0))
-        self.cpu = asyncio.Lock()  # one piece of request work at a time (module docstring)
+        self.cpu = WorkLock()  # one piece of request work at a time (module docstring, work_lock.py)
         self.turns = TurnPipeline(cfg, self.renderer, self.tool_parser, self.reasoning_parser, router,
                                   self.upstream, context_length, self.counters, self.cpu)
         self.base_url = ""
@@ -284,8 +285,7 @@ class Gateway:
             task.cancel()
         if session.in_flight:
             await asyncio.gather(*session.in_flight, return_exceptions=True)
-        async with self.cpu:
-            return self.sessions.finish(session_id, reward, metadata)
+        return await self.cpu.run(lambda: self.sessions.finish(session_id, reward, metadata))
 
     def session_stats(self, session_id: str) -> dict[str, Any]:
         return self.sessions.stats_of(session_id)
@@ -367,19 +367,22 @@ class Gateway:
         piece of work under :attr:`cpu`."""
         if request.get(_BIG):
             return await asyncio.get_running_loop().run_in_executor(self._prep, work)
-        async with self.cpu:
-            return work()
+        return await self.cpu.run(work)
 
     async def json_body(self, request: web.Request) -> dict[str, Any]:
         """The request body as a JSON object; any decoding failure is a 4xx naming what was wrong
         (Content-Encoding, charset, JSON, a lone surrogate's field; 413 when too large)."""
+        raw, charset = await self._raw_body(request)
+        return await self.off_loop(request, lambda: self._decode(raw, charset))
+
+    async def _raw_body(self, request: web.Request) -> tuple[bytes, str | None]:
+        """The body's bytes (decompressed) and declared charset; marks a large body for :meth:`off_loop`."""
         try:
             raw = await http_input.read_body(request)
         except http_input.RequestError as err:
             raise RequestError(str(err), status=err.status) from None
         request[_BIG] = len(raw) > http_input.OFF_LOOP_BYTES
-        charset = http_input.request_charset(request)
-        return await self.off_loop(request, lambda: self._decode(raw, charset))
+        return raw, http_input.request_charset(request)
 
     @staticmethod
     def _decode(raw: bytes, charset: str | None) -> dict[str, Any]:
@@ -399,17 +402,22 @@ class Gateway:
                                    "Unicode", param=where)
         return body
 
-    async def prepare_turn(self, request: web.Request, session: Session,
-                           parse: Callable[[], TurnSpec]) -> tuple[TurnSpec, Prepared]:
-        """Parse a request into a TurnSpec and render its prompt (off the event loop when large)."""
+    async def turn_request(
+        self, request: web.Request, session: Session, parse: Callable[[dict[str, Any]], TurnSpec]
+    ) -> tuple[dict[str, Any], TurnSpec, Prepared]:
+        """An LLM call's body decoded (as :meth:`json_body`), parsed into a TurnSpec by ``parse`` and its
+        prompt rendered: one piece of work under :attr:`cpu` (in a worker thread when the body is large),
+        then the call counted and admitted on the event loop."""
+        raw, charset = await self._raw_body(request)
 
-        def work() -> tuple[TurnSpec, Prepared]:
-            spec = parse()
-            return spec, self.turns.build(session, spec)
+        def work() -> tuple[dict[str, Any], TurnSpec, Prepared]:
+            body = self._decode(raw, charset)
+            spec = parse(body)
+            return body, spec, self.turns.build(session, spec)
 
-        spec, prepared = await self.off_loop(request, work)
+        body, spec, prepared = await self.off_loop(request, work)
         self.turns.count(session, prepared)
-        return spec, prepared
+        return body, spec, prepared
 
     @staticmethod
     def _bearer(request: web.Request) -> str | None:
@@ -485,6 +493,6 @@ class Gateway:
         sid = request.match_info["session_id"]
         stats = self.sessions.stats_of(sid)
         samples = await self.finish_session(sid, reward)
-        async with self.cpu:
-            body = json.dumps({"session_id": sid, "stats": stats, "samples": [s.to_dict() for s in samples]})
+        body = await self.cpu.run(
+            lambda: json.dumps({"session_id": sid, "stats": stats, "samples": [s.to_dict() for s in samples]}))
         return web.Response(text=body, content_type="application/json")

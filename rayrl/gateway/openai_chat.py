@@ -103,8 +103,8 @@ def _wire_message(result: TurnResult) -> dict[str, Any]:
 
 async def handle(gateway: Any, request: web.Request) -> web.StreamResponse:
     session = gateway.session_for(request)
-    body = await gateway.json_body(request)
-    spec, prepared = await gateway.prepare_turn(request, session, lambda: parse_request(body, gateway.model_name))
+    body, spec, prepared = await gateway.turn_request(request, session,
+                                                      lambda body: parse_request(body, gateway.model_name))
     completion_id = "chatcmpl-" + os.urandom(16).hex()  # as opaque as a uuid4's hex, a sixth of its cost
     created = int(time.time())
     if not spec.stream:

@@ -213,8 +213,8 @@ def _response(ids: _Ids, spec: TurnSpec, body: dict[str, Any], created: int, sta
 
 async def handle(gateway: Any, request: web.Request) -> web.StreamResponse:
     session = gateway.session_for(request)
-    body = await gateway.json_body(request)
-    spec, prepared = await gateway.prepare_turn(request, session, lambda: parse_request(body, gateway.model_name))
+    body, spec, prepared = await gateway.turn_request(request, session,
+                                                      lambda body: parse_request(body, gateway.model_name))
     ids = _Ids()
     created = int(time.time())
     if not spec.stream:

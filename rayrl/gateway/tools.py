@@ -120,6 +120,7 @@ def _named(name: Any, where: str) -> str:
 
 
 _OPENAI_FORMS = "'none', 'auto', 'required' or {{\"type\": \"function\", {}}}"
+_OPENAI_NAMED = {True: '\"function\": {\"name\": ...}', False: '\"name\": ...'}  # by ``nested``
 _ANTHROPIC_FORMS = "an object with type 'auto', 'any', 'tool' (with a name) or 'none'"
 
 
@@ -129,7 +130,6 @@ def _openai_tool_choice(body: dict[str, Any], nested: bool) -> ToolChoice:
     ``{"type": "function", "name"}`` in Responses. Choices of other tool types (hosted tools,
     ``allowed_tools``, ``custom``) are refused: only function tools are callable here."""
     raw, parallel = body.get("tool_choice"), _parallel(body.get("parallel_tool_calls"), "parallel_tool_calls")
-    forms = _OPENAI_FORMS.format('\"function\": {\"name\": ...}' if nested else '\"name\": ...')
     if raw is None:
         return ToolChoice(parallel=parallel)
     if isinstance(raw, str) and raw in ("none", "auto", "required"):
@@ -137,13 +137,13 @@ def _openai_tool_choice(body: dict[str, Any], nested: bool) -> ToolChoice:
     if isinstance(raw, dict) and raw.get("type") == "function":
         holder = raw.get("function") if nested else raw
         if not isinstance(holder, dict):
-            raise _choice_error(forms)
+            raise _choice_error(_OPENAI_FORMS.format(_OPENAI_NAMED[nested]))
         where = "tool_choice.function.name" if nested else "tool_choice.name"
         return ToolChoice("function", _named(holder.get("name"), where), parallel)
     if isinstance(raw, dict) and isinstance(raw.get("type"), str):
         raise RequestError(f"tool_choice type {raw['type']!r} is not supported here: only function tools "
                            "can be called through this gateway", param="tool_choice")
-    raise _choice_error(forms)
+    raise _choice_error(_OPENAI_FORMS.format(_OPENAI_NAMED[nested]))
 
 
 def chat_tool_choice(body: dict[str, Any]) -> ToolChoice:

@@ -37,6 +37,7 @@ from rayrl.gateway.render import ChatRenderer, PromptTooLong
 from rayrl.gateway.sessions import Session, versions_from
 from rayrl.gateway.streaming import DeltaTracker, TokenProgress
 from rayrl.gateway.upstream import StreamingUpstream
+from rayrl.gateway.work_lock import WorkLock
 from rayrl.types import TurnRecord
 
 
@@ -102,12 +103,12 @@ class TurnPipeline:
         upstream: StreamingUpstream,
         context_length: int,
         counters: dict[str, int],
-        cpu: asyncio.Lock | None = None,
+        cpu: WorkLock | None = None,
     ) -> None:
         """``cpu``: the gateway's lock for pieces of request work (app.py); parsing and recording an
         answer is one such piece."""
         self.cfg = cfg
-        self.cpu = cpu or asyncio.Lock()
+        self.cpu = cpu or WorkLock()
         self.renderer = renderer
         self.vocab_size = len(renderer.tokenizer)  # once: len() of a fast tokenizer costs tens of ms
         self.tool_parser = tool_parser
@@ -236,10 +237,13 @@ class TurnPipeline:
             else:
 
                 async def on_text(text: str, output_ids: Any = None, output_logprobs: Any = None) -> None:
-                    async with self.cpu:  # a piece of work; the sends follow it (never wait on a client locked)
+                    def piece() -> tuple[str, str]:
                         if progress is not None and output_ids is not None and output_logprobs is not None:
                             progress.update(output_ids, output_logprobs)
-                        d_reasoning, d_content = tracker.feed(forced + text)
+                        return tracker.feed(forced + text)
+
+                    # a piece of work; the sends follow it (never wait on a client locked)
+                    d_reasoning, d_content = await self.cpu.run(piece)
                     if d_reasoning:
                         await sink.reasoning(d_reasoning)
                     if d_content:
@@ -262,8 +266,7 @@ class TurnPipeline:
                                        f"the engine aborted the generation: {reason.get('message') or 'aborted'}",
                                        str(reason.get("message")))
 
-        async with self.cpu:
-            result = self._finish(session, spec, prompt_ids, out, forced)
+        result = await self.cpu.run(lambda: self._finish(session, spec, prompt_ids, out, forced))
         if progress is not None:
             progress.update(out.output_ids.tolist(), out.output_logprobs.tolist())
         if tracker is not None:
