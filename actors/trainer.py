@@ -21,11 +21,9 @@ rank still alive, so the run stops the same way in every phase (rayrl/pipeline/r
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import logging
 import os
 import shutil
-import signal
 import socket
 import time
 from pathlib import Path
@@ -33,8 +31,9 @@ from typing import Any, Optional, Sequence
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.rank_stacks import answer_stacks_signal, stacks_to_log
 from rayrl.checkpoint import CheckpointStore
 from rayrl.config import AlgorithmConfig, TrainerConfig
 from rayrl.pipeline.failures import TrainerFailure
@@ -51,20 +50,6 @@ logger = logging.getLogger("rayrl.pipeline")
 # once a peer has died, before they are killed
 FAILURE_GRACE_S = 60.0
 ALIVE_TIMEOUT_S = 30.0  # how long a rank gets to answer "are you alive" after a failure
-# a rank's process writes every thread's Python stack to its stderr (its Ray log, which Ray also prints on the
-# driver's console) on this signal: the group sends it before killing a rank that outlived the grace
-STACKS_SIGNAL = getattr(signal, "SIGUSR2", None)
-
-
-@ray.remote(num_cpus=0)
-def _signal_stacks(pid: int) -> bool:
-    """Ask process ``pid`` (on the node this task was placed on) to write its stacks; False if it is gone."""
-    try:
-        os.kill(pid, STACKS_SIGNAL)
-    except (ProcessLookupError, PermissionError):
-        return False
-    time.sleep(0.5)  # faulthandler writes from the signal handler itself: give it time before the kill
-    return True
 
 
 def _cause(err: BaseException) -> str:
@@ -81,8 +66,7 @@ class TrainerRank:
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world_size: int, seed: int,
                  algorithm: Optional[AlgorithmConfig] = None) -> None:
         sweep_quietly()  # weight buffers of killed processes on this node (rayrl/weights/shm.py)
-        if STACKS_SIGNAL is not None:  # where a rank that never answers was stuck (TrainerGroup.gather)
-            faulthandler.register(STACKS_SIGNAL, all_threads=True)
+        answer_stacks_signal()  # where a rank that never answers was stuck (TrainerGroup.gather)
         self.args = (model_path, cfg, rank, world_size, seed)
         self.algorithm = algorithm
         self.trainer = None
@@ -131,7 +115,10 @@ class TrainerRank:
             return self.trainer.train_step(samples, advantages, plan)
         except Exception as err:
             if self.world is not None:
-                self.world.leave(f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
+                try:
+                    self.world.leave(f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
+                except Exception as left:  # the step's own error is the one to report
+                    logger.warning("rank %d: could not leave its process groups: %s", self.args[2], left)
             raise
 
     def export_weights(self, root: str, version: int, dtype: str) -> str:
@@ -287,7 +274,7 @@ class TrainerGroup:
         # through gather, as every call: a rank lost now is a TrainerFailure ("start"), not a raw Ray error
         addr, port = self.gather("start", [self.ranks[0].master_address.remote()], ranks=[0])[0]
         self.gather("start", [r.setup.remote(addr, port) for r in self.ranks], grace_s=FAILURE_GRACE_S)
-        # node and pid of every rank, to ask one that stops answering for its stacks (_stacks_to_log)
+        # node and pid of every rank, to ask one that stops answering for its stacks (actors/rank_stacks.py)
         self.processes = {int(f["rank"]): (str(f["node_id"]), int(f["pid"])) for f in self._call("start", "place")}
 
     # -- every call to the ranks -------------------------------------------------------------------
@@ -334,7 +321,7 @@ class TrainerGroup:
                 r = index[ref]
                 if grace_end is not None:
                     errors[r] = (f"no answer {grace_s:.0f} s after another rank failed; "
-                                 f"{self._stacks_to_log(r)}; killed")
+                                 f"{stacks_to_log(*self.processes.get(r, (None, None)))}; killed")
                     ray.kill(self.ranks[r])
             raise TrainerFailure(phase, errors, self._survivors(exclude=set(died)))
         if raised:
@@ -344,20 +331,6 @@ class TrainerGroup:
             raise ray.exceptions.GetTimeoutError(f"trainer {phase}: no answer from ranks {silent} within "
                                                  f"{timeout_s:.0f} s")
         return [results[r] for r in ranks]
-
-    def _stacks_to_log(self, rank: int) -> str:
-        """Have ``rank``'s process write every thread's stack to its log before it is killed (where it was
-        stuck is the first thing to know about a rank that never answered); returns what to add to its error."""
-        node_id, pid = self.processes.get(rank, (None, None))
-        if node_id is None or STACKS_SIGNAL is None:
-            return "its stacks are unknown"
-        strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-        try:
-            written = ray.get(_signal_stacks.options(scheduling_strategy=strategy).remote(pid), timeout=15)
-        except Exception as err:  # its node is gone too, or too busy to run the task in time
-            logger.debug("rank %d: no stacks: %s", rank, err)
-            written = False
-        return f"its stacks are in its log (pid {pid})" if written else "its stacks are unknown"
 
     def _call(self, phase: str, method: str, *args: Any, ranks: Optional[Sequence[int]] = None,
               timeout_s: Optional[float] = None) -> list[Any]:

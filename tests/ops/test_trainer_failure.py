@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import ray
 from safetensors.numpy import load_file
 
+from actors.rank_stacks import stacks_to_log
 from actors.trainer import TrainerFailure, TrainerGroup, TrainerRank
 from rayrl.config import TrainerConfig
 from rayrl.types import Sample
@@ -137,11 +137,10 @@ def test_a_rank_asked_for_its_stacks_writes_every_thread_to_its_log(ray_local):
     rank = TrainerRank.options(name="tf-stacks").remote("unused", TrainerConfig(num_ranks=1), 0, 1, 0)
     where = ray.get(rank.place.remote())
     log = Path(os.readlink(f"/proc/{where['pid']}/fd/2"))  # Ray sends the worker's stderr to its log file
-    group = SimpleNamespace(processes={0: (where["node_id"], where["pid"])})
-    assert TrainerGroup._stacks_to_log(group, 0) == f"its stacks are in its log (pid {where['pid']})"
+    assert stacks_to_log(where["node_id"], where["pid"]) == f"its stacks are in its log (pid {where['pid']})"
     text = log.read_text()
     assert "most recent call first" in text and "ray/_private/worker.py" in text, text[-2000:]
-    assert TrainerGroup._stacks_to_log(SimpleNamespace(processes={}), 1) == "its stacks are unknown"
+    assert stacks_to_log(None, None) == "its stacks are unknown"  # a rank that never set up
     ray.kill(rank)
 
 
