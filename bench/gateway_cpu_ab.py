@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gateway_calls import ONE_WRITE_STUB  # noqa: E402
 from gateway_overhead import (  # noqa: E402
     CHAT_CALL,
+    OUTPUT_IDS,
     RAYRL,
     REPO,
     STUB,
@@ -43,6 +44,18 @@ from gateway_overhead import (  # noqa: E402
     wait_up,
 )
 from measure import Spread, paired_ratio  # noqa: E402
+
+PACED_TOKENS = 128
+PACED_GAP_S = 0.0005
+# --stub paced: a generation as an engine streams it, one chunk per token with time between them, so each
+# chunk arrives in a read of its own (a long answer to an agent that does not stream)
+_PACED_IDS = [28 + i % 1000 for i in range(PACED_TOKENS)]
+PACED_STUB = (STUB.replace(f"IDS = {OUTPUT_IDS!r}", f"IDS = {_PACED_IDS!r}")
+              .replace("import json, sys, time", "import asyncio, json, sys, time")
+              .replace("        await resp.write(chunk)\n",
+                       f"        await resp.write(chunk)\n        await asyncio.sleep({PACED_GAP_S})\n"))
+assert PACED_STUB.count("asyncio.sleep") == 1, "the stub's stream loop moved: update gateway_cpu_ab.py"
+STUBS = {"bench": STUB, "one-write": ONE_WRITE_STUB, "paced": PACED_STUB}
 
 
 def process_cpu_s(pid: int) -> float:
@@ -73,7 +86,7 @@ async def run(args: argparse.Namespace) -> None:
     tokenizer_dir = str(provision_smollm2())
     ports = {k: free_port() for k in ("stub", "branch", "base")}
     stub_url = f"http://127.0.0.1:{ports['stub']}"
-    procs = [spawn(ONE_WRITE_STUB if args.stub == "one-write" else STUB, str(ports["stub"]))]
+    procs = [spawn(STUBS[args.stub], str(ports["stub"]))]
     try:
         await wait_up(stub_url + "/health")
         procs.append(spawn(RAYRL, str(ports["branch"]), stub_url, tokenizer_dir))
@@ -107,8 +120,9 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, required=True, help="the other checkout's root")
     ap.add_argument("--requests", type=int, default=300, help="calls per block")
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--stub", choices=["bench", "one-write"], default="bench",
-                    help="one-write: the stub sends its stream in one write (gateway_calls.py says why)")
+    ap.add_argument("--stub", choices=sorted(STUBS), default="bench",
+                    help="one-write: the stub sends its stream in one write (gateway_calls.py says why); "
+                         f"paced: {PACED_TOKENS} tokens, one chunk every {PACED_GAP_S * 1e3:g} ms")
     asyncio.run(run(ap.parse_args()))
 
 

@@ -429,7 +429,8 @@ class Router:
                     if resp.status >= 300:
                         raise EngineError(resp.status, error_message(await resp.read()), url)
                     rest, done = b"", False
-                    while (block := await resp.next_block()) is not None:
+                    hold = 1 if on_text is not None else stream.hold_bytes  # not streamed: woken once per bound
+                    while (block := await resp.next_block(hold)) is not None:
                         if done:
                             continue  # read to the body's end, so the connection can be reused
                         events, rest = _sse_data(block, rest)

@@ -4,8 +4,15 @@ Why not aiohttp's client (which the rest of rayrl uses): every LLM call of every
 path, and aiohttp builds each request through cookie jars, header merging, URL objects, tracing hooks and
 timeouts meant for arbitrary servers. The engines are known servers on a private network (SGLang or the
 CPU engine) and the request is always the same shape: a JSON ``POST`` answered by a server-sent event
-stream. Written straight onto asyncio streams, a call costs about 40% less CPU (measured against the
-overhead bench's stub: bench/gateway_profile.py), which the gateway's throughput is bound by.
+stream. Written straight onto asyncio, a call costs about 40% less CPU (measured against the overhead
+bench's stub: bench/gateway_profile.py), which the gateway's throughput is bound by.
+
+Each connection is an ``asyncio.Protocol`` of its own (:class:`_Connection`), not a ``StreamReader``: the
+bytes go into the response as they arrive, the chunked framing decoded there, and the waiting task is
+woken only when what it asked for has come. A streaming caller asks for any bytes; one that does not
+stream asks for the whole body, or a bound of bytes held (the router: ``StreamFold``'s), so an engine's
+stream of one chunk per token, however many reads it arrives in, wakes it once (a StreamReader wakes its
+reader on every read: a loop turn, a task step and a dozen calls each).
 
 What it does: keep-alive connections pooled per engine (a connection the server has closed is never
 reused; idle ones are closed after ``idle_s``); ``Content-Length``, chunked and read-to-close bodies;
@@ -21,6 +28,7 @@ import asyncio
 from typing import Optional
 
 _MAX_HEAD = 65536  # status line + headers
+_WHOLE = 1 << 62  # next_block's hold for a reader that wants the whole body at once
 
 
 class StreamHTTPError(Exception):
@@ -42,18 +50,82 @@ def _host_port(url: str) -> tuple[str, int]:
     return host, int(port) if port else 80
 
 
-class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to an engine, read by this protocol itself rather than an
+    ``asyncio.StreamReader``: the bytes that arrive go straight into the response being read (its chunked
+    framing decoded as they come), and the task waiting on the response is woken only when what it waits
+    for is there. A caller that does not stream waits for the whole body (or ``hold`` bytes of it), so the
+    engine's stream of one chunk per token, which arrives in as many reads as the two processes'
+    scheduling makes, wakes it once instead of once per read."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: Optional[asyncio.Transport] = None
+        self.head = b""  # the response head being read (bytes after it go to the response)
+        self.response: Optional["StreamResponse"] = None  # the response whose body is being read
+        self.waiting_head = False
+        self.closed = False  # the server closed it, it broke, or it was aborted
+        self.stray = False  # bytes came while no request was waiting for them: never reused
+        self.waiter: Optional[asyncio.Future[None]] = None
         self.idle_since = 0.0
         self.deadline = 0.0  # loop time by which the pending read must make progress
+        self.read_timeout_s = 0.0
         self.timed_out = False
         self.armed = False  # a request is being answered on it (idle in the pool: False)
         self._watchdog: Optional[asyncio.TimerHandle] = None
 
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.armed:
+            self.deadline = self.loop.time() + self.read_timeout_s
+        resp = self.response
+        if resp is not None:
+            resp.feed(data)
+            if self.waiter is not None and resp.ready():
+                self._wake()
+        elif self.waiting_head:
+            self.head += data
+            if self.waiter is not None and (b"\r\n\r\n" in self.head or len(self.head) > _MAX_HEAD):
+                self._wake()
+        else:
+            self.stray = True
+
+    def eof_received(self) -> Optional[bool]:
+        self.closed = True
+        self._wake()
+        return None  # the transport closes itself
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self.closed = True
+        self._wake()
+
+    # -- waiting
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until :meth:`data_received` finds what the reader waits for, or the connection ends."""
+        self.waiter = self.loop.create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
     def usable(self) -> bool:
-        return not (self.reader.at_eof() or self.writer.is_closing() or self.reader.exception() is not None)
+        transport = self.transport
+        return not (self.closed or self.stray or transport is None or transport.is_closing())
+
+    def is_closing(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
+    # -- the read timeout
 
     def arm(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
         """Start watching reads. One timer per connection, kept across its requests: a timer that fires
@@ -62,6 +134,7 @@ class _Connection:
         request on a reused connection schedules and cancels no timer of its own."""
         self.timed_out = False
         self.armed = True
+        self.read_timeout_s = timeout_s
         self.deadline = loop.time() + timeout_s
         if self._watchdog is None:
             self._watchdog = loop.call_at(self.deadline, self._check, loop)
@@ -75,22 +148,30 @@ class _Connection:
             return
         self._watchdog = None
         self.timed_out = True
-        self.writer.transport.abort()  # the pending read fails at once
+        self.abort()  # the pending read fails at once
 
     def disarm(self) -> None:
         """Stop watching reads (the timer, if any, lapses when it fires)."""
         self.armed = False
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+        self._wake()
 
     def close(self) -> None:
         self.armed = False
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        self.writer.transport.abort()
+        self.abort()
 
 
 class StreamResponse:
-    """One response: ``status``, then :meth:`next_block` until it returns None (or :meth:`read`)."""
+    """One response: ``status``, then :meth:`next_block` until it returns None (or :meth:`read`). The body's
+    bytes are decoded as they arrive (:meth:`feed`, called by the connection) and kept until the reader
+    takes them."""
 
     def __init__(self, client: "StreamingHTTP", key: tuple[str, int], conn: _Connection, status: int,
                  chunked: bool, length: Optional[int], keep_alive: bool) -> None:
@@ -98,100 +179,138 @@ class StreamResponse:
         self.status = status
         self._chunked, self._left, self._keep_alive = chunked, length, keep_alive
         self.complete = False
+        self._parts: list[bytes] = []  # body bytes decoded and not taken yet
+        self._part_bytes = 0
+        self._hold = 1  # the reader waits until this many body bytes are decoded (or the body ends)
+        self._error: Optional[Exception] = None  # the framing broke: raised once the bytes before it are taken
         self._raw = b""  # chunked: bytes received and not decoded yet
         self._in_chunk = 0  # chunked: payload bytes of the current chunk still to come
         self._crlf = False  # chunked: the CRLF after a chunk's payload is due
         self._trailers = False  # chunked: the last chunk came; trailer lines until a blank one
+        if length == 0 and not chunked:
+            self.complete = True
 
-    async def next_block(self) -> Optional[bytes]:
-        """The next piece of the body as it arrives (everything decodable from one read); None at its end."""
+    def feed(self, data: bytes) -> None:
+        """Bytes of the body as they arrive (from the connection)."""
+        if self.complete or self._error is not None:
+            self._keep_alive = False  # bytes past the body's end: the connection's framing is lost
+            return
+        if self._chunked:
+            self._raw += data
+            block = self._dechunk()
+            if self.complete and self._raw:
+                self._keep_alive = False
+        elif self._left is not None:
+            block = data[:self._left]
+            self._left -= len(block)
+            if self._left <= 0:
+                self.complete = True
+                if len(block) < len(data):
+                    self._keep_alive = False
+        else:
+            block = data
+        if block:
+            self._parts.append(block)
+            self._part_bytes += len(block)
+
+    def ready(self) -> bool:
+        """Whether the reader has something to do: bytes enough, the body's end, or a failure."""
+        return (self._part_bytes >= self._hold or self.complete or self._error is not None
+                or self._conn.closed)
+
+    async def next_block(self, hold: int = 1) -> Optional[bytes]:
+        """The body's bytes that arrived since the last call, once there are at least ``hold`` of them or
+        the body ended (1: as soon as any arrive; a caller that needs only the whole body passes a bound on
+        the bytes it wants held, and is woken once per that many); None at the body's end. A broken
+        connection, a timeout or bad framing raises :class:`StreamHTTPError`, after the bytes that came
+        before it were returned."""
+        conn = self._conn
+        self._hold = max(1, hold)
+        if not self.ready():
+            conn.deadline = conn.loop.time() + self._client.read_timeout_s
+            try:
+                await conn.wait()
+            finally:
+                self._hold = 1
+        if self._parts:
+            block = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+            self._parts.clear()
+            self._part_bytes = 0
+            return block
+        if self._error is not None:
+            raise self._client.failure(conn, self._error)
         if self.complete:
             return None
-        reader, conn = self._conn.reader, self._conn
-        conn.deadline = asyncio.get_running_loop().time() + self._client.read_timeout_s
-        try:
-            if self._chunked:
-                while True:
-                    block = self._dechunk()
-                    if block or self.complete:
-                        return block or None
-                    data = await reader.read(262144)
-                    if not data:
-                        raise asyncio.IncompleteReadError(self._raw, None)
-                    self._raw += data
-            if self._left is not None:
-                if self._left <= 0:
-                    self.complete = True
-                    return None
-                block = await reader.read(min(self._left, 262144))
-                if not block:
-                    raise asyncio.IncompleteReadError(b"", self._left)
-                self._left -= len(block)
-                return block
-            block = await reader.read(262144)  # no length: the body ends when the server closes
-            if not block:
-                self.complete, self._keep_alive = True, False
-                return None
-            return block
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError, ValueError) as err:
-            raise self._client.failure(conn, err) from None
+        if conn.closed and not conn.timed_out and not self._chunked and self._left is None:
+            self.complete, self._keep_alive = True, False  # no length: the body ends when the server closes
+            return None
+        missing = "the connection closed before the body's end"
+        raise self._client.failure(conn, ConnectionResetError(missing))
 
     def _dechunk(self) -> bytes:
-        """Decode as much of the chunked framing in ``_raw`` as has arrived; the payload bytes so far."""
+        """Decode as much of the chunked framing in ``_raw`` as has arrived; the payload bytes so far. Bad
+        framing is kept in ``_error`` (the payload before it is returned)."""
         raw, pos, out = self._raw, 0, []
         have = len(raw)
-        while True:
-            if self._in_chunk:
-                end = pos + self._in_chunk
-                if end + 2 <= have:  # the rest of the payload and its CRLF have arrived: one slice
-                    if raw[end:end + 2] != b"\r\n":
-                        raise ValueError("a chunk did not end with CRLF")
-                    out.append(raw[pos:end])
-                    pos, self._in_chunk = end + 2, 0
-            if self._in_chunk:
-                take = raw[pos:pos + self._in_chunk]
-                out.append(take)
-                pos += len(take)
-                self._in_chunk -= len(take)
+        try:
+            while True:
                 if self._in_chunk:
+                    end = pos + self._in_chunk
+                    if end + 2 <= have:  # the rest of the payload and its CRLF have arrived: one slice
+                        if raw[end:end + 2] != b"\r\n":
+                            raise ValueError("a chunk did not end with CRLF")
+                        out.append(raw[pos:end])
+                        pos, self._in_chunk = end + 2, 0
+                if self._in_chunk:
+                    take = raw[pos:pos + self._in_chunk]
+                    out.append(take)
+                    pos += len(take)
+                    self._in_chunk -= len(take)
+                    if self._in_chunk:
+                        break
+                    self._crlf = True
+                if self._crlf:
+                    if have - pos < 2:
+                        break
+                    if raw[pos:pos + 2] != b"\r\n":
+                        raise ValueError("a chunk did not end with CRLF")
+                    pos += 2
+                    self._crlf = False
+                end = raw.find(b"\r\n", pos)
+                if end < 0:
+                    if have - pos > _MAX_HEAD:
+                        raise ValueError("a chunk size line longer than 64 KiB")
                     break
-                self._crlf = True
-            if self._crlf:
-                if have - pos < 2:
-                    break
-                if raw[pos:pos + 2] != b"\r\n":
-                    raise ValueError("a chunk did not end with CRLF")
-                pos += 2
-                self._crlf = False
-            end = raw.find(b"\r\n", pos)
-            if end < 0:
-                if have - pos > _MAX_HEAD:
-                    raise ValueError("a chunk size line longer than 64 KiB")
-                break
-            line, pos = raw[pos:end], end + 2
-            if self._trailers:
-                if not line:
-                    self.complete = True
-                    break
-                continue
-            size = int(line.split(b";", 1)[0], 16)
-            if size == 0:
-                self._trailers = True
-            else:
-                self._in_chunk = size
+                line, pos = raw[pos:end], end + 2
+                if self._trailers:
+                    if not line:
+                        self.complete = True
+                        break
+                    continue
+                size = int(line.split(b";", 1)[0], 16)
+                if size < 0:
+                    raise ValueError(f"a negative chunk size {size}")
+                if size == 0:
+                    self._trailers = True
+                else:
+                    self._in_chunk = size
+        except ValueError as err:  # raised to the reader once it has taken the payload decoded before it
+            self._error = err
+            pos = have
         self._raw = raw[pos:]
         return b"".join(out)
 
     async def read(self) -> bytes:
         """The whole (rest of the) body."""
         parts = []
-        while (block := await self.next_block()) is not None:
+        while (block := await self.next_block(hold=_WHOLE)) is not None:
             parts.append(block)
         return b"".join(parts)
 
     def release(self) -> None:
         """Back to the pool when the body was read to its end on a keep-alive connection, else closed."""
         self._conn.disarm()
+        self._conn.response = None
         if self.complete and self._keep_alive:
             self._client.put(self._key, self._conn)
         else:
@@ -235,15 +354,16 @@ class StreamingHTTP:
         return StreamHTTPError(f"the connection broke: {type(err).__name__}: {err}")
 
     async def _connect(self, key: tuple[str, int]) -> _Connection:
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(key[0], key[1], limit=_MAX_HEAD),
-                                                    self.connect_timeout_s)
+            _, conn = await asyncio.wait_for(loop.create_connection(lambda: _Connection(loop), key[0], key[1]),
+                                             self.connect_timeout_s)
         except asyncio.TimeoutError:
             raise StreamHTTPError(f"could not connect to {key[0]}:{key[1]} within {self.connect_timeout_s:.0f} s",
                                   connect_failed=True, timed_out=True) from None
         except OSError as err:
             raise StreamHTTPError(f"could not connect to {key[0]}:{key[1]}: {err}", connect_failed=True) from None
-        return _Connection(reader, writer)
+        return conn
 
     def _take(self, key: tuple[str, int]) -> Optional[_Connection]:
         idle = self._idle.get(key)
@@ -299,8 +419,17 @@ class StreamingHTTP:
         loop = asyncio.get_running_loop()
         conn.arm(loop, self.read_timeout_s)
         try:
-            conn.writer.write(self._head(key, path) + str(len(body)).encode() + b"\r\n\r\n" + body)
-            head = await conn.reader.readuntil(b"\r\n\r\n")
+            conn.head, conn.waiting_head = b"", True
+            assert conn.transport is not None
+            conn.transport.write(self._head(key, path) + str(len(body)).encode() + b"\r\n\r\n" + body)
+            while (end := conn.head.find(b"\r\n\r\n")) < 0:
+                if len(conn.head) > _MAX_HEAD:
+                    raise ValueError("a response head longer than 64 KiB")
+                if conn.closed:
+                    raise ConnectionResetError("the connection closed before the response head")
+                await conn.wait()
+            head, rest = conn.head[:end], conn.head[end + 4:]
+            conn.head, conn.waiting_head = b"", False
             lines = head.split(b"\r\n")
             version, code = lines[0].split(b" ", 2)[:2]
             headers: dict[bytes, bytes] = {}
@@ -309,15 +438,19 @@ class StreamingHTTP:
                 if sep:
                     headers[name.strip().lower()] = value.strip()
             status = int(code)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError, ValueError) as err:
+            chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+            length = None if chunked or b"content-length" not in headers else int(headers[b"content-length"])
+        except (ConnectionError, OSError, ValueError) as err:
             raise self.failure(conn, err) from None
         except BaseException:  # cancelled mid-request: the connection cannot be reused
             conn.close()
             raise
-        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
-        length = None if chunked or b"content-length" not in headers else int(headers[b"content-length"])
         keep_alive = version == b"HTTP/1.1" and headers.get(b"connection", b"").lower() != b"close"
-        return StreamResponse(self, key, conn, status, chunked, length, keep_alive)
+        resp = StreamResponse(self, key, conn, status, chunked, length, keep_alive)
+        conn.response = resp
+        if rest:
+            resp.feed(rest)
+        return resp
 
     async def close(self) -> None:
         if self._expiry is not None:

@@ -219,7 +219,7 @@ def test_idle_connections_are_closed():
                 await resp.read()
             (conn,) = http._idle[("127.0.0.1", int(url.rsplit(":", 1)[1]))]
             await asyncio.sleep(0.6)
-            assert conn.writer.is_closing() and not any(http._idle.values())
+            assert conn.is_closing() and not any(http._idle.values())
         finally:
             await http.close()
             await runner.cleanup()
@@ -271,6 +271,65 @@ def test_the_read_timeout_spans_requests_on_a_reused_connection():
                     while await resp.next_block() is not None:
                         pass
             assert info.value.timed_out and 0.25 <= loop.time() - started < 5
+        finally:
+            await http.close()
+            server.close()
+
+    asyncio.run(run())
+
+
+def test_a_reader_that_waits_for_the_whole_body_is_woken_once():
+    """The engine's stream arriving in many reads: a streaming reader gets it read by read, one that asks
+    for the whole body (or a bound of bytes held) is woken once (once per bound), with the same bytes."""
+    events = [b'data: {"n": %d, "pad": "%s"}\n\n' % (i, b"y" * 20) for i in range(30)] + [b"data: [DONE]\n\n"]
+    wire = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+        for i in range(0, len(wire), 45):  # cut across chunk boundaries, each piece in a read of its own
+            writer.write(wire[i:i + 45])
+            await writer.drain()
+            await asyncio.sleep(0.002)
+
+    async def blocks(http: StreamingHTTP, url: str, hold: int) -> list[bytes]:
+        got = []
+        async with http.post(url, "/x", b"{}") as resp:
+            while (block := await resp.next_block(hold)) is not None:
+                got.append(block)
+        return got
+
+    async def run():
+        server, url, _ = await _raw_server(answer)
+        http = StreamingHTTP(read_timeout_s=10)
+        try:
+            streamed = await blocks(http, url, 1)
+            whole = await blocks(http, url, 1 << 30)
+            bounded = await blocks(http, url, 400)
+        finally:
+            await http.close()
+            server.close()
+        assert b"".join(streamed) == b"".join(whole) == b"".join(bounded) == b"".join(events)
+        assert len(streamed) > 10 and len(whole) == 1
+        assert 1 < len(bounded) < len(streamed) and all(len(b) >= 400 for b in bounded[:-1])
+
+    asyncio.run(run())
+
+
+def test_bad_framing_fails_after_the_bytes_before_it():
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: a\n\n\r\nzz\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def run():
+        server, url, _ = await _raw_server(answer)
+        http = StreamingHTTP(read_timeout_s=10)
+        try:
+            async with http.post(url, "/x", b"{}") as resp:
+                assert await resp.next_block(1 << 30) == b"data: a\n\n"
+                with pytest.raises(StreamHTTPError) as info:
+                    await resp.next_block()
+            assert not info.value.timed_out and "ValueError" in str(info.value)
         finally:
             await http.close()
             server.close()
