@@ -138,6 +138,40 @@ def test_dtypes_are_bf16_only_where_computed_natively():
     assert (kept.engine.dtype, kept.trainer.compute_dtype) == ("bfloat16", "float32")
 
 
+@pytest.mark.parametrize("arch, avx512_bf16, amx, onednn, native", [
+    ("x86_64", False, False, True, False),  # AVX512 without BF16: oneDNN emulates bf16 and says yes anyway
+    ("x86_64", True, False, True, True),
+    ("x86_64", False, True, True, True),
+    ("x86_64", False, False, False, False),  # AVX2
+    ("aarch64", False, False, True, True),  # Arm: oneDNN's own check
+    ("aarch64", False, False, False, False),
+])
+def test_native_bf16_is_avx512_bf16_or_amx_on_x86(monkeypatch, arch, avx512_bf16, amx, onednn, native):
+    import platform
+
+    import torch
+
+    from rayrl.config.resolve import cpu_has_native_bf16
+
+    monkeypatch.setattr(platform, "machine", lambda: arch)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn, raising=False)
+    assert cpu_has_native_bf16() is native
+
+
+def test_native_bf16_agrees_with_the_cpu_flags_on_this_machine():
+    """No stand-in: on an x86 Linux machine the answer is the kernel's avx512_bf16/amx_bf16 flags."""
+    import platform
+
+    from rayrl.config.resolve import _cpu_flags, cpu_has_native_bf16
+
+    flags = _cpu_flags()
+    if platform.machine().lower() not in ("x86_64", "amd64") or not flags:
+        pytest.skip("not an x86 Linux machine")
+    assert cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def test_tis_cap_is_on_where_samples_can_be_stale():
     assert _resolved("pipeline.schedule=sync").algorithm.tis_cap == 0.0
     assert _resolved("pipeline.schedule=async").algorithm.tis_cap == 2.0

@@ -26,7 +26,8 @@ def test_packed_engine_falls_back_to_float32_past_the_gap_bound(ray_local, tiny_
 
     cfg = pipeline_config(tmp_path, tiny_model_dir, f"exp_id=wf-{os.getpid()}", "trainer.steps=2",
                           "engine.weight_format=fp16-packed",
-                          "engine.max_logprob_gap=1e-6")  # fp16 weights always cross it: the fallback must happen
+                          "engine.max_logprob_gap=1e-6",  # fp16 weights always cross it: the fallback must happen
+                          "trainer.compute_dtype=float32")  # not auto: a bf16 trainer's own gap would hide the fallback
     pipe = Pipeline(cfg)
     try:
         url = pipe.engine_urls[0]
