@@ -50,7 +50,8 @@ class EngineConfig:
     # rayrl/engines/backends/'s table (checked at load)
     num_engines: int = 1  # engine servers behind the router
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"  # weights dtype inside the engine: auto |
-    # bfloat16 | float32 | float16 (auto: bfloat16 on GPU or a CPU with native bf16, else float32)
+    # bfloat16 | float32 | float16 (auto: bfloat16 on GPU or a CPU with native bf16, on x86 AVX512-BF16 or AMX;
+    # else float32)
     max_batch_size: int = 32  # concurrent sequences decoded together (continuous batching)
     context_length: int = 4096  # longest prompt + response accepted
     num_threads: int = 0  # torch CPU threads per CPU engine (0: auto, the cores the schedule gives the engines)

@@ -35,7 +35,7 @@ class TrainerConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # master weights dtype
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # torch backend: forward/backward under autocast
     # (mixed precision; master weights stay trainer.dtype): auto | float32 | bfloat16 (auto: bfloat16 on CUDA or a CPU
-    # with native bf16, else float32)
+    # with native bf16, on x86 AVX512-BF16 or AMX; else float32)
     gradient_checkpointing: bool = False  # trade compute for memory
     share_prefix: bool = True  # torch backend: a micro-batch's common leading tokens (system prompt, a group's prompt)
     # run once, exact gradients (off under gradient_checkpointing)
