@@ -331,6 +331,7 @@ class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin):
             "request_errors": self._counters["request_errors"],  # requests that failed alone (decode.py)
             "decode_retries": self._counters["decode_retries"],  # decode forwards run again in parts
             "decode_path": "lean" if self._lean is not None else "transformers",
+            "decode_attention": self._lean.attention if self._lean is not None else "transformers",
             "weight_format": self.weight_format,
             "weight_pack_seconds": round(self._counters["weight_pack_s"], 4),  # rebuilding packed weights
             "weight_packs": self._counters["weight_packs"],

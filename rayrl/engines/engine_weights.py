@@ -59,7 +59,8 @@ class WeightsMixin:
         check_weight_format(weight_format, DTYPES[self.dtype], self.device)
         lean = LeanDecoder(self.model, weight_format, self.context_length)
         self._counters["weight_load_pack_s"] = lean.pack_seconds
-        logger.info("lean decode path, weights %s (packed in %.2f s)", weight_format, lean.pack_seconds)
+        logger.info("lean decode path, weights %s (packed in %.2f s), attention %s", weight_format, lean.pack_seconds,
+                    lean.attention)
         return lean
 
     @property

@@ -45,6 +45,7 @@ from typing import Any, Iterable, List, Optional
 import torch
 import torch.nn.functional as F
 
+from rayrl.engines.attention_kernel import decode_attention_available
 from rayrl.engines.kv_cache import BatchKV
 from rayrl.engines.weight_formats import Fp16PackedChunks, Linear, make_linear
 
@@ -133,7 +134,8 @@ def _decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
                     new_cols: List[torch.Tensor], keys: List[torch.Tensor], values: List[torch.Tensor],
                     norms: List[torch.Tensor], qk_norms: List[torch.Tensor],
                     packed: List[torch.classes.quantized.LinearPackedParamsBase], dense: List[torch.Tensor],
-                    biases: List[Optional[torch.Tensor]], sizes: List[int], eps: float, scale: float) -> torch.Tensor:
+                    biases: List[Optional[torch.Tensor]], sizes: List[int], eps: float, scale: float,
+                    kernel: bool) -> torch.Tensor:
     """Every decoder layer of :meth:`LeanDecoder.step`, in either weight format; run by TorchScript
     (:func:`decoder_layers`): the interpreter calls the ops without Python's per-call argument handling
     (for FBGEMM's packed-weight op about a third of a small matmul's time) and runs the ~20 other ops per
@@ -141,7 +143,8 @@ def _decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
     ``norms[2i]``, ``norms[2i + 1]`` (input and post-attention), ``qk_norms[2i]``, ``qk_norms[2i + 1]``
     (Qwen3's q/k norms; empty where the model has none), matrices ``4i .. 4i + 3`` (qkv, o, gate_up,
     down) in ``packed`` (fp16-packed) or ``dense`` with ``biases`` (float32; ``packed`` is then empty).
-    ``sizes``: query heads, KV heads, head size, intermediate size."""
+    ``sizes``: query heads, KV heads, head size, intermediate size. ``kernel``: attention through rayrl's
+    kernel (attention_kernel.py) rather than SDPA."""
     heads, kv_heads, dim, inter = sizes[0], sizes[1], sizes[2], sizes[3]
     n, hidden = x.size(0), x.size(1)
     qk_heads, group, half = heads + kv_heads, heads // kv_heads, dim // 2
@@ -154,8 +157,11 @@ def _decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
             qk[:, heads:] = torch.rms_norm(qk[:, heads:], [dim], qk_norms[2 * i + 1], eps)
         torch.addcmul(qk * cos, qk.roll(half, -1), sin, out=qk)  # RoPE, in place: qkv is [q, k, v] again
         new_cols[i].copy_(qkv.narrow(1, heads, 2 * kv_heads).view(n, 2, kv_heads, dim).transpose(0, 1))
-        att = F.scaled_dot_product_attention(qkv.narrow(1, 0, heads).view(n, kv_heads, group, dim), keys[i],
-                                             values[i], attn_mask=mask, scale=scale)
+        q = qkv.narrow(1, 0, heads).view(n, kv_heads, group, dim)
+        if kernel:
+            att = torch.ops.rayrl.decode_attention(q, keys[i], values[i], mask, scale)
+        else:
+            att = F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=mask, scale=scale)
         x += _matmul(att.view(n, heads * dim), 4 * i + 1, packed, dense, biases)
         h = torch.rms_norm(x, [hidden], norms[2 * i + 1], eps)
         gate_up = _matmul(h, 4 * i + 2, packed, dense, biases)
@@ -214,6 +220,7 @@ class LeanDecoder:
         self.head: Optional[Linear] = None
         self.pack_seconds = 0.0  # the last (re)packing
         self._run_layers: Any = decoder_layers()  # the step's layers (TorchScript), with these arguments:
+        self.kernel = decode_attention_available()  # attention through rayrl's kernel (else SDPA)
         self._norms: list[torch.Tensor] = []  # flattened from self.layers after every (re)packing
         self._qk_norms: list[torch.Tensor] = []
         self._packed: list[Any] = []  # fp16-packed
@@ -337,6 +344,11 @@ class LeanDecoder:
             self.head = linears[("head", "head")]
         return out
 
+    @property
+    def attention(self) -> str:
+        """What the step's attention runs through: ``rayrl-kernel`` (attention_kernel.py) or ``sdpa``."""
+        return "rayrl-kernel" if self.kernel else "sdpa"
+
     def packed_bytes(self) -> int:
         """Bytes held beyond the model's own weights (the packed copies)."""
         total = self.head.nbytes if self.head is not None else 0
@@ -418,7 +430,7 @@ class LeanDecoder:
             mask = torch.zeros(mask.shape, dtype=self.cos.dtype).masked_fill_(mask.logical_not(), float("-inf"))
         x = F.embedding(ids, self.base.embed_tokens.weight)
         x = self._run_layers(x, cos, sin, mask, new_cols, keys, values, self._norms, self._qk_norms, self._packed,
-                             self._dense, self._biases, self._sizes, self.eps, self.scale)
+                             self._dense, self._biases, self._sizes, self.eps, self.scale, self.kernel)
         x = F.rms_norm(x, (self.hidden,), self.base.norm.weight, self.eps)
         assert self.head is not None
         return self.head(x)

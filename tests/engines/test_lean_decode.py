@@ -22,6 +22,7 @@ import pytest
 import torch
 from _engine_kit import forward_logprobs, random_weights
 
+from rayrl.engines.attention_kernel import decode_attention_available
 from rayrl.engines.cpu_engine import CPUEngine
 from rayrl.engines.kv_cache import BatchKV, KVBlock, prefill_mask
 from rayrl.engines.lean_decode import HEAD_CHUNK, LeanDecoder, _decoder_layers, unsupported_reason
@@ -94,6 +95,7 @@ def test_each_family_decodes_as_transformers(family_models, kind, fmt, tolerance
     with CPUEngine(path, dtype="float32", max_batch_size=8, weight_format=fmt) as eng:
         stats = eng.stats()
         assert stats["decode_path"] == "lean" and stats["weight_format"] == fmt
+        assert stats["decode_attention"] == ("rayrl-kernel" if decode_attention_available() else "sdpa")
         assert _max_gap(eng, _reference(path), REQUESTS) <= tolerance
 
 
@@ -129,6 +131,35 @@ def test_scripted_step_is_the_python_step(family_models, kind, fmt):
                 outs.append((logits, kv.all_kv[:, :, :n, :, t].clone()))
         torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=0)
         torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("fmt", ["float32", pytest.param("fp16-packed", marks=packed_only)])
+def test_kernel_step_is_the_sdpa_step(family_models, kind, fmt):
+    """Where rayrl's attention kernel builds, the step runs through it (so the tests above hold it to
+    transformers) and gives the logits of the same step through SDPA, with and without padding."""
+    if not decode_attention_available():
+        pytest.skip("rayrl's attention kernel cannot be built here")
+    lean = LeanDecoder(_reference(family_models[kind]), fmt, 256)
+    assert lean.kernel and lean.attention == "rayrl-kernel"
+    torch.manual_seed(1)
+    for padded in (False, True):
+        n, t = 4, 11
+        ids = torch.randint(3, 1000, (n, t))
+        mask = torch.ones(n, t, dtype=torch.bool)
+        if padded:
+            mask[0, :4] = False
+            mask[2, :9] = False
+        positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+        outs = []
+        with torch.inference_mode():
+            _, keys, values = lean.prefill(ids, positions, prefill_mask(mask) if padded else None, None, False)
+            for kernel in (True, False):
+                kv = BatchKV(len(lean.layers), n)
+                kv.append(KVBlock(keys, values, mask))
+                lean.kernel = kernel
+                outs.append(lean.step(ids[:, -1], positions[:, -1] + 1, kv, slice(0, n), kv.step_mask()))
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
 
 
 @packed_only

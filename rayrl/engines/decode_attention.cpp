@@ -1,0 +1,219 @@
+// Decode attention for few query rows: the CPU kernel behind torch.ops.rayrl.decode_attention.
+//
+// Why: in a decode step every row has a handful of query vectors per KV head (the GQA group) against
+// its own L cached keys. torch's SDPA CPU kernel spends most of that call in MKL's small-matrix GEMM
+// path set up for two tiny matrices per (row, KV head); here each (row, KV head) is one task that reads
+// its keys and values once, for all the group's queries, with AVX2 FMAs (attention_kernel.py builds it
+// with -mavx2 -mfma only where the CPU has them, and the step keeps SDPA where it cannot build).
+//
+// Shapes: query [n, H, G, D], key and value [n, H, L, D] (any strides, the last dimension contiguous),
+// mask broadcastable to [n, H, G, L] (float, added to the scaled scores: 0 or -inf) or none.
+// Returns [n, H, G, D], contiguous. A query whose every column is masked gets zeros.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kGroupBlock = 4;  // queries whose value sums are accumulated together (8 accumulators)
+
+// e^x for x <= 0 (scores less their maximum); x below -87 (a masked column's -inf) gives exactly 0.
+// Range reduction x = k ln2 + r, |r| <= ln2 / 2, then a degree-6 polynomial for e^r (relative error
+// about 2e-7), scaled by 2^k through the exponent bits.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);  // also true for -inf, false for NaN
+  x = _mm256_max_ps(x, lowest);
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: exact k * hi
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The four sums of a, b, c, d in one vector (lane i: the sum of the i-th argument).
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 ab = _mm256_hadd_ps(a, b);
+  const __m256 cd = _mm256_hadd_ps(c, d);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+inline float dot(const float* a, const float* b, int64_t dim) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  float sum = hsum(acc);
+  for (; d < dim; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+struct Strides {  // in elements
+  int64_t query;   // between the group's queries
+  int64_t column;  // between a key's (value's) columns
+  int64_t mask_query;
+  int64_t mask_column;
+};
+
+// One (row, KV head): scores[g * len + l] <- softmax weights (unnormalised), out[g] <- the weighted sum
+// of values, normalised. ``mask`` is null or this (row, head)'s first element.
+void attend_one(const float* q, const float* k, const float* v, const float* mask, float* out, float* scores,
+                int64_t group, int64_t len, int64_t dim, float scale, const Strides& st) {
+  // scores: four keys at a time for every query, so a block of keys is read from memory once
+  int64_t l = 0;
+  const int64_t vec_dim = dim - dim % 8;
+  for (; l + 4 <= len; l += 4) {
+    const float* k0 = k + l * st.column;
+    const float* k1 = k0 + st.column;
+    const float* k2 = k1 + st.column;
+    const float* k3 = k2 + st.column;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * st.query;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      for (int64_t d = 0; d < vec_dim; d += 8) {
+        const __m256 x = _mm256_loadu_ps(qg + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1 + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2 + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3 + d), a3);
+      }
+      alignas(16) float s[4];
+      _mm_store_ps(s, hsum4(a0, a1, a2, a3));
+      for (int64_t d = vec_dim; d < dim; ++d) {
+        s[0] += qg[d] * k0[d];
+        s[1] += qg[d] * k1[d];
+        s[2] += qg[d] * k2[d];
+        s[3] += qg[d] * k3[d];
+      }
+      for (int j = 0; j < 4; ++j) scores[g * len + l + j] = s[j] * scale;
+    }
+  }
+  for (; l < len; ++l) {
+    for (int64_t g = 0; g < group; ++g) scores[g * len + l] = dot(q + g * st.query, k + l * st.column, dim) * scale;
+  }
+  // softmax over each query's columns, the mask added first; 1 / sum applied to the output
+  std::vector<float> inv_sum(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * len;
+    if (mask != nullptr) {
+      const float* m = mask + g * st.mask_query;
+      for (int64_t j = 0; j < len; ++j) s[j] += m[j * st.mask_column];
+    }
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < len; ++j) top = std::max(top, s[j]);
+    if (top == -std::numeric_limits<float>::infinity()) {  // nothing to attend: zeros
+      std::fill(s, s + len, 0.0f);
+      inv_sum[g] = 0.0f;
+      continue;
+    }
+    const __m256 top8 = _mm256_set1_ps(top);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), top8));
+      _mm256_storeu_ps(s + j, e);
+      acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum(acc);
+    for (; j < len; ++j) {
+      s[j] = std::exp(s[j] - top);
+      sum += s[j];
+    }
+    inv_sum[g] = 1.0f / sum;
+  }
+  // values: 16 columns (a cache line) of up to four queries at a time, each value row read once per block
+  for (int64_t g0 = 0; g0 < group; g0 += kGroupBlock) {
+    const int64_t gn = std::min<int64_t>(kGroupBlock, group - g0);
+    int64_t d = 0;
+    for (; d + 16 <= dim; d += 16) {
+      __m256 lo[kGroupBlock], hi[kGroupBlock];
+      for (int64_t g = 0; g < gn; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < len; ++j) {
+        const float* vj = v + j * st.column + d;
+        const __m256 x0 = _mm256_loadu_ps(vj), x1 = _mm256_loadu_ps(vj + 8);
+        for (int64_t g = 0; g < gn; ++g) {
+          const __m256 p = _mm256_broadcast_ss(scores + (g0 + g) * len + j);
+          lo[g] = _mm256_fmadd_ps(p, x0, lo[g]);
+          hi[g] = _mm256_fmadd_ps(p, x1, hi[g]);
+        }
+      }
+      for (int64_t g = 0; g < gn; ++g) {
+        const __m256 norm = _mm256_set1_ps(inv_sum[g0 + g]);
+        _mm256_storeu_ps(out + (g0 + g) * dim + d, _mm256_mul_ps(lo[g], norm));
+        _mm256_storeu_ps(out + (g0 + g) * dim + d + 8, _mm256_mul_ps(hi[g], norm));
+      }
+    }
+    for (; d < dim; ++d) {
+      for (int64_t g = 0; g < gn; ++g) {
+        const float* p = scores + (g0 + g) * len;
+        float sum = 0.0f;
+        for (int64_t j = 0; j < len; ++j) sum += p[j] * v[j * st.column + d];
+        out[(g0 + g) * dim + d] = sum * inv_sum[g0 + g];
+      }
+    }
+  }
+}
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const std::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "decode_attention: 4-d query, key, value");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
+                  value.scalar_type() == at::kFloat, "decode_attention: float32 only");
+  const int64_t n = query.size(0), heads = query.size(1), group = query.size(2), dim = query.size(3);
+  const int64_t len = key.size(2);
+  TORCH_CHECK(key.size(0) == n && key.size(1) == heads && key.size(3) == dim && value.sizes() == key.sizes(),
+              "decode_attention: key/value [n, heads, len, dim] to match query [n, heads, group, dim]");
+  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1,
+              "decode_attention: the last dimension must be contiguous");
+  TORCH_CHECK(key.stride(2) == value.stride(2), "decode_attention: key and value with the same column stride");
+  at::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->scalar_type() == at::kFloat, "decode_attention: an additive float32 mask");
+    m = mask->expand({n, heads, group, len});
+  }
+  at::Tensor out = at::empty({n, heads, group, dim}, query.options());
+  const float* qp = query.data_ptr<float>();
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  const float* mp = m.defined() ? m.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const Strides st{query.stride(2), key.stride(2), m.defined() ? m.stride(2) : 0, m.defined() ? m.stride(3) : 0};
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * len);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / heads, h = t % heads;
+      const float* mt = mp == nullptr ? nullptr : mp + b * m.stride(0) + h * m.stride(1);
+      attend_one(qp + b * query.stride(0) + h * query.stride(1), kp + b * key.stride(0) + h * key.stride(1),
+                 vp + b * value.stride(0) + h * value.stride(1), mt, op + t * group * dim, scores.data(), group,
+                 len, dim, s, st);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rayrl, CPU, m) { m.impl("decode_attention", &decode_attention); }

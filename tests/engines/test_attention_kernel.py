@@ -1,0 +1,131 @@
+"""rayrl's decode attention kernel (rayrl/engines/attention_kernel.py, decode_attention.cpp) held to SDPA,
+and the step's fallback to SDPA where the kernel cannot be built.
+
+Tolerance: 2e-5 max |kernel - SDPA| on the attention output in float32 (another summation order and
+our own exp; measured up to 2.3e-6 on 2026-11-27), on cache-shaped inputs: queries as views of a fused
+qkv row, keys and values as column windows of a wider cache buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rayrl.engines import attention_kernel
+from rayrl.engines.attention_kernel import decode_attention_available
+
+
+@pytest.fixture(scope="module")
+def kernel() -> None:
+    if not decode_attention_available():
+        pytest.skip(f"the kernel cannot be built here: {attention_kernel.unavailable_reason()}")
+
+
+def _case(n: int, kv_heads: int, group: int, dim: int, length: int, padded: bool, seed: int):
+    """Queries ``[n, kv_heads, group, dim]`` inside a wider qkv row, keys/values ``[n, kv_heads, length, dim]``
+    as views of a cache with spare columns, and a left-padding mask (0 / -inf, one row unpadded) or None."""
+    g = torch.Generator().manual_seed(seed)
+    heads = kv_heads * group
+    qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=g) * 2
+    q = qkv.narrow(1, 0, heads).view(n, kv_heads, group, dim)
+    cache = torch.randn(2, n, kv_heads, length + 7, dim, generator=g)
+    mask = None
+    if padded:
+        mask = torch.zeros(n, 1, 1, length)
+        for r in range(1, n):
+            mask[r, ..., : int(torch.randint(0, length, (1,), generator=g))] = float("-inf")
+    return q, cache[0, :, :, :length], cache[1, :, :, :length], mask
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("dim", [16, 32, 40, 64, 128])
+def test_kernel_is_sdpa(kernel, group, dim):
+    worst = 0.0
+    for seed, length in enumerate([1, 2, 3, 4, 7, 8, 9, 33, 130, 300]):
+        for padded in (False, True):
+            q, k, v, mask = _case(3, 2, group, dim, length, padded, seed)
+            scale = dim**-0.5
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            got = torch.ops.rayrl.decode_attention(q, k, v, mask, scale)
+            assert got.shape == want.shape and got.is_contiguous()
+            worst = max(worst, float((got - want).abs().max()))
+    assert worst <= 2e-5
+
+
+def test_kernel_with_more_rows_than_threads_and_large_scores(kernel):
+    """Every (row, KV head) task lands where it belongs across threads, and with scores in the hundreds
+    (where float32 rounding of the scores shows in the output) the kernel is as close to a float64
+    reference as SDPA is."""
+    q, k, v, mask = _case(9, 3, 3, 64, 130, True, 7)
+    q = q * 30
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.double(), scale=0.125)
+    sdpa_error = float((F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125) - exact).abs().max())
+    kernel_error = float((torch.ops.rayrl.decode_attention(q, k, v, mask, 0.125) - exact).abs().max())
+    assert kernel_error <= 2 * sdpa_error + 1e-6
+
+
+def test_a_query_with_nothing_to_attend_gets_zeros(kernel):
+    q, k, v, _ = _case(2, 1, 2, 32, 5, False, 0)
+    mask = torch.zeros(2, 1, 1, 5)
+    mask[1] = float("-inf")
+    out = torch.ops.rayrl.decode_attention(q, k, v, mask, 0.2)
+    assert bool((out[1] == 0).all())
+    want = F.scaled_dot_product_attention(q[:1], k[:1], v[:1], scale=0.2)
+    torch.testing.assert_close(out[:1], want, atol=2e-5, rtol=0)
+
+
+def test_kernel_refuses_what_it_cannot_read(kernel):
+    q, k, v, _ = _case(2, 1, 2, 32, 5, False, 0)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.rayrl.decode_attention(q.double(), k.double(), v.double(), None, 0.2)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.rayrl.decode_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, None, 0.2)
+
+
+@pytest.fixture
+def fresh_choice():
+    """decode_attention_available() decided again in the test, and again after it (for later tests)."""
+    decode_attention_available.cache_clear()
+    yield
+    decode_attention_available.cache_clear()
+
+
+def test_no_kernel_when_turned_off_and_the_step_uses_sdpa(fresh_choice, tiny_model, monkeypatch, caplog):
+    from transformers import AutoModelForCausalLM
+
+    from rayrl.engines.lean_decode import LeanDecoder
+
+    monkeypatch.setenv(attention_kernel.ENV, "sdpa")
+    with caplog.at_level(logging.WARNING, logger="rayrl.engines.attention_kernel"):
+        assert decode_attention_available() is False
+    assert "RAYRL_DECODE_ATTENTION=sdpa" in caplog.text
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    lean = LeanDecoder(model, "float32", 64)
+    assert lean.kernel is False and lean.attention == "sdpa"
+
+
+def test_a_failed_build_falls_back_to_sdpa(fresh_choice, monkeypatch, caplog):
+    import torch.utils.cpp_extension as ext
+
+    if attention_kernel.unavailable_reason() is not None:
+        pytest.skip("no build is tried here")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Error building extension 'rayrl_decode_attention'")
+
+    monkeypatch.setattr(ext, "load", broken)
+    with caplog.at_level(logging.WARNING, logger="rayrl.engines.attention_kernel"):
+        assert decode_attention_available() is False
+    assert "Error building extension" in caplog.text
+
+
+def test_no_kernel_without_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(attention_kernel, "_cpu_flags", lambda: {"sse2", "avx"})
+    monkeypatch.setattr(attention_kernel.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv(attention_kernel.ENV, raising=False)
+    assert attention_kernel.unavailable_reason() == "the CPU lacks avx2, fma, f16c"
+    monkeypatch.setattr(attention_kernel.platform, "machine", lambda: "aarch64")
+    assert attention_kernel.unavailable_reason() == "not x86-64 (aarch64)"
