@@ -76,6 +76,39 @@ struct Strides {  // in elements
   int64_t mask_column;
 };
 
+// out[g] <- norm[g] * sum_j p[g * len + j] * v[j] for GN queries; the accumulators stay in registers
+// (GN is a compile-time count), 16 columns (one cache line of a value row) at a time.
+template <int GN>
+void weighted_values(const float* p, const float* v, const float* norm, float* out, int64_t len, int64_t dim,
+                     int64_t column) {
+  int64_t d = 0;
+  for (; d + 16 <= dim; d += 16) {
+    __m256 lo[GN], hi[GN];
+    for (int g = 0; g < GN; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < len; ++j) {
+      const float* vj = v + j * column + d;
+      const __m256 x0 = _mm256_loadu_ps(vj), x1 = _mm256_loadu_ps(vj + 8);
+      for (int g = 0; g < GN; ++g) {
+        const __m256 w = _mm256_broadcast_ss(p + g * len + j);
+        lo[g] = _mm256_fmadd_ps(w, x0, lo[g]);
+        hi[g] = _mm256_fmadd_ps(w, x1, hi[g]);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      const __m256 s = _mm256_set1_ps(norm[g]);
+      _mm256_storeu_ps(out + g * dim + d, _mm256_mul_ps(lo[g], s));
+      _mm256_storeu_ps(out + g * dim + d + 8, _mm256_mul_ps(hi[g], s));
+    }
+  }
+  for (; d < dim; ++d) {
+    for (int g = 0; g < GN; ++g) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < len; ++j) sum += p[g * len + j] * v[j * column + d];
+      out[g * dim + d] = sum * norm[g];
+    }
+  }
+}
+
 // One (row, KV head): scores[g * len + l] <- softmax weights (unnormalised), out[g] <- the weighted sum
 // of values, normalised. ``mask`` is null or this (row, head)'s first element.
 void attend_one(const float* q, const float* k, const float* v, const float* mask, float* out, float* scores,
@@ -117,21 +150,36 @@ void attend_one(const float* q, const float* k, const float* v, const float* mas
   std::vector<float> inv_sum(group);
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * len;
-    if (mask != nullptr) {
-      const float* m = mask + g * st.mask_query;
-      for (int64_t j = 0; j < len; ++j) s[j] += m[j * st.mask_column];
+    const float* m = mask == nullptr ? nullptr : mask + g * st.mask_query;
+    __m256 top8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+      __m256 x = _mm256_loadu_ps(s + j);
+      if (m != nullptr) {
+        x = _mm256_add_ps(x, st.mask_column == 1 ? _mm256_loadu_ps(m + j)
+                                                 : _mm256_set_ps(m[(j + 7) * st.mask_column], m[(j + 6) * st.mask_column],
+                                                                 m[(j + 5) * st.mask_column], m[(j + 4) * st.mask_column],
+                                                                 m[(j + 3) * st.mask_column], m[(j + 2) * st.mask_column],
+                                                                 m[(j + 1) * st.mask_column], m[j * st.mask_column]));
+        _mm256_storeu_ps(s + j, x);
+      }
+      top8 = _mm256_max_ps(top8, x);
     }
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < len; ++j) top = std::max(top, s[j]);
+    alignas(32) float tops[8];
+    _mm256_store_ps(tops, top8);
+    float top = *std::max_element(tops, tops + 8);
+    for (; j < len; ++j) {
+      if (m != nullptr) s[j] += m[j * st.mask_column];
+      top = std::max(top, s[j]);
+    }
     if (top == -std::numeric_limits<float>::infinity()) {  // nothing to attend: zeros
       std::fill(s, s + len, 0.0f);
       inv_sum[g] = 0.0f;
       continue;
     }
-    const __m256 top8 = _mm256_set1_ps(top);
+    top8 = _mm256_set1_ps(top);
     __m256 acc = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= len; j += 8) {
+    for (j = 0; j + 8 <= len; j += 8) {
       const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), top8));
       _mm256_storeu_ps(s + j, e);
       acc = _mm256_add_ps(acc, e);
@@ -146,32 +194,14 @@ void attend_one(const float* q, const float* k, const float* v, const float* mas
   // values: 16 columns (a cache line) of up to four queries at a time, each value row read once per block
   for (int64_t g0 = 0; g0 < group; g0 += kGroupBlock) {
     const int64_t gn = std::min<int64_t>(kGroupBlock, group - g0);
-    int64_t d = 0;
-    for (; d + 16 <= dim; d += 16) {
-      __m256 lo[kGroupBlock], hi[kGroupBlock];
-      for (int64_t g = 0; g < gn; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < len; ++j) {
-        const float* vj = v + j * st.column + d;
-        const __m256 x0 = _mm256_loadu_ps(vj), x1 = _mm256_loadu_ps(vj + 8);
-        for (int64_t g = 0; g < gn; ++g) {
-          const __m256 p = _mm256_broadcast_ss(scores + (g0 + g) * len + j);
-          lo[g] = _mm256_fmadd_ps(p, x0, lo[g]);
-          hi[g] = _mm256_fmadd_ps(p, x1, hi[g]);
-        }
-      }
-      for (int64_t g = 0; g < gn; ++g) {
-        const __m256 norm = _mm256_set1_ps(inv_sum[g0 + g]);
-        _mm256_storeu_ps(out + (g0 + g) * dim + d, _mm256_mul_ps(lo[g], norm));
-        _mm256_storeu_ps(out + (g0 + g) * dim + d + 8, _mm256_mul_ps(hi[g], norm));
-      }
-    }
-    for (; d < dim; ++d) {
-      for (int64_t g = 0; g < gn; ++g) {
-        const float* p = scores + (g0 + g) * len;
-        float sum = 0.0f;
-        for (int64_t j = 0; j < len; ++j) sum += p[j] * v[j * st.column + d];
-        out[(g0 + g) * dim + d] = sum * inv_sum[g0 + g];
-      }
+    const float* p = scores + g0 * len;
+    float* o = out + g0 * dim;
+    const float* norm = inv_sum.data() + g0;
+    switch (gn) {
+      case 1: weighted_values<1>(p, v, norm, o, len, dim, st.column); break;
+      case 2: weighted_values<2>(p, v, norm, o, len, dim, st.column); break;
+      case 3: weighted_values<3>(p, v, norm, o, len, dim, st.column); break;
+      default: weighted_values<4>(p, v, norm, o, len, dim, st.column); break;
     }
   }
 }
