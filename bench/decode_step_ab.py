@@ -126,7 +126,7 @@ def main() -> int:
     for side in (old, new):  # a side whose step fell back to Python would measure the fallback
         if not isinstance(side._run_layers, torch.jit.ScriptFunction):
             raise SystemExit("a side's decode step is not scripted: the comparison would be unfair")
-    kinds = ["rayrl kernel" if getattr(side, "kernel", False) else "sdpa" for side in (old, new)]
+    kinds = ["rayrl kernels" if getattr(side, "kernel", False) else "torch ops (sdpa)" for side in (old, new)]
     print(f"load average {os.getloadavg()[0]:.2f}, {args.threads} threads, base {args.base}; attention: base "
           f"{kinds[0]}, new {kinds[1]}", flush=True)
     for batch in map(int, args.batches.split(",")):

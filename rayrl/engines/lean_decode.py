@@ -45,7 +45,7 @@ from typing import Any, Iterable, List, Optional
 import torch
 import torch.nn.functional as F
 
-from rayrl.engines.attention_kernel import decode_attention_available
+from rayrl.engines.decode_kernels import decode_kernels_available
 from rayrl.engines.kv_cache import BatchKV
 from rayrl.engines.weight_formats import Fp16PackedChunks, Linear, make_linear
 
@@ -130,6 +130,14 @@ def _matmul(x: torch.Tensor, i: int, packed: List[torch.classes.quantized.Linear
     return F.linear(x, dense[i], biases[i])
 
 
+def _add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, kernel: bool) -> torch.Tensor:
+    """``x += y`` in place, then the RMS norm of ``x`` with ``weight``: one pass in rayrl's kernel."""
+    if kernel:
+        return torch.ops.rayrl.add_rms_norm(x, y, weight, eps)
+    x += y
+    return torch.rms_norm(x, [x.size(1)], weight, eps)
+
+
 def _decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
                     new_cols: List[torch.Tensor], keys: List[torch.Tensor], values: List[torch.Tensor],
                     norms: List[torch.Tensor], qk_norms: List[torch.Tensor],
@@ -143,30 +151,40 @@ def _decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
     ``norms[2i]``, ``norms[2i + 1]`` (input and post-attention), ``qk_norms[2i]``, ``qk_norms[2i + 1]``
     (Qwen3's q/k norms; empty where the model has none), matrices ``4i .. 4i + 3`` (qkv, o, gate_up,
     down) in ``packed`` (fp16-packed) or ``dense`` with ``biases`` (float32; ``packed`` is then empty).
-    ``sizes``: query heads, KV heads, head size, intermediate size. ``kernel``: attention through rayrl's
-    kernel (attention_kernel.py) rather than SDPA."""
+    ``sizes``: query heads, KV heads, head size, intermediate size. ``kernel``: RoPE with the cache write,
+    attention, silu * up and each residual add with the next norm through rayrl's kernels
+    (decode_kernels.py) rather than torch's ops (SDPA)."""
     heads, kv_heads, dim, inter = sizes[0], sizes[1], sizes[2], sizes[3]
     n, hidden = x.size(0), x.size(1)
     qk_heads, group, half = heads + kv_heads, heads // kv_heads, dim // 2
-    for i in range(len(new_cols)):
-        h = torch.rms_norm(x, [hidden], norms[2 * i], eps)
+    layers = len(new_cols)
+    h = torch.rms_norm(x, [hidden], norms[0], eps)
+    for i in range(layers):
         qkv = _matmul(h, 4 * i, packed, dense, biases).view(n, qk_heads + kv_heads, dim)
         qk = qkv.narrow(1, 0, qk_heads)
         if len(qk_norms) > 0:
             qk[:, :heads] = torch.rms_norm(qk[:, :heads], [dim], qk_norms[2 * i], eps)
             qk[:, heads:] = torch.rms_norm(qk[:, heads:], [dim], qk_norms[2 * i + 1], eps)
-        torch.addcmul(qk * cos, qk.roll(half, -1), sin, out=qk)  # RoPE, in place: qkv is [q, k, v] again
-        new_cols[i].copy_(qkv.narrow(1, heads, 2 * kv_heads).view(n, 2, kv_heads, dim).transpose(0, 1))
         q = qkv.narrow(1, 0, heads).view(n, kv_heads, group, dim)
-        if kernel:
+        if kernel:  # RoPE on q (in place) and k, k and v into the cache column; attention
+            torch.ops.rayrl.rope_cache(qkv, cos, sin, new_cols[i], heads)
             att = torch.ops.rayrl.decode_attention(q, keys[i], values[i], mask, scale)
         else:
+            torch.addcmul(qk * cos, qk.roll(half, -1), sin, out=qk)  # RoPE, in place: qkv is [q, k, v] again
+            new_cols[i].copy_(qkv.narrow(1, heads, 2 * kv_heads).view(n, 2, kv_heads, dim).transpose(0, 1))
             att = F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=mask, scale=scale)
-        x += _matmul(att.view(n, heads * dim), 4 * i + 1, packed, dense, biases)
-        h = torch.rms_norm(x, [hidden], norms[2 * i + 1], eps)
+        h = _add_norm(x, _matmul(att.view(n, heads * dim), 4 * i + 1, packed, dense, biases), norms[2 * i + 1],
+                      eps, kernel)
         gate_up = _matmul(h, 4 * i + 2, packed, dense, biases)
-        gate = F.silu(gate_up.narrow(1, 0, inter), inplace=True).mul_(gate_up.narrow(1, inter, inter))
-        x += _matmul(gate, 4 * i + 3, packed, dense, biases)
+        if kernel:
+            gate = torch.ops.rayrl.silu_mul(gate_up)
+        else:
+            gate = F.silu(gate_up.narrow(1, 0, inter), inplace=True).mul_(gate_up.narrow(1, inter, inter))
+        down = _matmul(gate, 4 * i + 3, packed, dense, biases)
+        if i + 1 < layers:  # the residual add with the next layer's input norm
+            h = _add_norm(x, down, norms[2 * i + 2], eps, kernel)
+        else:
+            x += down
     return x
 
 
@@ -220,7 +238,7 @@ class LeanDecoder:
         self.head: Optional[Linear] = None
         self.pack_seconds = 0.0  # the last (re)packing
         self._run_layers: Any = decoder_layers()  # the step's layers (TorchScript), with these arguments:
-        self.kernel = decode_attention_available()  # attention through rayrl's kernel (else SDPA)
+        self.kernel = decode_kernels_available()  # the step on rayrl's kernels (else torch's ops, SDPA)
         self._norms: list[torch.Tensor] = []  # flattened from self.layers after every (re)packing
         self._qk_norms: list[torch.Tensor] = []
         self._packed: list[Any] = []  # fp16-packed
@@ -346,8 +364,9 @@ class LeanDecoder:
 
     @property
     def attention(self) -> str:
-        """What the step's attention runs through: ``rayrl-kernel`` (attention_kernel.py) or ``sdpa``."""
-        return "rayrl-kernel" if self.kernel else "sdpa"
+        """What the step's attention (and RoPE, silu, norms) runs on: ``rayrl-kernels`` (decode_kernels.py)
+        or ``sdpa`` (torch's ops)."""
+        return "rayrl-kernels" if self.kernel else "sdpa"
 
     def packed_bytes(self) -> int:
         """Bytes held beyond the model's own weights (the packed copies)."""

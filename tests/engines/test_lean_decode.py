@@ -22,8 +22,8 @@ import pytest
 import torch
 from _engine_kit import forward_logprobs, random_weights
 
-from rayrl.engines.attention_kernel import decode_attention_available
 from rayrl.engines.cpu_engine import CPUEngine
+from rayrl.engines.decode_kernels import decode_kernels_available
 from rayrl.engines.kv_cache import BatchKV, KVBlock, prefill_mask
 from rayrl.engines.lean_decode import HEAD_CHUNK, LeanDecoder, _decoder_layers, unsupported_reason
 from rayrl.engines.weight_formats import Fp16PackedChunks, Fp16PackedLinear, fp16_packing_available
@@ -95,7 +95,7 @@ def test_each_family_decodes_as_transformers(family_models, kind, fmt, tolerance
     with CPUEngine(path, dtype="float32", max_batch_size=8, weight_format=fmt) as eng:
         stats = eng.stats()
         assert stats["decode_path"] == "lean" and stats["weight_format"] == fmt
-        assert stats["decode_attention"] == ("rayrl-kernel" if decode_attention_available() else "sdpa")
+        assert stats["decode_attention"] == ("rayrl-kernels" if decode_kernels_available() else "sdpa")
         assert _max_gap(eng, _reference(path), REQUESTS) <= tolerance
 
 
@@ -138,10 +138,10 @@ def test_scripted_step_is_the_python_step(family_models, kind, fmt):
 def test_kernel_step_is_the_sdpa_step(family_models, kind, fmt):
     """Where rayrl's attention kernel builds, the step runs through it (so the tests above hold it to
     transformers) and gives the logits of the same step through SDPA, with and without padding."""
-    if not decode_attention_available():
-        pytest.skip("rayrl's attention kernel cannot be built here")
+    if not decode_kernels_available():
+        pytest.skip("rayrl's kernels cannot be built here")
     lean = LeanDecoder(_reference(family_models[kind]), fmt, 256)
-    assert lean.kernel and lean.attention == "rayrl-kernel"
+    assert lean.kernel and lean.attention == "rayrl-kernels"
     torch.manual_seed(1)
     for padded in (False, True):
         n, t = 4, 11

@@ -1,12 +1,10 @@
-// Decode attention for few query rows: the CPU kernel behind torch.ops.rayrl.decode_attention.
+// The decode step's own CPU kernels (torch.ops.rayrl.*, schemas in decode_kernels.py, which builds this
+// file with -mavx2 -mfma only where the CPU has them; the step keeps torch's ops where it cannot build).
 //
-// Why: in a decode step every row has a handful of query vectors per KV head (the GQA group) against
+// decode_attention: attention for few query rows. Why: in a decode step every row has a handful of query vectors per KV head (the GQA group) against
 // its own L cached keys. torch's SDPA CPU kernel spends most of that call in MKL's small-matrix GEMM
 // path set up for two tiny matrices per (row, KV head); here each (row, KV head) is one task that reads
-// its keys and values once, for all the group's queries, with AVX2 FMAs (attention_kernel.py builds it
-// with -mavx2 -mfma only where the CPU has them, and the step keeps SDPA where it cannot build).
-//
-// Shapes: query [n, H, G, D], key and value [n, H, L, D] (any strides, the last dimension contiguous),
+// its keys and values once, for all the group's queries, with AVX2 FMAs. Shapes: query [n, H, G, D], key and value [n, H, L, D] (any strides, the last dimension contiguous),
 // mask broadcastable to [n, H, G, L] (float, added to the scaled scores: 0 or -inf) or none.
 // Returns [n, H, G, D], contiguous. A query whose every column is masked gets zeros.
 #include <ATen/ATen.h>
@@ -23,13 +21,13 @@ namespace {
 
 constexpr int kGroupBlock = 4;  // queries whose value sums are accumulated together (8 accumulators)
 
-// e^x for x <= 0 (scores less their maximum); x below -87 (a masked column's -inf) gives exactly 0.
-// Range reduction x = k ln2 + r, |r| <= ln2 / 2, then a degree-6 polynomial for e^r (relative error
-// about 2e-7), scaled by 2^k through the exponent bits.
-inline __m256 exp_nonpositive(__m256 x) {
+// e^x; x below -87 (a masked column's -inf) gives exactly 0, x above 88 gives e^88. Range reduction
+// x = k ln2 + r, |r| <= ln2 / 2, then a degree-6 polynomial for e^r (relative error about 2e-7), scaled
+// by 2^k through the exponent bits.
+inline __m256 exp8(__m256 x) {
   const __m256 lowest = _mm256_set1_ps(-87.0f);
   const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);  // also true for -inf, false for NaN
-  x = _mm256_max_ps(x, lowest);
+  x = _mm256_min_ps(_mm256_max_ps(x, lowest), _mm256_set1_ps(88.0f));
   const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: exact k * hi
@@ -180,7 +178,7 @@ void attend_one(const float* q, const float* k, const float* v, const float* mas
     top8 = _mm256_set1_ps(top);
     __m256 acc = _mm256_setzero_ps();
     for (j = 0; j + 8 <= len; j += 8) {
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), top8));
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), top8));
       _mm256_storeu_ps(s + j, e);
       acc = _mm256_add_ps(acc, e);
     }
@@ -244,6 +242,125 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
   return out;
 }
 
+// rope_cache: RoPE on a step's query and key heads, and the key/value column written to the cache, in one
+// pass. Why: in torch ops this is a multiply, a roll, an addcmul and a strided copy per layer, a few
+// microseconds each, over a few kilobytes. qkv [n, heads + 2 * kv_heads, dim] (the fused projection's
+// output; its last two dimensions contiguous): the query heads are rotated in place; the rotated keys and
+// the values go to new_col [2, n, kv_heads, dim] (any strides, the last dimension contiguous), not back to
+// qkv. cos, sin [n, dim] contiguous, sin sign-folded: x' = x * cos + roll(x, dim / 2) * sin.
+inline void rotate(const float* x, float* out, const float* cos, const float* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  int64_t d = 0;
+  for (; d + 8 <= half; d += 8) {
+    const __m256 a = _mm256_loadu_ps(x + d), b = _mm256_loadu_ps(x + d + half);
+    _mm256_storeu_ps(out + d, _mm256_fmadd_ps(b, _mm256_loadu_ps(sin + d), _mm256_mul_ps(a, _mm256_loadu_ps(cos + d))));
+    _mm256_storeu_ps(out + d + half, _mm256_fmadd_ps(a, _mm256_loadu_ps(sin + d + half),
+                                                     _mm256_mul_ps(b, _mm256_loadu_ps(cos + d + half))));
+  }
+  for (; d < half; ++d) {
+    const float a = x[d], b = x[d + half];
+    out[d] = a * cos[d] + b * sin[d];
+    out[d + half] = b * cos[d + half] + a * sin[d + half];
+  }
+}
+
+void rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& new_col,
+                int64_t heads) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2), "rope_cache: qkv [n, heads, dim]");
+  const int64_t n = qkv.size(0), dim = qkv.size(2), kv_heads = (qkv.size(1) - heads) / 2;
+  TORCH_CHECK(dim % 2 == 0 && heads + 2 * kv_heads == qkv.size(1), "rope_cache: heads + 2 kv_heads heads of even size");
+  TORCH_CHECK(new_col.dim() == 4 && new_col.size(0) == 2 && new_col.size(1) == n && new_col.size(2) == kv_heads &&
+                  new_col.size(3) == dim && new_col.stride(3) == 1, "rope_cache: new_col [2, n, kv_heads, dim]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * dim && sin.numel() == n * dim,
+              "rope_cache: cos, sin [n, dim] contiguous");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && new_col.scalar_type() == at::kFloat &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "rope_cache: float32 only");
+  float* x = qkv.data_ptr<float>();
+  float* col = new_col.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  for (int64_t b = 0; b < n; ++b) {
+    float* row = x + b * qkv.stride(0);
+    const float* cb = c + b * dim;
+    const float* sb = s + b * dim;
+    for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, row + h * dim, cb, sb, dim);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      float* key = col + b * new_col.stride(1) + h * new_col.stride(2);
+      rotate(row + (heads + h) * dim, key, cb, sb, dim);
+      std::copy_n(row + (heads + kv_heads + h) * dim, dim, key + new_col.stride(0));
+    }
+  }
+}
+
+// silu_mul: silu(gate) * up from the fused gate/up projection's output gate_up [n, 2 * inter] (rows
+// contiguous), as a new [n, inter]: one pass instead of silu, a multiply and two narrowed views.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0 &&
+                  gate_up.scalar_type() == at::kFloat, "silu_mul: float32 gate_up [n, 2 * inter], rows contiguous");
+  const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({n, inter}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t b = 0; b < n; ++b) {
+    const float* g = in + b * gate_up.stride(0);
+    const float* u = g + inter;
+    float* ob = o + b * inter;
+    int64_t d = 0;
+    for (; d + 8 <= inter; d += 8) {
+      const __m256 x = _mm256_loadu_ps(g + d);
+      const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+      _mm256_storeu_ps(ob + d, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + d)));
+    }
+    for (; d < inter; ++d) ob[d] = g[d] / (1.0f + std::exp(-g[d])) * u[d];
+  }
+  return out;
+}
+
+// add_rms_norm: x += y in place, then returns rms_norm(x) * weight as a new tensor: the residual add and
+// the next norm in one pass over the row. x, y [n, hidden] with rows contiguous; weight [hidden].
+at::Tensor add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == y.sizes() && x.stride(1) == 1 && y.stride(1) == 1 &&
+                  weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm: x, y [n, hidden], weight [hidden]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "add_rms_norm: float32 only");
+  const int64_t n = x.size(0), hidden = x.size(1);
+  at::Tensor out = at::empty({n, hidden}, x.options());
+  float* xp = x.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t b = 0; b < n; ++b) {
+    float* xb = xp + b * x.stride(0);
+    const float* yb = yp + b * y.stride(0);
+    float* ob = o + b * hidden;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= hidden; d += 8) {
+      const __m256 v = _mm256_add_ps(_mm256_loadu_ps(xb + d), _mm256_loadu_ps(yb + d));
+      _mm256_storeu_ps(xb + d, v);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float sum = hsum(acc);
+    for (; d < hidden; ++d) {
+      xb[d] += yb[d];
+      sum += xb[d] * xb[d];
+    }
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + static_cast<float>(eps));
+    const __m256 inv8 = _mm256_set1_ps(inv);
+    for (d = 0; d + 8 <= hidden; d += 8) {
+      _mm256_storeu_ps(ob + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + d), inv8), _mm256_loadu_ps(w + d)));
+    }
+    for (; d < hidden; ++d) ob[d] = xb[d] * inv * w[d];
+  }
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(rayrl, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(rayrl, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rope_cache", &rope_cache);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("add_rms_norm", &add_rms_norm);
+}

@@ -1,4 +1,4 @@
-"""rayrl's decode attention kernel (rayrl/engines/attention_kernel.py, decode_attention.cpp) held to SDPA,
+"""rayrl's decode attention kernel (rayrl.engines.decode_kernels.py, decode_attention.cpp) held to SDPA,
 and the step's fallback to SDPA where the kernel cannot be built.
 
 Tolerance: 2e-5 max |kernel - SDPA| on the attention output in float32 (another summation order and
@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rayrl.engines import attention_kernel
-from rayrl.engines.attention_kernel import decode_attention_available
+from rayrl.engines import decode_kernels
+from rayrl.engines.decode_kernels import decode_kernels_available
 
 
 @pytest.fixture(scope="module")
 def kernel() -> None:
-    if not decode_attention_available():
-        pytest.skip(f"the kernel cannot be built here: {attention_kernel.unavailable_reason()}")
+    if not decode_kernels_available():
+        pytest.skip(f"the kernel cannot be built here: {decode_kernels.unavailable_reason()}")
 
 
 def _case(n: int, kv_heads: int, group: int, dim: int, length: int, padded: bool, seed: int):
@@ -87,10 +87,10 @@ def test_kernel_refuses_what_it_cannot_read(kernel):
 
 @pytest.fixture
 def fresh_choice():
-    """decode_attention_available() decided again in the test, and again after it (for later tests)."""
-    decode_attention_available.cache_clear()
+    """decode_kernels_available() decided again in the test, and again after it (for later tests)."""
+    decode_kernels_available.cache_clear()
     yield
-    decode_attention_available.cache_clear()
+    decode_kernels_available.cache_clear()
 
 
 def test_no_kernel_when_turned_off_and_the_step_uses_sdpa(fresh_choice, tiny_model, monkeypatch, caplog):
@@ -98,10 +98,10 @@ def test_no_kernel_when_turned_off_and_the_step_uses_sdpa(fresh_choice, tiny_mod
 
     from rayrl.engines.lean_decode import LeanDecoder
 
-    monkeypatch.setenv(attention_kernel.ENV, "sdpa")
-    with caplog.at_level(logging.WARNING, logger="rayrl.engines.attention_kernel"):
-        assert decode_attention_available() is False
-    assert "RAYRL_DECODE_ATTENTION=sdpa" in caplog.text
+    monkeypatch.setenv(decode_kernels.ENV, "off")
+    with caplog.at_level(logging.WARNING, logger="rayrl.engines.decode_kernels"):
+        assert decode_kernels_available() is False
+    assert "RAYRL_DECODE_KERNELS=off" in caplog.text
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     lean = LeanDecoder(model, "float32", 64)
     assert lean.kernel is False and lean.attention == "sdpa"
@@ -110,22 +110,22 @@ def test_no_kernel_when_turned_off_and_the_step_uses_sdpa(fresh_choice, tiny_mod
 def test_a_failed_build_falls_back_to_sdpa(fresh_choice, monkeypatch, caplog):
     import torch.utils.cpp_extension as ext
 
-    if attention_kernel.unavailable_reason() is not None:
+    if decode_kernels.unavailable_reason() is not None:
         pytest.skip("no build is tried here")
 
     def broken(*args, **kwargs):
-        raise RuntimeError("Error building extension 'rayrl_decode_attention'")
+        raise RuntimeError("Error building extension 'rayrl_decode_kernels'")
 
     monkeypatch.setattr(ext, "load", broken)
-    with caplog.at_level(logging.WARNING, logger="rayrl.engines.attention_kernel"):
-        assert decode_attention_available() is False
+    with caplog.at_level(logging.WARNING, logger="rayrl.engines.decode_kernels"):
+        assert decode_kernels_available() is False
     assert "Error building extension" in caplog.text
 
 
 def test_no_kernel_without_the_cpu_flags(monkeypatch):
-    monkeypatch.setattr(attention_kernel, "_cpu_flags", lambda: {"sse2", "avx"})
-    monkeypatch.setattr(attention_kernel.platform, "machine", lambda: "x86_64")
-    monkeypatch.delenv(attention_kernel.ENV, raising=False)
-    assert attention_kernel.unavailable_reason() == "the CPU lacks avx2, fma, f16c"
-    monkeypatch.setattr(attention_kernel.platform, "machine", lambda: "aarch64")
-    assert attention_kernel.unavailable_reason() == "not x86-64 (aarch64)"
+    monkeypatch.setattr(decode_kernels, "_cpu_flags", lambda: {"sse2", "avx"})
+    monkeypatch.setattr(decode_kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv(decode_kernels.ENV, raising=False)
+    assert decode_kernels.unavailable_reason() == "the CPU lacks avx2, fma, f16c"
+    monkeypatch.setattr(decode_kernels.platform, "machine", lambda: "aarch64")
+    assert decode_kernels.unavailable_reason() == "not x86-64 (aarch64)"
