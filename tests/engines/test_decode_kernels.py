@@ -1,9 +1,10 @@
-"""rayrl's decode attention kernel (rayrl.engines.decode_kernels.py, decode_attention.cpp) held to SDPA,
-and the step's fallback to SDPA where the kernel cannot be built.
+"""rayrl's decode kernels (rayrl/engines/decode_kernels.py, decode_kernels.cpp) held to the torch ops they
+replace in the step, and the step's fallback to torch's ops where they cannot be built.
 
-Tolerance: 2e-5 max |kernel - SDPA| on the attention output in float32 (another summation order and
-our own exp; measured up to 2.3e-6 on 2026-11-27), on cache-shaped inputs: queries as views of a fused
-qkv row, keys and values as column windows of a wider cache buffer.
+Tolerances, float32: attention 2e-5 max |kernel - SDPA| (another summation order and our own exp;
+measured up to 2.3e-6 on 2026-11-27), on cache-shaped inputs: queries as views of a fused qkv row, keys
+and values as column windows of a wider cache buffer; the pointwise ops 1e-5 (RoPE is exact up to the
+FMA's rounding, silu uses our exp, the norm sums in another order).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rayrl.engines.decode_kernels import decode_kernels_available
 @pytest.fixture(scope="module")
 def kernel() -> None:
     if not decode_kernels_available():
-        pytest.skip(f"the kernel cannot be built here: {decode_kernels.unavailable_reason()}")
+        pytest.skip(f"the kernels cannot be built here: {decode_kernels.unavailable_reason()}")
 
 
 def _case(n: int, kv_heads: int, group: int, dim: int, length: int, padded: bool, seed: int):
@@ -83,6 +84,46 @@ def test_kernel_refuses_what_it_cannot_read(kernel):
         torch.ops.rayrl.decode_attention(q.double(), k.double(), v.double(), None, 0.2)
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.rayrl.decode_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, None, 0.2)
+
+
+@pytest.mark.parametrize("dim", [16, 32, 40, 64, 128])
+def test_rope_cache_is_rope_and_the_cache_copy(kernel, dim):
+    """Queries rotated in place, rotated keys and the values written to the cache column (a strided view
+    of a wider cache, as the step passes it), the keys in qkv left as they were."""
+    g = torch.Generator().manual_seed(dim)
+    n, heads, kv_heads = 5, 6, 2
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g).view(n, heads + 2 * kv_heads, dim)
+    cos, sin = torch.randn(n, 1, dim, generator=g), torch.randn(n, 1, dim, generator=g)
+    cache = torch.zeros(2, n + 1, kv_heads, 9, dim)
+    col = cache[:, 1:, :, 4]
+    qk = qkv.narrow(1, 0, heads + kv_heads)
+    rotated = qk * cos + qk.roll(dim // 2, -1) * sin
+    keys_before, values = qkv[:, heads : heads + kv_heads].clone(), qkv[:, heads + kv_heads :].clone()
+    torch.ops.rayrl.rope_cache(qkv, cos, sin, col, heads)
+    torch.testing.assert_close(qkv[:, :heads], rotated[:, :heads], atol=1e-5, rtol=0)
+    torch.testing.assert_close(col[0], rotated[:, heads:], atol=1e-5, rtol=0)
+    assert torch.equal(col[1], values) and torch.equal(qkv[:, heads : heads + kv_heads], keys_before)
+    assert int(cache.count_nonzero()) == int(col.count_nonzero())  # nothing written outside the column
+
+
+@pytest.mark.parametrize("inter", [1, 8, 36, 1536])
+def test_silu_mul_is_silu_times_up(kernel, inter):
+    g = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(3, 2 * inter, generator=g) * 6
+    gate_up[0, :inter] = torch.linspace(-120, 120, inter)  # far tails: exp's clamps
+    want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(torch.ops.rayrl.silu_mul(gate_up), want, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("hidden", [4, 44, 576])
+def test_add_rms_norm_adds_in_place_and_norms(kernel, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    x, y = torch.randn(4, hidden, generator=g) * 3, torch.randn(4, hidden, generator=g)
+    w = torch.randn(hidden, generator=g)
+    total = x + y
+    out = torch.ops.rayrl.add_rms_norm(x, y, w, 1e-5)
+    assert torch.equal(x, total)
+    torch.testing.assert_close(out, torch.rms_norm(total, [hidden], w, 1e-5), atol=1e-5, rtol=1e-6)
 
 
 @pytest.fixture
