@@ -13,8 +13,16 @@ This module is the same arithmetic in as few ops as the model allows:
 - RoPE comes from a table computed once by the model's own rotary module (so every RoPE variant it
   implements statically: default, linear, llama3, yarn), indexed by position: one gather per step.
 - Keys and values go straight into the running batch's cache buffers (kv_cache.BatchKV) at the step's
-  column; attention reads a view of them. Grouped-query heads reach SDPA as several queries of one KV
-  head, so the shared keys are never repeated. No mask is built when no running row has padding.
+  column; attention reads a view of them. Grouped-query heads reach attention as several queries of one
+  KV head, so the shared keys are never repeated. No mask is built when no running row has padding.
+- Where rayrl's own CPU kernels build (decode_kernels.py: C++/AVX2, compiled once per machine at engine
+  load, cached), the step's work between the matmuls runs on them: attention for few query rows
+  (each row's keys and values read once for the whole GQA group, instead of SDPA's small-GEMM path),
+  RoPE fused with the cache column write, silu * up, and each residual add fused with the next RMS
+  norm. On SmolLM2-135M in fp16-packed, 2 threads, that made the step 1.25x faster at batch 1 and 1.20x
+  at batch 8 (docs/results/cpu_engine_goals.md, 2026-11-27, branch e26). Elsewhere (no compiler, no
+  AVX2/FMA, ``RAYRL_DECODE_KERNELS=off``) the same scripted function runs torch's ops and SDPA, chosen
+  per call by a flag; :attr:`LeanDecoder.attention` (the engine's ``decode_attention`` stat) says which.
 - The head's output is the ``[rows, vocab]`` float32 logits the sampler takes as is.
 - The decoder layers of a step run as one TorchScript call (:func:`_decoder_layers`, both weight
   formats: one copy of the arithmetic): calling FBGEMM's op on a packed weight from Python costs about a
