@@ -66,12 +66,12 @@ HEAD = 4  # generated tokens per sequence compared between the engines (a check 
 class OursWorker:
     """rayrl's CPUEngine in this process."""
 
-    def __init__(self, threads: int, weight_format: str) -> None:
+    def __init__(self, threads: int, weight_format: str, dtype: str) -> None:
         from rayrl.config.resolve import compute_dtype, cpu_has_native_bf16
         from rayrl.engines.cpu_engine import CPUEngine
         from rayrl.models import resolve_model_path
 
-        self.dtype = compute_dtype("auto", cuda=False, native_bf16=cpu_has_native_bf16())
+        self.dtype = compute_dtype(dtype, cuda=False, native_bf16=cpu_has_native_bf16())
         self.engine = CPUEngine(resolve_model_path("smollm2-135m-instruct"), dtype=self.dtype,
                                 max_batch_size=32, num_threads=threads, weight_format=weight_format).start()
 
@@ -85,6 +85,7 @@ class OursWorker:
         read = stats["packed_weight_bytes"] or params
         return {"dtype": self.dtype, "threads": torch.get_num_threads(), "weight_bytes": read,
                 "weight_format": stats["weight_format"], "decode_path": stats["decode_path"],
+                "decode_attention": stats["decode_attention"],
                 "load_pack_s": stats["weight_load_pack_seconds"], "config": self.engine.model.config.to_dict()}
 
     def run(self, prompts: Sequence[list[int]], new_tokens: int) -> dict[str, Any]:
@@ -214,12 +215,12 @@ class LlamaWorker:
         return {"wall": time.perf_counter() - start, "first": first, "head": head}
 
 
-def worker_main(kind: str, threads: int, n_ctx: int, n_seq: int, weight_format: str) -> None:
+def worker_main(kind: str, threads: int, n_ctx: int, n_seq: int, weight_format: str, dtype: str) -> None:
     """JSON lines on stdin -> JSON lines on the original stdout (fd 1 is pointed at stderr, so what
     native libraries print cannot corrupt the replies)."""
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    worker = OursWorker(threads, weight_format) if kind == "ours" else LlamaWorker(threads, n_ctx, n_seq)
+    worker = OursWorker(threads, weight_format, dtype) if kind == "ours" else LlamaWorker(threads, n_ctx, n_seq)
     reply.write(json.dumps({"ready": True}) + "\n")
     reply.flush()
     for line in sys.stdin:
@@ -238,7 +239,8 @@ class Worker:
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE), "--worker", kind, "--threads", str(args.threads),
-             "--n-ctx", str(n_ctx), "--n-seq", str(n_seq), "--weight-format", args.weight_format],
+             "--n-ctx", str(n_ctx), "--n-seq", str(n_seq), "--weight-format", args.weight_format,
+             "--dtype", args.dtype],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         if not json.loads(self._line()).get("ready"):
             raise RuntimeError(f"{kind} worker did not start")
@@ -295,6 +297,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--weight-format", default="auto", choices=("auto", "float32", "fp16-packed"),
                     help="ours: engine.weight_format")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="ours: engine.dtype (auto: bfloat16 on a CPU with native bf16, where fp16-packed cannot run)")
     ap.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--n-ctx", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--n-seq", type=int, default=0, help=argparse.SUPPRESS)
@@ -302,7 +306,7 @@ def main() -> int:
     args = ap.parse_args()
     args.threads = args.threads or os.cpu_count() or 1
     if args.worker:
-        worker_main(args.worker, args.threads, args.n_ctx, args.n_seq, args.weight_format)
+        worker_main(args.worker, args.threads, args.n_ctx, args.n_seq, args.weight_format, args.dtype)
         return 0
 
     from engine_throughput import make_prompts
@@ -395,9 +399,10 @@ def report(record: Record, info: dict[str, Any], results: dict[str, dict], roof:
            prompt_range: tuple[int, int]) -> dict[str, bool]:
     """The comparison and roofline tables; returns each row's goal, met or not."""
     ours, llama = info["ours"], info["llama.cpp"]
-    record.note(f"ours: rayrl CPUEngine, dtype {ours['dtype']} (engine.dtype auto on this CPU), dequantised "
-                f"weights, decode path {ours['decode_path']}, weight format {ours['weight_format']} (packed at "
-                f"load in {ours['load_pack_s']:.2f} s), {ours['threads']} torch threads. "
+    record.note(f"ours: rayrl CPUEngine, dtype {ours['dtype']} (engine.dtype from --dtype), dequantised "
+                f"weights, decode path {ours['decode_path']} (step on {ours['decode_attention']}), weight format "
+                f"{ours['weight_format']} (packed at load in {ours['load_pack_s']:.2f} s), {ours['threads']} torch "
+                f"threads. "
                 f"llama.cpp: llama-cpp-python {llama['version']}, "
                 f"{llama['gguf']} as quantised (Q4_1 linear layers, Q8_0 embedding/output), {llama['threads']} "
                 f"threads, batched C API (llama_batch/llama_decode; its server has no parallel slots), "
