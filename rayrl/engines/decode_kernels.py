@@ -10,8 +10,9 @@ with one pass. docs/results/cpu_engine_goals.md (2026-11-27, branch e26) has the
 
 torch ships no such kernels and a pure-Python package cannot ship a compiled extension, so they are
 compiled with ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja) the first time a process asks
-for them (about 15 s), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``), where the next process finds the build and only loads it (about 0.15 s).
+for them (15-19 s), into torch's extension root (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``; :func:`build_directory`), where the next process finds the build and only
+loads it (about 0.2 s).
 
 The ops' schemas are defined here, at import, whether or not the build succeeds, so the TorchScript step
 (lean_decode._decoder_layers) compiles either way and chooses per call with a flag: our kernels where
@@ -41,6 +42,8 @@ SOURCE = Path(__file__).with_name("decode_kernels.cpp")
 CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' -m flags assume
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # -fopenmp: at::parallel_for on torch's libgomp
 ENV = "RAYRL_DECODE_KERNELS"
+NAME = "rayrl_decode_kernels"
+STALE_LOCK_SECONDS = 600  # a build takes well under a minute; a lock this old was left by a killed build
 SCHEMAS = (
     "decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor",
     "rope_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) new_col, int heads) -> ()",
@@ -84,6 +87,26 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
+def build_directory() -> Path:
+    """Where the kernels are built and cached: one folder per torch and Python version under torch's
+    extension root. A lock file left there by a build that was killed is removed (torch's loader would
+    otherwise wait for it forever, and the engine with it)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}".replace("+", "_")
+    path = Path(root) / f"{NAME}-{tag}"
+    path.mkdir(parents=True, exist_ok=True)
+    lock = path / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink()
+            logger.warning("removed a stale build lock (%s)", lock)
+    except FileNotFoundError:
+        pass
+    return path
+
+
 def _self_check() -> float:
     """The largest |kernel - torch| over the four ops on small random inputs (raises if an op fails)."""
     g = torch.Generator().manual_seed(0)
@@ -118,8 +141,8 @@ def decode_kernels_available() -> bool:
         try:
             from torch.utils.cpp_extension import load
 
-            load("rayrl_decode_kernels", [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                 is_python_module=False, verbose=False)
+            load(NAME, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                 build_directory=str(build_directory()), is_python_module=False, verbose=False)
             gap = _self_check()
             reason = None if gap < 1e-4 else f"their self-check is off torch's ops by {gap:.1e}"
         except Exception as err:  # no compiler that works, a build error, a kernel that raises

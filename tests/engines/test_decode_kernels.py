@@ -163,6 +163,20 @@ def test_a_failed_build_falls_back_to_sdpa(fresh_choice, monkeypatch, caplog):
     assert "Error building extension" in caplog.text
 
 
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = decode_kernels.build_directory() / "lock"
+    lock.touch()
+    assert decode_kernels.build_directory() == lock.parent and lock.exists()  # a build may hold it now
+    old = time.time() - decode_kernels.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    decode_kernels.build_directory()
+    assert not lock.exists()
+
+
 def test_no_kernel_without_the_cpu_flags(monkeypatch):
     monkeypatch.setattr(decode_kernels, "_cpu_flags", lambda: {"sse2", "avx"})
     monkeypatch.setattr(decode_kernels.platform, "machine", lambda: "x86_64")
