@@ -29,6 +29,7 @@ from typing import Optional
 
 _MAX_HEAD = 65536  # status line + headers
 _WHOLE = 1 << 62  # next_block's hold for a reader that wants the whole body at once
+_HIGH_WATER = 262144  # body bytes held for a reader (or twice its hold) before the engine's sends are paused
 
 
 class StreamHTTPError(Exception):
@@ -66,6 +67,7 @@ class _Connection(asyncio.Protocol):
         self.waiting_head = False
         self.closed = False  # the server closed it, it broke, or it was aborted
         self.stray = False  # bytes came while no request was waiting for them: never reused
+        self.paused = False  # reading paused: the reader has not taken what it holds (flow control)
         self.waiter: Optional[asyncio.Future[None]] = None
         self.idle_since = 0.0
         self.deadline = 0.0  # loop time by which the pending read must make progress
@@ -87,6 +89,9 @@ class _Connection(asyncio.Protocol):
             resp.feed(data)
             if self.waiter is not None and resp.ready():
                 self._wake()
+            elif not self.paused and resp.over_high_water() and self.transport is not None:
+                self.paused = True  # a reader slower than the engine: TCP holds the engine back meanwhile
+                self.transport.pause_reading()
         elif self.waiting_head:
             self.head += data
             if self.waiter is not None and (b"\r\n\r\n" in self.head or len(self.head) > _MAX_HEAD):
@@ -213,6 +218,11 @@ class StreamResponse:
             self._parts.append(block)
             self._part_bytes += len(block)
 
+    def over_high_water(self) -> bool:
+        """Whether the bytes held for the reader are enough to pause the connection until it takes them
+        (never for a reader that waits for the whole body)."""
+        return self._hold < _WHOLE and self._part_bytes >= max(_HIGH_WATER, 2 * self._hold)
+
     def ready(self) -> bool:
         """Whether the reader has something to do: bytes enough, the body's end, or a failure."""
         return (self._part_bytes >= self._hold or self.complete or self._error is not None
@@ -236,6 +246,9 @@ class StreamResponse:
             block = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
             self._parts.clear()
             self._part_bytes = 0
+            if conn.paused and not conn.closed and conn.transport is not None:
+                conn.paused = False
+                conn.transport.resume_reading()
             return block
         if self._error is not None:
             raise self._client.failure(conn, self._error)
@@ -311,7 +324,7 @@ class StreamResponse:
         """Back to the pool when the body was read to its end on a keep-alive connection, else closed."""
         self._conn.disarm()
         self._conn.response = None
-        if self.complete and self._keep_alive:
+        if self.complete and self._keep_alive and not self._conn.paused:
             self._client.put(self._key, self._conn)
         else:
             self._conn.close()

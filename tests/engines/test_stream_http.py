@@ -315,6 +315,43 @@ def test_a_reader_that_waits_for_the_whole_body_is_woken_once():
     asyncio.run(run())
 
 
+def test_a_reader_slower_than_the_engine_holds_the_engine_back():
+    """Flow control: a streaming reader that does not take what arrives pauses the connection once a bound
+    of bytes is held (the engine's sends then wait on TCP), and gets every byte when it reads again."""
+    piece = b"data: " + b"z" * 16378 + b"\n\n"  # 16 KiB events, 8 MiB in all
+    count = 512
+    sent: list[int] = []
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+        for _ in range(count):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            sent.append(len(piece))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def run():
+        server, url, _ = await _raw_server(answer)
+        http = StreamingHTTP(read_timeout_s=10)
+        try:
+            async with http.post(url, "/x", b"{}") as resp:
+                first = await resp.next_block()
+                await asyncio.sleep(0.5)  # the reader is away: the engine keeps sending
+                conn = resp._conn
+                held = resp._part_bytes
+                assert conn.paused and held < 2 * 1024 * 1024 and sum(sent) < count * len(piece)
+                rest = [first]
+                while (block := await resp.next_block()) is not None:
+                    rest.append(block)
+            assert b"".join(rest) == piece * count
+        finally:
+            await http.close()
+            server.close()
+
+    asyncio.run(run())
+
+
 def test_bad_framing_fails_after_the_bytes_before_it():
     async def answer(writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: a\n\n\r\nzz\r\n")
