@@ -164,9 +164,9 @@ def test_native_bf16_agrees_with_the_cpu_flags_on_this_machine():
     """No stand-in: on an x86 Linux machine the answer is the kernel's avx512_bf16/amx_bf16 flags."""
     import platform
 
-    from rayrl.config.resolve import _cpu_flags, cpu_has_native_bf16
+    from rayrl.config.resolve import cpu_flags, cpu_has_native_bf16
 
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if platform.machine().lower() not in ("x86_64", "amd64") or not flags:
         pytest.skip("not an x86 Linux machine")
     assert cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"})

@@ -100,11 +100,11 @@ def cpu_has_native_bf16() -> bool:
         checks = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
         if all(callable(check) for check in checks):
             return any(bool(check()) for check in checks)
-        return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+        return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     """The CPU's feature flags as the Linux kernel lists them (empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:

@@ -36,6 +36,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from rayrl.config.resolve import cpu_flags
+
 logger = logging.getLogger("rayrl.engines.decode_kernels")
 
 SOURCE = Path(__file__).with_name("decode_kernels.cpp")
@@ -58,23 +60,13 @@ for _schema in SCHEMAS:
 build_seconds = 0.0  # the last call's build or load of the compiled kernels
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def unavailable_reason() -> Optional[str]:
     """Why the kernels cannot be built here (None: they can be tried)."""
     if os.environ.get(ENV, "").lower() in ("off", "0", "no", "false"):
         return f"{ENV}={os.environ[ENV]}"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not x86-64 ({platform.machine()})"
-    missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
+    missing = [f for f in CPU_FLAGS if f not in cpu_flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
     if shutil.which(os.environ.get("CXX", "c++")) is None:

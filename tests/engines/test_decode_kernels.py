@@ -178,7 +178,7 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
 
 
 def test_no_kernel_without_the_cpu_flags(monkeypatch):
-    monkeypatch.setattr(decode_kernels, "_cpu_flags", lambda: {"sse2", "avx"})
+    monkeypatch.setattr(decode_kernels, "cpu_flags", lambda: {"sse2", "avx"})
     monkeypatch.setattr(decode_kernels.platform, "machine", lambda: "x86_64")
     monkeypatch.delenv(decode_kernels.ENV, raising=False)
     assert decode_kernels.unavailable_reason() == "the CPU lacks avx2, fma, f16c"
