@@ -102,11 +102,13 @@ def test_bf16_compute_keeps_fp32_master_weights_and_learns(tiny_model_dir):
 
 
 def test_compute_dtype_resolution():
+    from rayrl.config.resolve import cpu_has_native_bf16
+
     cpu = torch.device("cpu")
     assert autocast_dtype("float32", cpu) is None
     assert autocast_dtype("bfloat16", cpu) is torch.bfloat16
     assert autocast_dtype("auto", torch.device("cuda")) is torch.bfloat16
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    native = cpu_has_native_bf16()  # AVX512-BF16 or AMX on x86 (not oneDNN's "any AVX512")
     assert autocast_dtype("auto", cpu) is (torch.bfloat16 if native else None)
 
 
