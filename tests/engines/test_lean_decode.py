@@ -99,6 +99,22 @@ def test_each_family_decodes_as_transformers(family_models, kind, fmt, tolerance
         assert _max_gap(eng, _reference(path), REQUESTS) <= tolerance
 
 
+def _left_padded(n: int, t: int, padding: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``n`` random prompts of ``t`` ids, row ``r`` left-padded by ``padding[r]`` columns: ids, mask, positions."""
+    ids = torch.randint(3, 1000, (n, t))
+    mask = torch.ones(n, t, dtype=torch.bool)
+    for row, columns in padding.items():
+        mask[row, :columns] = False
+    return ids, mask, (mask.long().cumsum(1) - 1).clamp(min=0)
+
+
+def _cache_of(lean: LeanDecoder, keys: list, values: list, mask: torch.Tensor) -> BatchKV:
+    """A fresh running-batch cache holding a prefill's keys and values."""
+    kv = BatchKV(len(lean.layers), mask.shape[0])
+    kv.append(KVBlock(keys, values, mask))
+    return kv
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("fmt", ["float32", pytest.param("fp16-packed", marks=packed_only)])
 def test_scripted_step_is_the_python_step(family_models, kind, fmt):
@@ -112,18 +128,13 @@ def test_scripted_step_is_the_python_step(family_models, kind, fmt):
     torch.manual_seed(0)
     for padded in (False, True):
         n, t = 3, 9
-        ids = torch.randint(3, 1000, (n, t))
-        mask = torch.ones(n, t, dtype=torch.bool)
-        if padded:
-            mask[0, :4] = False
-        positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+        ids, mask, positions = _left_padded(n, t, {0: 4} if padded else {})
         with torch.inference_mode():
             attn = prefill_mask(mask) if padded else None
             _, keys, values = lean.prefill(ids, positions, attn, None, False)
             outs = []
             for run in (lean._run_layers, _decoder_layers):
-                kv = BatchKV(len(lean.layers), n)
-                kv.append(KVBlock(keys, values, mask))
+                kv = _cache_of(lean, keys, values, mask)
                 step_mask = kv.step_mask()
                 assert (step_mask is not None) == padded
                 lean._run_layers = run
@@ -145,18 +156,12 @@ def test_kernel_step_is_the_sdpa_step(family_models, kind, fmt):
     torch.manual_seed(1)
     for padded in (False, True):
         n, t = 4, 11
-        ids = torch.randint(3, 1000, (n, t))
-        mask = torch.ones(n, t, dtype=torch.bool)
-        if padded:
-            mask[0, :4] = False
-            mask[2, :9] = False
-        positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+        ids, mask, positions = _left_padded(n, t, {0: 4, 2: 9} if padded else {})
         outs = []
         with torch.inference_mode():
             _, keys, values = lean.prefill(ids, positions, prefill_mask(mask) if padded else None, None, False)
             for kernel in (True, False):
-                kv = BatchKV(len(lean.layers), n)
-                kv.append(KVBlock(keys, values, mask))
+                kv = _cache_of(lean, keys, values, mask)
                 lean.kernel = kernel
                 outs.append(lean.step(ids[:, -1], positions[:, -1] + 1, kv, slice(0, n), kv.step_mask()))
         torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
