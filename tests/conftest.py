@@ -74,15 +74,17 @@ def s3_endpoint(tmp_path, monkeypatch):
 
 @pytest.fixture
 def ray_local():
-    """A local Ray (4 logical CPUs) whose node exports Prometheus metrics on the yielded port; the test's
-    own modules (tests.e2e_support, ...) import in the workers."""
+    """A local Ray (4 logical CPUs); yields the port its node exports Prometheus metrics on. The test's own
+    modules (tests.e2e_support, ...) import in the workers.
+
+    Ray's metrics agent binds a port of its own choosing and the node reports it. A port picked here and
+    handed to Ray was free only when picked: when something took it before the agent bound it, the agent
+    died, the raylet never registered, and ``ray.init`` failed after Ray's fixed 30 s wait (a CI run did)."""
     import ray
 
-    from rayrl.ports import free_port
     from tests.ray_support import ROOT
 
-    port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=port,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    yield port
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    (node,) = ray.nodes()
+    yield node["MetricsExportPort"]
     ray.shutdown()
