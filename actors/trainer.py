@@ -24,7 +24,6 @@ import asyncio
 import logging
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -37,6 +36,7 @@ from actors.rank_stacks import answer_stacks_signal, stacks_to_log
 from rayrl.checkpoint import CheckpointStore
 from rayrl.config import AlgorithmConfig, TrainerConfig
 from rayrl.pipeline.failures import TrainerFailure
+from rayrl.ports import free_port
 from rayrl.rl.shard import replica_leads
 from rayrl.rl.updates import UpdatePlan, plan_updates
 from rayrl.trainers.memory_saver import preload_env
@@ -75,11 +75,7 @@ class TrainerRank:
         self._loop: asyncio.AbstractEventLoop | None = None  # one loop for the sender's HTTP sessions
 
     def master_address(self) -> tuple[str, int]:
-        ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ip, port
+        return ray.util.get_node_ip_address(), free_port("")  # the other ranks reach it on any interface
 
     def setup(self, master_addr: str, master_port: int) -> int:
         import torch
