@@ -6,7 +6,9 @@ manages the process.
 The process runs in its own process group (so stopping it also stops anything it spawned, e.g. SGLang's
 scheduler processes), writes stdout/stderr to a log file, and counts as started only once ``/health``
 answers 200. If it dies or times out first, :class:`EngineLaunchError` says so with the log's tail —
-the actual reason (a missing model, a port in use, an OOM) is almost always there.
+the actual reason (a missing model, a port in use, an OOM) is almost always there. A server that dies
+because the port this process picked for it was taken meanwhile is started again on a fresh port (up to
+``PORT_TRIES`` times); a port the caller chose is the caller's to change.
 
 ``die_with_parent`` (Linux): the kernel kills the server when the thread that started it exits, so an
 engine whose owner (a Ray actor) is killed does not live on holding its port, its memory and, on GPU,
@@ -16,6 +18,7 @@ its device. The owner must start it from a thread that lives as long as the owne
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -28,6 +31,11 @@ from typing import Mapping, Optional
 from rayrl.config import EngineConfig
 from rayrl.engines.backends import engine_backend
 from rayrl.ports import free_port
+
+logger = logging.getLogger(__name__)
+
+PORT_TRIES = 3
+_PORT_TAKEN = "address already in use"  # how Python (aiohttp, uvicorn) and C (strerror) report EADDRINUSE
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
 
@@ -72,6 +80,8 @@ class EngineProcess:
         self.log_path = Path(log_path)
         self.backend = backend
         self.port = port or free_port(cfg.host)
+        self._port_picked = not port  # ours to pick again if it was taken before the server bound it
+        self._log_start = 0  # where this start's lines begin in the log
         self.env = dict(env or {})
         self.weight_version = str(weight_version)  # what the checkpoint at model_path is
         self.advertise_host = advertise_host or cfg.host
@@ -94,9 +104,37 @@ class EngineProcess:
         """Launch and wait for /health; raises EngineLaunchError (with the log tail) on failure."""
         if self.alive():
             return self
+        tries = 1
+        while True:
+            self._launch()
+            try:
+                self._wait_healthy(self.cfg.startup_timeout_s if timeout_s is None else timeout_s)
+                return self
+            except EngineLaunchError:
+                if tries == PORT_TRIES or not (self._port_picked and self._lost_its_port()):
+                    raise
+            self.stop()  # reap what the dead server left in its process group
+            tries += 1
+            taken, self.port = self.port, free_port(self.cfg.host)
+            logger.warning("the %s engine server's port %d was taken before it bound it; starting it again on "
+                           "port %d (log: %s)", self.backend, taken, self.port, self.log_path)
+
+    def _lost_its_port(self) -> bool:
+        """True when the server exited and this start's log says its address was in use."""
+        if self.alive():
+            return False
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return _PORT_TAKEN in f.read().decode("utf-8", "replace").lower()
+        except OSError:
+            return False
+
+    def _launch(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env(self.cfg), **self.env}
         with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()
             log.write(
                 f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.command())}\n".encode()
             )
@@ -110,8 +148,6 @@ class EngineProcess:
                 start_new_session=True,  # own process group: stop() reaches its children too
                 preexec_fn=_kill_with_parent if self.die_with_parent else None,
             )
-        self._wait_healthy(self.cfg.startup_timeout_s if timeout_s is None else timeout_s)
-        return self
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

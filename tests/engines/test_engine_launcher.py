@@ -1,10 +1,13 @@
 """EngineProcess: a real cpu_server subprocess; launch, health, generate, stop, failures. (An engine that
-dies is replaced by a new actor and process, actors/engine_fleet.py; EngineProcess never restarts.)"""
+dies is replaced by a new actor and process, actors/engine_fleet.py; EngineProcess never restarts a server
+that was up: it starts one again only when the port it picked was taken before the server bound it.)"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import socket
 import sys
 import time
 
@@ -59,6 +62,35 @@ def test_missing_model_path_fails_clearly(tmp_path):
     assert "exited with code" in message and "no-such-model" in message
     assert "not a model directory" in message  # the server's own reason, from the log tail
     assert time.monotonic() - start < 60 and not proc.alive()
+
+
+def _hold(port: int) -> socket.socket:
+    """Something else listening on ``port`` (as a process that took it between pick and bind would)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    return sock
+
+
+def test_a_server_whose_picked_port_was_taken_starts_again_on_a_fresh_one(tiny_model, tmp_path, caplog):
+    proc = EngineProcess(_cfg(), str(tiny_model), tmp_path / "engine.log")
+    taken = proc.port
+    with _hold(taken), caplog.at_level(logging.WARNING, logger="rayrl.engines.launcher"), proc:
+        assert proc.healthy() and proc.port != taken
+        log = (tmp_path / "engine.log").read_text()
+        assert log.count("starting:") == 2 and "address already in use" in log.lower()
+        warnings = [r.getMessage() for r in caplog.records]
+        assert len(warnings) == 1 and f"port {taken} was taken" in warnings[0] and f"port {proc.port}" in warnings[0]
+
+
+def test_a_port_the_caller_chose_is_not_changed_when_taken(tiny_model, tmp_path):
+    with _hold(0) as held:
+        port = held.getsockname()[1]
+        proc = EngineProcess(_cfg(), str(tiny_model), tmp_path / "engine.log", port=port)
+        with pytest.raises(EngineLaunchError, match="exited with code") as err:
+            proc.start()
+    assert "address already in use" in str(err.value).lower() and proc.port == port
+    assert (tmp_path / "engine.log").read_text().count("starting:") == 1
 
 
 def test_startup_timeout_reports_log_tail(tmp_path):
