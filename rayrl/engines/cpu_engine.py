@@ -33,12 +33,14 @@ maximum.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import logging
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -65,6 +67,16 @@ logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "in_place", "retract")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+_RUNNING: "weakref.WeakSet[CPUEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_running_engines() -> None:
+    """Stop every engine still running at exit (its owner never called shutdown): a daemon loop thread
+    caught inside a torch op by finalization is unwound through C++ frames, and the process aborts."""
+    for engine in list(_RUNNING):
+        engine.shutdown(timeout=10.0)
 
 
 class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin):
@@ -158,6 +170,7 @@ class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin):
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="cpu-engine-loop", daemon=True)
             self._thread.start()
+            _RUNNING.add(self)
         return self
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -167,6 +180,7 @@ class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin):
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        _RUNNING.discard(self)
         self._fail_all("the engine is shutting down")
         self._fail_commands()
 

@@ -385,3 +385,25 @@ def test_context_length_defaults_to_the_models_maximum(tiny_model):
     for asked in (None, maximum * 4):
         eng = CPUEngine(tiny_model, dtype="float32", max_batch_size=1, context_length=asked)
         assert eng.context_length == maximum
+
+
+def test_a_process_that_exits_with_its_engine_still_decoding_exits_cleanly(tiny_model):
+    """The owner never calls shutdown and leaves requests running: the engine is stopped at exit, so the
+    process ends with its own status, not with SIGABRT from a loop thread unwound inside a torch op."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from rayrl.engines.cpu_engine import CPUEngine\n"
+        "engine = CPUEngine(sys.argv[1], dtype='float32', max_batch_size=8, num_threads=1).start()\n"
+        "params = {'temperature': 0.0, 'max_new_tokens': 3000, 'ignore_eos': True}\n"
+        "running = [engine.submit(list(range(10 + i, 60 + i)), params) for i in range(4)]\n"
+        "engine.generate([5, 6, 7], {'temperature': 0.0, 'max_new_tokens': 2, 'ignore_eos': True})\n"
+        "print('leaving with', sum(not h.finished for h in running), 'running', flush=True)\n"
+    )
+    for _ in range(2):  # without the stop at exit, each run aborted
+        out = subprocess.run([sys.executable, "-c", script, str(tiny_model)], capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "leaving with 4 running" in out.stdout
