@@ -53,6 +53,7 @@ def candidate_spans() -> list[range]:
 
 
 def claims_dir() -> Path:
+    """Where claims live: one file per claimed port, holding the claiming process's pid."""
     return Path(tempfile.gettempdir()) / f"rayrl-ports-{os.getuid()}"
 
 
