@@ -34,6 +34,9 @@ LAST_PORT = 65535
 ATTEMPTS = 64
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _DEFAULT_EPHEMERAL = (32768, 60999)  # Linux's default
+# the OS's randomness: a run that seeds `random` in every process would otherwise draw the same ports
+# everywhere, and picking a port would move the run's own random stream
+_RNG = random.SystemRandom()
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -62,7 +65,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     spans = candidate_spans()
     total = sum(len(span) for span in spans)
     for _ in range(ATTEMPTS if total else 0):
-        index = random.randrange(total)
+        index = _RNG.randrange(total)
         for span in spans:
             if index < len(span):
                 port = span[index]

@@ -78,8 +78,8 @@ def test_a_port_something_listens_on_is_skipped_and_its_claim_given_back(own_cla
         spans = ports.candidate_spans()
         index_of_taken = next(i for i, p in enumerate(p for span in spans for p in span) if p == taken)
         draws = iter([index_of_taken])
-        real = ports.random.randrange
-        monkeypatch.setattr(ports.random, "randrange", lambda n: next(draws, real(n)))  # the taken port first
+        real = ports._RNG.randrange
+        monkeypatch.setattr(ports._RNG, "randrange", lambda n: next(draws, real(n)))  # the taken port first
         port = ports.free_port()
     assert port != taken and not (own_claims / str(taken)).exists()
     assert (own_claims / str(port)).exists()
@@ -99,3 +99,15 @@ def test_without_a_writable_claims_directory_the_bind_test_alone_guards(tmp_path
     assert ports.claim(ports.FIRST_PORT) is None
     port = ports.free_port()
     assert ports.bindable("127.0.0.1", port)
+
+
+def test_picks_neither_follow_nor_move_the_seeded_random_stream(own_claims):
+    import random
+
+    random.seed(1234)
+    expected = [random.random() for _ in range(3)]
+    random.seed(1234)
+    first = ports.free_port()
+    assert [random.random() for _ in range(3)] == expected
+    random.seed(1234)
+    assert ports.free_port() != first  # claimed by this process: never handed out twice
