@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rayrl.ports import free_port
 
 
 class _RecordingTrainer:
@@ -87,7 +82,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 def test_groups_are_released_and_made_again_around_offload(tmp_path):
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     procs = [ctx.Process(target=_rank, args=(r, port, str(outs[r]))) for r in range(2)]
     for p in procs:
@@ -147,7 +142,7 @@ def test_a_release_whose_peer_died_gives_up_and_the_survivor_can_still_onload(tm
     on a real run) for the meeting: it raises RankMissingError after ``meet_timeout_s`` and stays alive, and
     its memory comes back without the groups (how a survivor onloads to write the checkpoint)."""
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "rank0.json"
     procs = [ctx.Process(target=_rank_whose_peer_dies, args=(r, port, str(out))) for r in range(2)]
     for p in procs:

@@ -22,23 +22,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from rayrl.ports import free_port
+
 pytestmark = pytest.mark.gpu
 
 GROUPS = 8
 MIB = 2**20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _used() -> int:
@@ -64,7 +59,7 @@ def _measure(out: Path) -> None:
                      "NCCL_CUMEM_ENABLE": os.environ.get("NCCL_CUMEM_ENABLE")}
     torch.cuda.set_device(0)
     # NCCL's kernels and the CUDA context's share of it load on first use and stay: a throwaway group first
-    warm = init_custom_process_group("nccl", "127.0.0.1", _free_port(), 0, 1, "rayrl-warmup", timeout_s=120)
+    warm = init_custom_process_group("nccl", "127.0.0.1", free_port(), 0, 1, "rayrl-warmup", timeout_s=120)
     dist.all_reduce(torch.ones(1, device="cuda"), group=warm)
     destroy_group(warm)
 
@@ -75,7 +70,7 @@ def _measure(out: Path) -> None:
     checksum = float(weights.double().sum())
     figures["baseline"] = _used()
 
-    world = TrainerWorld(0, 1, "nccl", "127.0.0.1", _free_port(), timeout_s=120).start()
+    world = TrainerWorld(0, 1, "nccl", "127.0.0.1", free_port(), timeout_s=120).start()
     groups = [dist.new_group([0]) for _ in range(GROUPS)]
 
     def collectives() -> list[float]:
@@ -87,7 +82,7 @@ def _measure(out: Path) -> None:
         return out
 
     figures["collectives_before"] = collectives()
-    broadcast = init_custom_process_group("nccl", "127.0.0.1", _free_port(), 0, 1, "rayrl-weights-test",
+    broadcast = init_custom_process_group("nccl", "127.0.0.1", free_port(), 0, 1, "rayrl-weights-test",
                                           timeout_s=120)
     dist.broadcast(torch.ones(MIB, device="cuda"), src=0, group=broadcast)
     figures["held"] = _used()
