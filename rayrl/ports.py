@@ -84,8 +84,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def bindable(host: str, port: int) -> bool:
     """True when a listening socket could bind ``host:port`` now (no SO_REUSEADDR: a port still in
     TIME_WAIT counts as taken, as it does for a server that does not set it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
+    with _socket_for(host) as sock:
         try:
             sock.bind((host, port))
         except OSError:
@@ -147,7 +146,11 @@ def _owner_alive(path: Path) -> bool:
 
 
 def _os_pick(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
+    with _socket_for(host) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _socket_for(host: str) -> socket.socket:
+    """A TCP socket of ``host``'s address family (IPv6 where it has a colon)."""
+    return socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
