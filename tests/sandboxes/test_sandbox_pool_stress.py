@@ -72,9 +72,15 @@ def stress_root():
     yield root, logs, actors
     for actor in actors:
         ray.kill(actor, no_restart=True)
-    for actor in actors:  # wait until each is really gone
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(actor.__ray_ready__.remote(), timeout=30)
+    for actor in actors:  # wait until each is really gone: ray.kill is asynchronous, so a call made right
+        deadline = time.monotonic() + 30  # after it may still be answered before the kill lands
+        while True:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=30)
+            except ray.exceptions.RayActorError:
+                break
+            assert time.monotonic() < deadline, "a killed actor still answers calls after 30 s"
+            time.sleep(0.2)
     shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(logs, ignore_errors=True)
 
