@@ -119,18 +119,19 @@ class EngineActor:
     # -- where and what ----------------------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
-        """Where this engine serves: index, url, node, bundles, GPUs, server pid, incarnation."""
+        """Where this engine serves: index, url, node, bundles, GPUs, server pid, incarnation, server log."""
         return {"index": self.index, "url": self.process.url, "node_id": self.node_id, "node_ip": self.node_ip,
                 "bundles": list(self.bundles), "gpu_ids": list(self.gpu_ids), "pid": self.process.pid,
-                "incarnation": self.incarnation, "tp_size": self.cfg.tp_size, "started_at": self.started_at}
+                "incarnation": self.incarnation, "tp_size": self.cfg.tp_size, "started_at": self.started_at,
+                "log_path": str(self.process.log_path)}
 
     async def watch(self) -> int:
-        """Return the server's exit code once it exits (an error instead, if this actor dies first)."""
+        """Return the server's exit code once it exits (an error instead, if this actor dies first). It logs
+        nothing: the fleet turns the return into the one "down" event that is logged, and after
+        :meth:`shutdown` an exit is no failure at all."""
         while self.process.alive():
             await asyncio.sleep(0.5)
         code = self.process.stop()
-        logger.warning("engine %d at %s exited with code %s (log: %s)", self.index, self.process.url, code,
-                       self.process.log_path)
         return -1 if code is None else int(code)
 
     async def health(self) -> bool:

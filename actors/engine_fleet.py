@@ -155,7 +155,7 @@ class EngineFleet:
             for ref in done:
                 slot = watching[ref]
                 try:
-                    detail = f"server exited with code {ray.get(ref)}"
+                    detail = f"server exited with code {ray.get(ref)}; its log: {slot.info.get('log_path', '?')}"
                 except Exception as err:  # RayActorError: the actor itself died (killed, node lost)
                     detail = f"actor died: {type(err).__name__}"
                 events.append(EngineEvent("down", slot.index, slot.url, detail))
