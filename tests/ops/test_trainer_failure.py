@@ -4,7 +4,6 @@ rank writes a checkpoint, and a fresh trainer group resumes from it with the exa
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ from actors.rank_stacks import stacks_to_log
 from actors.trainer import TrainerFailure, TrainerGroup, TrainerRank
 from rayrl.config import TrainerConfig
 from rayrl.types import Sample
+from tests.ray_support import wait_until_dead
 from tests.shm_support import left_by_a_killed_owner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,18 +40,10 @@ def _weights(group: TrainerGroup, root: Path, version: int) -> dict[str, np.ndar
     return merged
 
 
-def _kill_and_wait(rank: ray.actor.ActorHandle, timeout_s: float = 30.0) -> None:
-    """Kill a rank and return once Ray reports it dead: ``ray.kill`` only asks for the kill, and a call sent
-    right after it can still be answered by the process before it goes."""
+def _kill_and_wait(rank: ray.actor.ActorHandle) -> None:
+    """Kill a rank and return once Ray reports it dead."""
     ray.kill(rank)
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            ray.get(rank.policy_version.remote(), timeout=timeout_s)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the killed rank still answers {timeout_s:.0f} s after ray.kill")
+    wait_until_dead(rank)
 
 
 # ~50 s, real ranks killed in each phase; fast: test_schedule_phases.py (what the pipeline does with a TrainerFailure:

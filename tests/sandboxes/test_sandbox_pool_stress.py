@@ -42,6 +42,7 @@ from rayrl.config import SandboxConfig, SandboxPoolConfig  # noqa: E402
 from rayrl.sandboxes import SandboxError, open_sandbox  # noqa: E402
 from rayrl.sandboxes.isolation import MARKER_ENV  # noqa: E402
 from rayrl.sandboxes.pool import PoolExhausted  # noqa: E402
+from tests.ray_support import wait_until_dead  # noqa: E402
 
 OWNERS = 16
 CYCLES_PER_OWNER = 16  # 256 lease requests in flight at the start
@@ -72,15 +73,8 @@ def stress_root():
     yield root, logs, actors
     for actor in actors:
         ray.kill(actor, no_restart=True)
-    for actor in actors:  # wait until each is really gone: ray.kill is asynchronous, so a call made right
-        deadline = time.monotonic() + 30  # after it may still be answered before the kill lands
-        while True:
-            try:
-                ray.get(actor.__ray_ready__.remote(), timeout=30)
-            except ray.exceptions.RayActorError:
-                break
-            assert time.monotonic() < deadline, "a killed actor still answers calls after 30 s"
-            time.sleep(0.2)
+    for actor in actors:  # ray.kill is asynchronous: each must be gone before its directories go
+        wait_until_dead(actor)
     shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(logs, ignore_errors=True)
 
