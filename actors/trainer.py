@@ -39,6 +39,7 @@ from rayrl.pipeline.failures import TrainerFailure
 from rayrl.ports import free_port
 from rayrl.rl.shard import replica_leads
 from rayrl.rl.updates import UpdatePlan, plan_updates
+from rayrl.trainers.backend import TrainerBackend
 from rayrl.trainers.memory_saver import preload_env
 from rayrl.types import Sample
 from rayrl.weights.routes import RankPlace, WeightRoutes, make_sender
@@ -69,7 +70,7 @@ class TrainerRank:
         answer_stacks_signal()  # where a rank that never answers was stuck (TrainerGroup.gather)
         self.args = (model_path, cfg, rank, world_size, seed)
         self.algorithm = algorithm
-        self.trainer = None
+        self.trainer: Optional[TrainerBackend] = None  # the backend, called only through its protocol
         self.sender: Any = None  # this rank's weight sender (rayrl/weights/routes.py), or None
         self.world: Any = None  # rayrl.trainers.process_groups.TrainerWorld (several ranks, or Megatron)
         self._loop: asyncio.AbstractEventLoop | None = None  # one loop for the sender's HTTP sessions

@@ -317,7 +317,7 @@ class MegatronTrainer:
         return out or [empty_batch(self.align).to(device)]
 
     def train_step(
-        self, samples: list[Sample], advantages: Sequence[Any], plan: Optional[UpdatePlan] = None
+        self, samples: list[Sample], advantages: Sequence[float | np.ndarray], plan: Optional[UpdatePlan] = None
     ) -> dict[str, Any]:
         """Train one rollout batch on this rank's samples (every rank of one replica gets the same, in the
         same order, rayrl/rl/shard.py) as ``plan`` says; without a plan, what trains of ``samples`` in one
@@ -428,9 +428,14 @@ class MegatronTrainer:
         state["optimizer"] = self.optimizer.sharded_state_dict(merged, is_loading=is_loading)
         return state
 
-    def save_checkpoint(self, directory: str | Path) -> None:
+    def save_checkpoint(self, directory: str | Path, as_rank: Optional[int] = None) -> None:
         """Megatron distributed checkpoint (model + optimizer, resharding-capable) and this rank's RNG
-        and policy version."""
+        and policy version. ``as_rank`` (the protocol's whole-checkpoint-from-one-rank, rayrl/trainers/
+        backend.py) is refused for any other rank: the state is sharded over the ranks and the checkpoint
+        is one collective write of all of them (TrainerGroup never asks: full_state_on_every_rank)."""
+        if as_rank is not None and as_rank != self.rank:
+            raise ValueError(f"as_rank={as_rank} on Megatron rank {self.rank}: a distributed checkpoint is "
+                             "written by every rank together; one rank cannot write another's part")
         import torch.distributed as dist
         from megatron.core import dist_checkpointing
 

@@ -40,6 +40,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from rayrl.trainers.backend import TrainerBackend
+
 logger = logging.getLogger(__name__)
 
 WORLD_PREFIX = "rayrl-world"
@@ -319,7 +321,7 @@ class TrainerWorld:
             _ACTIVE = None
 
 
-def offload_rank(world: Optional[TrainerWorld], trainer: Any) -> bool:
+def offload_rank(world: Optional[TrainerWorld], trainer: TrainerBackend) -> bool:
     """A trainer rank lends its GPU: its process groups first, then its memory (slime's sleep: destroy the
     groups, then pause the memory saver). Returns whether the trainer's memory moved."""
     if world is not None:
@@ -327,7 +329,7 @@ def offload_rank(world: Optional[TrainerWorld], trainer: Any) -> bool:
     return bool(trainer.offload())
 
 
-def onload_rank(world: Optional[TrainerWorld], trainer: Any) -> bool:
+def onload_rank(world: Optional[TrainerWorld], trainer: TrainerBackend) -> bool:
     """The rank takes its GPU back: its memory first, then its process groups (slime's wake-up order)."""
     moved = bool(trainer.onload())
     if world is not None:
