@@ -1,7 +1,9 @@
 """Validation: one episode per held-out task on the current weights, with bounded concurrency.
 
 Validation episodes run on the same rollout workers as training (round-robin), at most
-``pipeline.eval_max_concurrent`` at once, and train nothing. The metrics are logged under ``eval/``.
+``pipeline.eval_max_concurrent`` at once, and train nothing. The metrics are logged under ``eval/``; like
+the training figures (rayrl/rl/step_metrics.py), reward and success rate are over the scored episodes,
+infrastructure failures counted apart (``eval/episodes_excluded``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 import ray
 from tqdm import tqdm
 
+from rayrl.rl.failures import is_scored
 from rayrl.types import Episode, Task
 
 
@@ -31,14 +34,20 @@ def evaluate(workers: Sequence[Any], tasks: Sequence[Task], max_concurrent: int,
         for ref in in_flight:
             episodes.append(ray.get(ref))
             bar.update(1)
-    metrics = {
-        "eval/reward_mean": float(np.mean([e.reward for e in episodes])) if episodes else 0.0,
-        "eval/success_rate": float(np.mean([e.reward >= 1.0 for e in episodes])) if episodes else 0.0,
-        "eval/tool_call_rate": float(np.mean([e.info.get("tool_calls", 0) > 0 for e in episodes])) if episodes else 0.0,
+    scored = [e for e in episodes if is_scored(e)]  # infrastructure failures have no reward: counted apart
+    metrics: dict[str, Any] = {
+        "eval/tool_call_rate": float(np.mean([e.info.get("tool_calls", 0) > 0 for e in scored])) if scored else 0.0,
         "eval/episodes_failed": sum(not e.ok for e in episodes),
+        "eval/episodes_excluded": len(episodes) - len(scored),
         "eval/time_s": time.monotonic() - started,
     }
-    print(f"eval @ step {step}: success {metrics['eval/success_rate']:.3f} | reward "
-          f"{metrics['eval/reward_mean']:.3f} | tool calls {metrics['eval/tool_call_rate']:.2f} | "
-          f"{len(episodes)} tasks", flush=True)
+    if scored:
+        metrics["eval/reward_mean"] = float(np.mean([e.reward for e in scored]))
+        metrics["eval/success_rate"] = float(np.mean([e.reward >= 1.0 for e in scored]))
+        figures = (f"success {metrics['eval/success_rate']:.3f} | reward {metrics['eval/reward_mean']:.3f} | "
+                   f"tool calls {metrics['eval/tool_call_rate']:.2f}")
+    else:
+        figures = "no scored episode"
+    print(f"eval @ step {step}: {figures} | {len(episodes)} tasks, {metrics['eval/episodes_excluded']} excluded "
+          "(infrastructure)", flush=True)
     return metrics

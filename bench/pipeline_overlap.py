@@ -79,7 +79,7 @@ def run_schedule(schedule: str, args: argparse.Namespace, out_dir: Path, tag: st
             "step_s": statistics.mean(h["time/step_s"] for h in steady),
             "staleness_mean": statistics.mean(h["pipeline/staleness_mean"] for h in history),
             "dropped_groups": sum(h.get("pipeline/dropped_stale_groups", 0) for h in history),
-            "rewards": [h["rollout/reward_mean"] for h in history],
+            "rewards": [h.get("rollout/reward_mean") for h in history],
             "tool_calls": [h["rollout/tool_calls_mean"] for h in history],
             "total_s": ends[-1] - started,
             "train_s": statistics.mean(h.get("time/train_s", 0.0) for h in steady),

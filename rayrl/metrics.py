@@ -22,6 +22,7 @@ SUMMARY_FIELDS: list[tuple[str, str, str]] = [
     ("rollout/success_rate", "success", "{:.2f}"),
     ("rollout/episodes_ok", "ok", "{:d}"),
     ("rollout/episodes_failed", "failed", "{:d}"),
+    ("rollout/episodes_excluded", "excluded", "{:d}"),  # infrastructure failures: no reward, not trained
     ("train/trained_samples", "samples", "{:d}"),
     ("pipeline/dynamic_dropped_groups", "equal groups dropped", "{:d}"),  # with dynamic sampling
     ("pipeline/budget_stopped_draws", "groups the budget left undrawn", "{:d}"),  # pipeline.episode_budget ran out

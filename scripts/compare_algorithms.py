@@ -77,7 +77,7 @@ def curves(rows: list[dict]) -> dict[str, list]:
         episodes_at[r["step"]] = total
     return {
         "episodes": [episodes_at[r["step"]] for r in steps],
-        "reward": [r["rollout/reward_mean"] for r in steps],
+        "reward": [r.get("rollout/reward_mean", float("nan")) for r in steps],
         "trained": [r.get("train/trained_samples", 0) > 0 for r in steps],
         "eval_episodes": [episodes_at.get(r["step"], total) for r in evals],
         "eval_success": [r["eval/success_rate"] for r in evals],
@@ -151,7 +151,7 @@ def report_distillation() -> None:
     print("|---|---|---|---|---|")
     for r in steps:
         print(f"| {r['step']} | {r['distill/reverse_kl']:.3f} | {r['distill/student_logprob']:.3f} | "
-              f"{r['distill/teacher_logprob']:.3f} | {r['rollout/reward_mean']:.3f} |")
+              f"{r['distill/teacher_logprob']:.3f} | {r.get('rollout/reward_mean', float('nan')):.3f} |")
     print("held-out:", [(r["step"], r["eval/success_rate"]) for r in rows if "eval/success_rate" in r])
 
 

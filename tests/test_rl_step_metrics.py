@@ -49,9 +49,11 @@ def _metrics(**kw) -> dict:
 def test_every_metric_by_hand():
     m = _metrics()
     assert m == {
-        "rollout/reward_mean": pytest.approx(1 / 3),
-        "rollout/success_rate": pytest.approx(1 / 3),
+        "rollout/reward_mean": 0.5,  # over the two scored episodes: the infrastructure failure has no reward
+        "rollout/success_rate": 0.5,
         "rollout/episodes": 3,
+        "rollout/episodes_scored": 2,
+        "rollout/excluded_sandbox_failed": 1,
         "rollout/episodes_ok": 2,
         "rollout/episodes_failed": 1,
         "rollout/episodes_excluded": 1,  # the infrastructure failure
@@ -95,7 +97,8 @@ def test_no_gradient_step_and_empty_step():
                          engines=_engines(prompt_tokens=0, cached_prompt_tokens=0, busy_s={}, window_s=0.0,
                                           engines=0),
                          extra={}, rollout_s=0.0, step_s=0.0, run_episodes=0, run_s=0.0)
-    assert empty["rollout/reward_mean"] == 0.0 and empty["rollout/turns_mean"] == 0.0
+    assert "rollout/reward_mean" not in empty and "rollout/success_rate" not in empty  # nothing was scored
+    assert empty["rollout/turns_mean"] == 0.0 and empty["rollout/episodes_excluded"] == 0
     assert empty["pipeline/staleness_mean"] == 0.0 and empty["pipeline/staleness_max"] == 0
     assert empty["engine/prefix_cache_hit_rate"] == 0.0 and empty["engine/busy_fraction"] == 0.0
     assert empty["rollout/episodes_per_s"] == 0.0 and empty["rollout/episodes_per_s_run"] == 0.0
@@ -110,3 +113,32 @@ def test_failure_kind():
     assert failure_kind(failed("step deadline reached")) == "step deadline reached"
     assert failure_kind(failed(None)) == "unknown" and failure_kind(failed("")) == "unknown"
     assert failure_kind(failed("x" * 100 + ": detail")) == "x" * 60
+
+
+def _timed_out(session: str, group: str) -> Episode:
+    return Episode(session, "t", group, [_sample([4])], reward=0.0, status="failed", failure="timed_out",
+                   error="timed_out: the episode ran past rollout.episode_timeout_s")
+
+
+def test_excluded_episodes_count_apart_and_the_agents_own_failures_count_in():
+    """Issue 43: one hang made step 1 read 0.5. A timed-out episode is neither a reward of 0 nor trained; an
+    agent that crashed by its own doing is scored 0 and trains, so it is in the figures."""
+    crashed = Episode("s3", "t", "g2", [_sample([4])], reward=0.0, status="failed", failure="agent_crashed",
+                      error="agent_crashed: TypeError: create() got an unexpected keyword argument 'temperature'")
+    episodes = [Episode("s0", "t", "g", [_sample([4])], reward=1.0, info={"turns": 1, "tool_calls": 2}),
+                _timed_out("s1", "g"), _timed_out("s2", "g"), crashed,
+                Episode("s4", "t", "g2", [_sample([4])], reward=1.0, info={"turns": 1, "tool_calls": 0})]
+    batch = build_batch(episodes)
+    m = step_metrics(episodes, batch, version=4, policy_version=4, train=None, pipeline_counts={},
+                     groups_in_flight=0, failures={}, engines=_engines(), extra={}, rollout_s=1.0, step_s=1.0,
+                     run_episodes=5, run_s=1.0)
+    assert m["rollout/reward_mean"] == pytest.approx(2 / 3) and m["rollout/success_rate"] == pytest.approx(2 / 3)
+    assert m["rollout/episodes_scored"] == 3 == len(batch.samples)  # exactly the episodes that train
+    assert m["rollout/episodes_excluded"] == 2 and m["rollout/excluded_timed_out"] == 2
+    assert "rollout/excluded_agent_crashed" not in m
+    assert m["rollout/tool_calls_mean"] == 1.0  # over the completed episodes
+    only_hangs = [_timed_out("s1", "g"), _timed_out("s2", "g")]
+    m = step_metrics(only_hangs, build_batch(only_hangs), version=4, policy_version=4, train=None,
+                     pipeline_counts={}, groups_in_flight=0, failures={}, engines=_engines(), extra={},
+                     rollout_s=1.0, step_s=1.0, run_episodes=2, run_s=1.0)
+    assert "rollout/reward_mean" not in m and m["rollout/excluded_timed_out"] == 2

@@ -79,6 +79,9 @@ class AgentResult:
     A function agent's returned string becomes ``final_answer``. ``status`` is "completed" for an agent
     that finished (right or wrong), "max_turns" for one that ran out of turns, and "error" for one that
     raised or reported a failure, with ``error`` saying what; the reward function sees all three.
+    ``tool_calls`` is set by the episode runner, before the reward function sees the result, to the tool
+    calls the model made as the gateway recorded them (so a function or program agent needs to count
+    nothing); ``turns`` likewise when the agent left it 0.
     """
 
     final_answer: str | None = None

@@ -159,6 +159,8 @@ class EpisodeRunner:
                 raise _Failed(kind, result.error or kind)
             if not result.turns:  # a function or program agent does not count its calls: the gateway did
                 result.turns = int(stats.get("api_calls", 0) or 0)
+            if int(stats.get("turns", 0) or 0) > 0:  # the tool calls the model made, as the gateway recorded them
+                result.tool_calls = int(stats.get("tool_calls", 0) or 0)
             if kind is not None:  # the agent's own failure: it still gets what the reward function gives
                 failure = (kind, result.error or kind)
             t0 = time.monotonic()

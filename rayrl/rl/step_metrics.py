@@ -5,9 +5,16 @@ and tests and benches read them, so they change only on purpose. Everything here
 values the pipeline has already gathered (episodes, the batch, the train phase's figures, the engines'
 counters); nothing is read from actors, so a step's numbers can be checked on hand-built episodes.
 
-Conventions: reward and success rate are over every episode the step took (a failure counts with the
-reward it was given); an episode succeeds when its reward is at least 1.0; turn and tool means are over
-the completed ones only; rates divide by at least 1e-9 s; engine figures are per engine.
+Conventions: reward and success rate are over the step's scored episodes (rayrl/rl/failures.py
+``is_scored``: completed, or failed by the agent's or the reward's own doing, with the reward it was
+given), the episodes whose rewards train; an infrastructure failure (timed out, sandbox, engine, ...) has
+no reward that says anything about the policy, so it is left out of them and counted apart:
+``rollout/episodes_excluded`` and ``rollout/excluded_<kind>`` per step. A step without a scored episode
+has no ``rollout/reward_mean`` or ``rollout/success_rate`` (the reward curve skips it; 0 would be a
+figure nobody earned). Episodes of groups dynamic sampling dropped (all rewards equal) are scored and
+count. An episode succeeds when its reward is at least 1.0; turn and tool means are over the completed
+ones only, and ``tool_calls`` is what the gateway recorded (rayrl/agents/episode.py), for every kind of
+agent; rates divide by at least 1e-9 s; engine figures are per engine.
 
 Per step or running total: everything is about the step (its episodes, its batch, its train phase, its
 time) except the counters that only grow since the run started: ``failures/<kind>`` (failed episodes
@@ -18,12 +25,14 @@ and other faults by cause, the step's included), ``gateway/*`` and ``trajectory/
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from rayrl.rl.batch import Batch
+from rayrl.rl.failures import failure_kind, is_scored
 from rayrl.rl.staleness import token_staleness
 from rayrl.types import Episode
 
@@ -82,16 +91,17 @@ def step_metrics(
     started, this step included.
     """
     ok = [e for e in episodes if e.ok]
+    scored = [e for e in episodes if is_scored(e)]
+    excluded = Counter(failure_kind(e) for e in episodes if not is_scored(e))
     generated = sum(e.generated_tokens for e in episodes)
     staleness = batch.staleness(version)
     token_ages = token_staleness(batch.samples, version)
     metrics: dict[str, Any] = {
-        "rollout/reward_mean": _mean([e.reward for e in episodes]),
-        "rollout/success_rate": _mean([e.reward >= 1.0 for e in episodes]),
         "rollout/episodes": len(episodes),
+        "rollout/episodes_scored": len(scored),
         "rollout/episodes_ok": batch.episodes_ok,
         "rollout/episodes_failed": batch.episodes_failed,
-        "rollout/episodes_excluded": batch.episodes_excluded,
+        "rollout/episodes_excluded": sum(excluded.values()),
         "rollout/samples": len(batch.samples),
         "rollout/generated_tokens": generated,
         "rollout/turns_mean": _mean([e.info.get("turns", 0) for e in ok]),
@@ -103,6 +113,10 @@ def step_metrics(
         "pipeline/groups_in_flight": groups_in_flight,
         "time/rollout_s": rollout_s,
     }
+    if scored:
+        metrics["rollout/reward_mean"] = _mean([e.reward for e in scored])
+        metrics["rollout/success_rate"] = _mean([e.reward >= 1.0 for e in scored])
+    metrics.update({f"rollout/excluded_{kind}": n for kind, n in sorted(excluded.items())})
     metrics.update({f"pipeline/{k}": v for k, v in pipeline_counts.items()})
     metrics.update(batch.metrics)  # what building the batch measured: reward shaping, distillation
     metrics.update(train if train is not None else {"train/trained_samples": 0})

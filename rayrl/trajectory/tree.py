@@ -96,6 +96,7 @@ class TrajectoryTree:
         self._masked_tokens = 0
         self._generated_tokens = 0
         self._stored_tokens = 0
+        self._tool_calls = 0  # tool calls in the recorded responses: what the model asked for
 
     # ------------------------------------------------------------------ recording
 
@@ -139,6 +140,8 @@ class TrajectoryTree:
         added = self._add_child(node, Node(message=response, gen=gen), key)
         self._turns += 1
         self._generated_tokens += gen.response_len
+        calls = response.get("tool_calls")
+        self._tool_calls += len(calls) if isinstance(calls, list) else 0
         if self.debug_callback is not None:
             self._emit_turn(added, retry, roots, forks)
 
@@ -307,6 +310,7 @@ class TrajectoryTree:
         """Counts for metrics; every turn and every generated token is accounted for here."""
         return {
             "turns": self._turns,
+            "tool_calls": self._tool_calls,
             "nodes": self._nodes,
             "leaves": self._leaves,
             "forks": self._forks,

@@ -52,6 +52,7 @@ def test_the_plain_forms_run_the_example_agent(scripted, agent, command):
     assert episode.ok and episode.reward == 1.0, episode.error
     assert episode.info["final_answer"] == "3 feet is 91.44 centimeters."
     assert episode.info["turns"] == 2  # counted by the gateway: the agent reports nothing but its answer
+    assert episode.info["tool_calls"] == 1  # the model's one convert call, as the gateway recorded it
     assert len(episode.samples) == 1 and episode.samples[0].num_trained_tokens > 0  # both calls, one sample
 
 
