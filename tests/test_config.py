@@ -209,6 +209,16 @@ def test_sections_check_themselves_wherever_they_are_built():
         dataclasses.replace(RunConfig(), exp_id="..")
 
 
+def test_the_local_megatron_layer_spec_has_no_packed_sequences():
+    """Megatron's local attention refuses THD-packed sequences: the config says so before anything starts."""
+    local = dict(backend="megatron", megatron_layer_spec="local")
+    with pytest.raises(ConfigError, match="^trainer.megatron_layer_spec: local has no packed"):
+        TrainerConfig(**local)
+    with pytest.raises(ConfigError, match="^trainer.megatron_layer_spec"):
+        TrainerConfig(**local, sequence_packing=False, cp_size=2, num_ranks=2)
+    assert TrainerConfig(**local, sequence_packing=False).megatron_layer_spec == "local"
+
+
 def test_layout_has_one_home_the_config_runs_at_load():
     """plan_placement checks the layout and lays it out; the config runs that same function at load."""
     import dataclasses

@@ -45,6 +45,9 @@ class TrainerConfig:
     cp_size: int = 1  # megatron: context-parallel ranks (long sequences)
     sequence_packing: bool = True  # megatron: a micro-batch is one packed (THD) sequence, no padding
     distributed_optimizer: bool = True  # megatron: shard optimizer state across data-parallel ranks
+    megatron_layer_spec: Literal["transformer_engine", "local"] = "transformer_engine"  # megatron: the layers'
+    # implementation: transformer_engine (needs Transformer Engine) | local (plain megatron-core modules, where TE is
+    # not installed: no packed sequences, so sequence_packing false and cp_size 1; rayrl/trainers/megatron_bridge.py)
     memory_saver: bool = False  # GPU: params, grads and optimizer state in torch_memory_saver regions (colocation)
     memory_saver_standin: bool = False  # tests, torch backend on CPU: offload makes the weights unreadable until
     # onload, as torch_memory_saver's pause does on GPU (rayrl/trainers/memory_standin.py)
@@ -64,6 +67,9 @@ class TrainerConfig:
             raise ConfigError("trainer.memory_saver_standin: a CPU stand-in for the torch backend only")
         if self.backend != "megatron" and model_parallel > 1:
             raise ConfigError("trainer.tp_size: tp/pp/cp sizes above 1 need trainer.backend megatron")
+        if self.megatron_layer_spec == "local" and (self.sequence_packing or self.cp_size > 1):
+            raise ConfigError("trainer.megatron_layer_spec: local has no packed (THD) sequences (Megatron's local "
+                              "attention refuses them): set trainer.sequence_packing false and trainer.cp_size 1")
         if self.num_ranks % model_parallel:
             raise ConfigError(f"trainer.num_ranks: {self.num_ranks} is not a multiple of tp_size x pp_size x "
                               f"cp_size ({model_parallel})")

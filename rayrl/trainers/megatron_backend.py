@@ -24,6 +24,11 @@ rayrl/trainers/megatron_packing.py.
 Weights for the engines leave through ``bridge.export_weights``: full HF-named tensors, gathered across
 TP/PP. Every rank must drain that generator (it runs collectives); rank 0 sends what it yields.
 
+The layers are Transformer Engine's (mbridge's own spec) or, with ``trainer.megatron_layer_spec: local``,
+megatron-core's plain modules, for machines without TE (rayrl/trainers/megatron_bridge.py: mbridge's load
+and export, renamed for the local spec's norms; one sample per micro-batch, since the local attention
+takes no packed sequences). Checkpoints are rayrl/trainers/megatron_checkpoint.py.
+
 Nothing here is imported unless ``trainer.backend`` is ``megatron``; :func:`require_megatron` names what
 is missing. The packing and the loss path are plain torch and are tested on CPU
 (tests/test_megatron_packing.py); the trainer itself runs only on CUDA (tests/gpu/).
@@ -32,7 +37,6 @@ is missing. The packing and the loss path are plain torch and are tested on CPU
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import os
 import random
@@ -46,7 +50,9 @@ import torch
 from rayrl.config import AlgorithmConfig, TrainerConfig
 from rayrl.rl.shard import dp_rank_of
 from rayrl.rl.updates import MiniBatch, UpdatePlan, plan_updates
+from rayrl.trainers import megatron_checkpoint
 from rayrl.trainers.lr_schedule import lr_at, set_lr
+from rayrl.trainers.megatron_bridge import make_bridge
 from rayrl.trainers.megatron_packing import (
     PackedBatch,
     empty_batch,
@@ -65,7 +71,7 @@ logger = logging.getLogger(__name__)
 _REQUIREMENTS = (
     ("megatron.core", "megatron-core"),
     ("mbridge", "mbridge"),
-    ("transformer_engine.pytorch", "transformer-engine[pytorch]"),
+    ("transformer_engine.pytorch", "transformer-engine[pytorch]"),  # not for trainer.megatron_layer_spec local
 )
 
 
@@ -73,10 +79,12 @@ class MegatronUnavailable(RuntimeError):
     """trainer.backend=megatron on a machine without CUDA or without the Megatron packages."""
 
 
-def require_megatron() -> None:
-    """Raise MegatronUnavailable naming every missing piece (packages, CUDA)."""
+def require_megatron(layer_spec: str = "transformer_engine") -> None:
+    """Raise MegatronUnavailable naming every missing piece (packages, CUDA) for ``layer_spec``."""
     missing = []
     for module, package in _REQUIREMENTS:
+        if layer_spec == "local" and module.startswith("transformer_engine"):
+            continue
         try:
             importlib.import_module(module)
         except ImportError as err:
@@ -84,7 +92,9 @@ def require_megatron() -> None:
     if missing:
         raise MegatronUnavailable(
             "trainer.backend=megatron needs " + "; ".join(missing) + ". Install the GPU extra "
-            "(pip install 'rayrl[gpu]', or use cluster/Dockerfile), or set trainer.backend=torch."
+            "(pip install 'rayrl[gpu]', or use cluster/Dockerfile), or set trainer.backend=torch"
+            + ("" if layer_spec == "local" else " (or trainer.megatron_layer_spec=local without Transformer Engine)")
+            + "."
         )
     if not torch.cuda.is_available():
         raise MegatronUnavailable("trainer.backend=megatron needs a CUDA GPU; use trainer.backend=torch here")
@@ -119,15 +129,6 @@ def logp_and_entropy(logits: torch.Tensor, targets: torch.Tensor,
     return logp_all, sharded_entropy(z, reduce_from_tensor_model_parallel_region, max_over_shards)
 
 
-def _unwrap_for_sharding(module: Any) -> Any:
-    """The bare model inside its wrappers (DDP, Float16Module), whose ``sharded_state_dict`` keys are the
-    ones ``load_state_dict`` expects (the wrappers forward it to the bare model). DDP is a MegatronModule
-    too: its own ``sharded_state_dict`` walks its children and prefixes every key with ``module.``."""
-    while isinstance(getattr(module, "module", None), torch.nn.Module):
-        module = module.module
-    return module
-
-
 class MegatronTrainer:
     """RL training on megatron-core; one instance per rank, all ranks in one torch.distributed world."""
 
@@ -142,9 +143,8 @@ class MegatronTrainer:
         seed: int = 0,
         local_rank: Optional[int] = None,
     ) -> None:
-        require_megatron()
+        require_megatron(cfg.megatron_layer_spec)
         import torch.distributed as dist
-        from mbridge import AutoBridge
         from megatron.core import parallel_state as mpu
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -179,7 +179,8 @@ class MegatronTrainer:
         self.mpu = mpu
         self.align = cfg.tp_size * (2 * cfg.cp_size if cfg.cp_size > 1 else 1)
         dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-        self.bridge = AutoBridge.from_pretrained(str(model_path), dtype=dtype)
+        self.packed = cfg.megatron_layer_spec != "local"  # the local spec's attention takes no THD sequences
+        self.bridge = make_bridge(str(model_path), cfg.megatron_layer_spec, dtype=dtype)
         extra: dict[str, Any] = {"calculate_per_token_loss": True}
         if cfg.gradient_checkpointing:
             extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -238,20 +239,22 @@ class MegatronTrainer:
     # -- training ----------------------------------------------------------------------------------
 
     def _forward_step(self, loss_fn: Any, data_iterator: Iterator[PackedBatch], model: Any) -> tuple[torch.Tensor, Any]:
+        batch: PackedBatch = next(data_iterator)
+        return self._logits(model, batch), lambda logits: loss_fn(batch, logits)
+
+    def _logits(self, model: Any, batch: PackedBatch) -> torch.Tensor:
+        """``model`` over one micro-batch: THD-packed, or (the local layer spec, which config keeps to one
+        sample per micro-batch) a plain sequence under the causal mask, its padding after the sample."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        batch: PackedBatch = next(data_iterator)
-        packed = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=batch.cu_seqlens,
-            cu_seqlens_kv=batch.cu_seqlens,
-            max_seqlen_q=batch.max_seqlen,
-            max_seqlen_kv=batch.max_seqlen,
-        )
-        output = model(
-            input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None, packed_seq_params=packed
-        )
-        return output, lambda logits: loss_fn(batch, logits)
+        if not self.packed:
+            if len(batch.cu_seqlens) > 2:
+                raise ValueError("the local layer spec runs one sample per micro-batch (no packed sequences)")
+            return model(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None)
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
+                                 max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)  # fmt: skip
+        return model(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None,
+                     packed_seq_params=packed)
 
     def _train_loss(self, global_tokens: int) -> Any:
         def loss_fn(batch: PackedBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -379,8 +382,8 @@ class MegatronTrainer:
     @torch.no_grad()
     def token_logprobs(self, samples: Sequence[Sample]) -> list[np.ndarray]:
         """Log-probs of each sample's response tokens (every response token, trained or not), on a
-        single model-parallel group without PP (tests compare them with the HF model and the engines)."""
-        from megatron.core.packed_seq_params import PackedSeqParams
+        single model-parallel group without PP (tests compare them with the HF model and the engines):
+        all samples in one packed sequence, or one at a time on the local layer spec."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         if self.mpu.get_pipeline_model_parallel_world_size() > 1 or self.mpu.get_context_parallel_world_size() > 1:
@@ -391,20 +394,18 @@ class MegatronTrainer:
                        rollout_logprobs=np.zeros(len(s.tokens) - s.prompt_length, np.float32),
                        policy_versions=np.zeros(len(s.tokens) - s.prompt_length, np.int32))
                 for s in samples]  # fmt: skip
-        batch = pack_samples(full, None, self.align).to(device)
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
-                                 max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)  # fmt: skip
         for m in self.model:
             m.eval()
-        logits = self.model[0](input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None,
-                               packed_seq_params=packed)  # fmt: skip
-        logp = -vocab_parallel_cross_entropy(logits.float().contiguous(), batch.targets)[0]
-        keep = batch.loss_mask[0].bool()
-        flat = logp[keep].cpu().numpy()
-        out, start = [], 0
+        flat = []
+        for part in ([full] if self.packed else [[s] for s in full]):
+            batch = pack_samples(part, None, self.align).to(device)
+            logits = self._logits(self.model[0], batch)
+            logp = -vocab_parallel_cross_entropy(logits.float().contiguous(), batch.targets)[0]
+            flat.append(logp[batch.loss_mask[0].bool()].cpu().numpy())
+        out, start, joined = [], 0, np.concatenate(flat)
         for s in full:
             n = len(s.tokens) - s.prompt_length
-            out.append(flat[start : start + n])
+            out.append(joined[start : start + n])
             start += n
         return out
 
@@ -415,18 +416,7 @@ class MegatronTrainer:
         for name, tensor in self.bridge.export_weights(self.model):
             yield name, (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor)
 
-    # -- checkpoints ---------------------------------------------------------------------------------
-
-    def _sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
-        """Model and optimizer as Megatron distributed-checkpoint state. ``is_loading``: the distributed
-        optimizer builds its state's layout for a load (it differs from a save's)."""
-        model_sd = {f"model{i}": _unwrap_for_sharding(m).sharded_state_dict() for i, m in enumerate(self.model)}
-        state: dict[str, Any] = dict(model_sd)
-        merged = {}
-        for sd in model_sd.values():
-            merged.update(sd)
-        state["optimizer"] = self.optimizer.sharded_state_dict(merged, is_loading=is_loading)
-        return state
+    # -- checkpoints (rayrl/trainers/megatron_checkpoint.py) ----------------------------------------
 
     def save_checkpoint(self, directory: str | Path, as_rank: Optional[int] = None) -> None:
         """Megatron distributed checkpoint (model + optimizer, resharding-capable) and this rank's RNG
@@ -436,43 +426,14 @@ class MegatronTrainer:
         if as_rank is not None and as_rank != self.rank:
             raise ValueError(f"as_rank={as_rank} on Megatron rank {self.rank}: a distributed checkpoint is "
                              "written by every rank together; one rank cannot write another's part")
-        import torch.distributed as dist
-        from megatron.core import dist_checkpointing
-
-        directory = Path(directory)
-        (directory / "megatron").mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(self._sharded_state_dict(), str(directory / "megatron"))
-        extra = {
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state(),
-            "numpy_rng": np.random.get_state(),
-            "python_rng": random.getstate(),
-        }
-        torch.save(extra, directory / f"rng_rank{self.rank}.pt")
-        if self.rank == 0:
-            (directory / "trainer_state.json").write_text(json.dumps({"policy_version": self.policy_version,
-                                                                     "optimizer_steps": self.optimizer_steps}))
-        dist.barrier()
+        megatron_checkpoint.save(Path(directory), self.model, self.optimizer, self.rank,
+                                 {"policy_version": self.policy_version, "optimizer_steps": self.optimizer_steps})
 
     def load_checkpoint(self, directory: str | Path) -> None:
-        from megatron.core import dist_checkpointing
-
-        directory = Path(directory)
-        loaded = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(directory / "megatron"))
-        for i, m in enumerate(self.model):
-            _unwrap_for_sharding(m).load_state_dict(loaded[f"model{i}"])
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        counters = megatron_checkpoint.load(Path(directory), self.model, self.optimizer, self.rank)
         self.memory.adopt_optimizer_state(self.optimizer)  # loaded state that landed outside the region
-        state = json.loads((directory / "trainer_state.json").read_text())
-        self.policy_version = int(state["policy_version"])
-        self.optimizer_steps = int(state.get("optimizer_steps", self.policy_version))  # older: one per version
-        rng_file = directory / f"rng_rank{self.rank}.pt"
-        if rng_file.is_file():
-            extra = torch.load(rng_file, weights_only=False)
-            torch.set_rng_state(extra["torch_rng"])
-            torch.cuda.set_rng_state(extra["cuda_rng"])
-            np.random.set_state(extra["numpy_rng"])
-            random.setstate(extra["python_rng"])
+        self.policy_version = counters["policy_version"]
+        self.optimizer_steps = counters.get("optimizer_steps", self.policy_version)  # older: one per version
 
     # -- colocation --------------------------------------------------------------------------------
 

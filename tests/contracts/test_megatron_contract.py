@@ -23,7 +23,7 @@ warnings.filterwarnings("ignore")
 
 from megatron.core import parallel_state as mpu  # noqa: E402
 
-from rayrl.trainers.megatron_backend import _unwrap_for_sharding  # noqa: E402
+from rayrl.trainers.megatron_checkpoint import bare_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_checkpoint_keys_are_the_bare_models_and_load_back_through_the_wrappers(
     assert all(k.startswith("module.") for k in from_wrapper)
     with pytest.raises(RuntimeError, match="Unexpected key"):
         wrapped.load_state_dict(from_wrapper)
-    inner = _unwrap_for_sharding(wrapped)
+    inner = bare_model(wrapped)
     assert inner is bare
     saved = _as_state_dict(inner.sharded_state_dict())
     assert saved and not any(k.startswith("module.") for k in saved)
@@ -87,11 +87,11 @@ def test_the_optimizer_load_is_told_it_is_loading():
     """Megatron's optimizers build a load's layout only when told (is_loading); the backend passes it."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from rayrl.trainers import megatron_backend
+    from rayrl.trainers import megatron_checkpoint
 
     assert "is_loading" in inspect.signature(DistributedOptimizer.sharded_state_dict).parameters
-    source = inspect.getsource(megatron_backend.MegatronTrainer.load_checkpoint)
-    assert "_sharded_state_dict(is_loading=True)" in source
+    source = inspect.getsource(megatron_checkpoint.load)
+    assert "sharded_state(model, optimizer, is_loading=True)" in source
 
 
 def _te_names(layers: int, qkv_bias: bool, qk_norm: bool) -> list[str]:
@@ -122,3 +122,69 @@ def test_mbridge_maps_every_megatron_weight_to_the_hf_names_the_engines_load(meg
     mapped = [n for name in _te_names(2, family == "qwen2", family == "qwen3")
               for n in bridge._weight_name_mapping_mcore_to_hf(name)]
     assert len(mapped) == len(set(mapped)) and set(mapped) == hf_names, set(mapped) ^ hf_names
+
+
+def _local_spec_model(family: str, tmp_path):
+    """A tiny HF model (GQA: 2 query heads per key/value head) saved here, and the same weights in a
+    Megatron GPTModel on the local layer spec, built and loaded by mbridge's own code (its model provider
+    and ``load_weights``, which merges q, k, v per query group). Only mbridge's ``get_model`` is left out:
+    it moves the model to CUDA (mbridge/core/util.py get_model, ``model_module.cuda``)."""
+    import transformers
+
+    from rayrl.trainers.megatron_bridge import make_bridge
+
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+    config = config_cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                        max_position_embeddings=64)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    bridge = make_bridge(str(tmp_path), "local", dtype=torch.float32)
+    bridge.set_extra_args(use_cpu_initialization=True)
+    model = bridge._model_provider([])(pre_process=True, post_process=True)
+    bridge.load_weights([model], str(tmp_path))
+    return config, hf, bridge, model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_local_spec_export_through_mbridge_loads_into_transformers_and_computes_the_same(megatron_world, family,
+                                                                                        tmp_path):
+    """mbridge's export of a local-spec model (QKV split per query group, gate/up split, the norms renamed)
+    loads strictly into the transformers model, and each of Megatron's own modules computes on CPU what the
+    transformers module computes from the exported weights: q, k and v head by head through Megatron's own
+    ``get_query_key_value_tensors``, the attention output projection, the norms, the gated MLP, the
+    embedding and the output layer. Megatron's attention core cannot run on a CUDA-less torch (its
+    ``DotProductAttention`` takes its score buffer from ``get_global_memory_buffer``, allocated with
+    ``device=torch.cuda.current_device()``), so whole-model logits are compared on the GPU
+    (tests/gpu/test_gpu_megatron_local.py)."""
+    import transformers
+
+    config, hf, bridge, model = _local_spec_model(family, tmp_path)
+    with torch.no_grad():  # weights unlike the loaded ones, so the export is checked, not the load's input
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    exported = {name: t.detach().clone() for name, t in bridge.export_weights([model])}
+    assert set(exported) == set(hf.state_dict())
+    out = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    missing, unexpected = out.load_state_dict(exported, strict=True)
+    assert not missing and not unexpected
+
+    torch.manual_seed(1)
+    x = torch.randn(7, 1, config.hidden_size)  # Megatron's [sequence, batch, hidden]
+    heads, groups, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    with torch.no_grad():
+        for i, (ours, theirs) in enumerate(zip(model.decoder.layers, out.model.layers)):
+            att, hf_att = ours.self_attention, theirs.self_attn
+            q, k, v = att.get_query_key_value_tensors(x, None)  # [s, b, heads, hd], Megatron's own split
+            torch.testing.assert_close(q, hf_att.q_proj(x).view(7, 1, heads, hd), msg=f"layer {i} q")
+            torch.testing.assert_close(k, hf_att.k_proj(x).view(7, 1, groups, hd), msg=f"layer {i} k")
+            torch.testing.assert_close(v, hf_att.v_proj(x).view(7, 1, groups, hd), msg=f"layer {i} v")
+            torch.testing.assert_close(att.linear_proj(x)[0], hf_att.o_proj(x), msg=f"layer {i} o")
+            torch.testing.assert_close(ours.input_layernorm(x), theirs.input_layernorm(x))
+            torch.testing.assert_close(ours.pre_mlp_layernorm(x), theirs.post_attention_layernorm(x))
+            torch.testing.assert_close(ours.mlp(x)[0], theirs.mlp(x), msg=f"layer {i} mlp")
+        torch.testing.assert_close(model.decoder.final_layernorm(x), out.model.norm(x))
+        torch.testing.assert_close(model.output_layer(x)[0], out.lm_head(x))
+        ids = torch.randint(0, config.vocab_size, (1, 7))
+        torch.testing.assert_close(model.embedding.word_embeddings(ids), out.model.embed_tokens(ids))
