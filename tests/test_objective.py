@@ -244,3 +244,17 @@ def test_several_updates_use_the_proximal_policy_and_the_reference(tiny_model_di
     trainer.train_step([samples[i] for i in keep], [1.0, -1.0, 1.0, -1.0], plan)
     again, _ = trainer.objective.first_forward_logprobs()
     assert not torch.allclose(again, first_lp)
+
+
+def test_the_sft_loss_is_not_weighted_by_tis_and_dual_clip_is_ppo_clips_only():
+    """docs/algorithms.md "Conventions": the sft loss is a likelihood target (TIS would down-weight the very
+    tokens the trainer now finds less likely); dual_clip_c with a loss that does not use it is refused."""
+    obj = Objective(AlgorithmConfig(policy_loss="sft", tis_cap=2.0))
+    tb = _tokens(obj, [_sample(1, rollout=-3.0), _sample(1, rollout=-0.5)], [1.0, 1.0])
+    loss, stats = obj.loss(tb, torch.tensor([-1.0, -1.0]))
+    assert loss.item() == pytest.approx(1.0)  # token mean of -logp, unweighted (TIS weights would be 2, e^-0.5)
+    assert stats["tis"].item() == pytest.approx(2.0)  # weight 1 per token
+    for loss_name in ("gspo", "cispo", "sft"):
+        with pytest.raises(ConfigError, match="^algorithm.dual_clip_c: applies to ppo_clip only"):
+            AlgorithmConfig(policy_loss=loss_name, dual_clip_c=3.0)
+    assert AlgorithmConfig(policy_loss="ppo_clip", dual_clip_c=3.0).dual_clip_c == 3.0

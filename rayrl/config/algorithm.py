@@ -22,6 +22,7 @@ from typing import Literal, Optional
 from rayrl.config.checks import ConfigError, non_negative
 from rayrl.config.registry import named_callable
 
+NO_DUAL_CLIP_LOSSES = frozenset({"gspo", "cispo", "sft"})  # built-in losses that dual_clip_c does not apply to
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 
@@ -36,6 +37,10 @@ class AlgorithmConfig:
     advantage_estimator: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline |
     # package.module:function (contract: rayrl/rl/advantages.py); gae needs a critic, which no backend holds yet (config
     # error)
+    grpo_std: Literal["population", "sample"] = "population"  # grpo: the group's std, population (sqrt(sum/G), the
+    # formula of DeepSeekMath and of rayrl before) or sample (sqrt(sum/(G-1)), as verl, TRL and slime compute it)
+    singleton_groups: Literal["zero", "reward"] = "zero"  # a group estimator's advantage for a group left with one
+    # scored episode (no baseline): zero (no signal), or reward (its raw reward, as verl does)
     policy_loss: str = "ppo_clip"  # ppo_clip | gspo | cispo | sft | package.module:function (contract:
     # rayrl/trainers/policy_losses.py)
     loss_agg: LossAgg = "auto"  # how per-token losses become one number, over the whole mini-batch on every rank: auto
@@ -47,7 +52,7 @@ class AlgorithmConfig:
     # 1.0 i.e. no lower bound)
     clip_eps_high: Optional[float] = None  # upper clip range (unset: ppo_clip 0.28 "clip-higher", gspo 4e-4, cispo 4.0)
     dual_clip_c: float = 0.0  # ppo_clip: dual-clip bound on the loss of negative-advantage tokens, c x |A| (> 1, 3.0 is
-    # usual; 0: off)
+    # usual; 0: off); a config error with gspo, cispo and sft, which do not use it
     tis_cap: Optional[float] = None  # truncated importance sampling against the rollout log-probs: cap of the weight
     # (0: off); unset: 0 for sync, 2.0 for the async schedules and for gspo (its 3e-4 band needs the ratio against the
     # trainer's own log-probs: rayrl/config/resolve.py)
@@ -103,6 +108,9 @@ class AlgorithmConfig:
 
         named_callable("algorithm.advantage_estimator", self.advantage_estimator, ESTIMATORS)
         named_callable("algorithm.policy_loss", self.policy_loss, POLICY_LOSSES)
+        if self.dual_clip_c > 0 and self.policy_loss in NO_DUAL_CLIP_LOSSES:
+            raise ConfigError(f"algorithm.dual_clip_c: applies to ppo_clip only; {self.policy_loss} does not use "
+                              "it: set it to 0")
         if self.distill_teacher is not None and not self.distill_teacher:
             raise ConfigError("algorithm.distill_teacher: must not be empty (unset it to turn distillation off)")
 

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from rayrl.config.algorithm import AlgorithmConfig
-from rayrl.rl.advantages import EstimatorInput, estimate
+from rayrl.rl.advantages import EstimatorInput, EstimatorOptions, estimate
 from rayrl.rl.failures import is_scored
 from rayrl.rl.shaping import shaped_rewards
 from rayrl.rl.staleness import sample_staleness
@@ -73,7 +73,8 @@ def build_batch(episodes: Sequence[Episode], algorithm: AlgorithmConfig | None =
     scored = [e for e in episodes if is_scored(e)]
     rewards, shaping = shaped_rewards(scored, algo)
     tokens = [sum(s.num_trained_tokens for s in e.samples) for e in scored]
-    adv = estimate(algo.advantage_estimator, EstimatorInput.of(rewards, [e.group_id for e in scored], tokens))
+    options = EstimatorOptions(grpo_std=algo.grpo_std, singleton_groups=algo.singleton_groups)
+    adv = estimate(algo.advantage_estimator, EstimatorInput.of(rewards, [e.group_id for e in scored], tokens, options))
     samples: list[Sample] = []
     advantages: list[float] = []
     for e, a in zip(scored, adv):

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from rayrl.rl.advantages import REWARD_TOLERANCE
 from rayrl.rl.failures import failure_kind, is_scored
 from rayrl.rl.staleness import sample_staleness
 from rayrl.types import Episode, Task
@@ -78,9 +79,10 @@ def split_short(groups: list[Group], min_episodes: int, max_reruns: int) -> tupl
     return keep, rerun
 
 
-def equal_reward(group: Group, tolerance: float = 1e-9) -> float | None:
+def equal_reward(group: Group, tolerance: float = REWARD_TOLERANCE) -> float | None:
     """The reward every scored episode of ``group`` got, when they all got the same (a group-baseline
-    advantage is then zero for each: no learning signal); None when the rewards differ or none is scored."""
+    advantage is then exactly zero for each, rayrl/rl/advantages.py: no learning signal); None when the
+    rewards differ or none is scored."""
     rewards = [e.reward for e in group.episodes.values() if is_scored(e)]
     if not rewards or max(rewards) - min(rewards) > tolerance:
         return None

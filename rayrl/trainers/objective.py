@@ -48,7 +48,7 @@ from rayrl.config.algorithm import AlgorithmConfig
 from rayrl.config.resolve import clip_range, default_tis_cap, loss_aggregation
 from rayrl.rl.logprob_gap import GapMeter
 from rayrl.rl.updates import MiniBatch, UpdatePlan, sft_applies
-from rayrl.trainers.policy_losses import PolicyLossInput, get_policy_loss, kl_estimate
+from rayrl.trainers.policy_losses import UNWEIGHTED_LOSSES, PolicyLossInput, get_policy_loss, kl_estimate
 from rayrl.types import Sample
 
 FIELDS = ("rollout_logp", "advantages", "seq_index", "weight", "sft", "current")  # per trained token, in order
@@ -203,7 +203,7 @@ class Objective:
         out = self.policy_loss(PolicyLossInput(logp, old, adv, tb.seq_index, tb.num_seqs, self.clip_low,
                                                self.clip_high, algo.dual_clip_c))
         tis = torch.ones_like(logp)
-        if self.tis_cap > 0:
+        if self.tis_cap > 0 and algo.policy_loss not in UNWEIGHTED_LOSSES:
             tis = torch.clamp(torch.exp(torch.clamp(proximal - tb.rollout_logp, max=20.0)), max=self.tis_cap)
         pg = out.per_token * tis
         per_token = pg

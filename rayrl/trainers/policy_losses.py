@@ -12,8 +12,8 @@ own. The contract every loss keeps:
   need not be adjacent. ``clip_low`` / ``clip_high`` / ``dual_clip_c`` are the resolved clip settings.
 - **output** (:class:`PolicyLossOutput`): ``per_token`` [T], the loss of each token *before* the
   truncated importance weight and the aggregation (the helper multiplies by both, so a loss never
-  normalises itself), and ``clipped`` [T], 1.0 where a clip took the token's gradient away or capped
-  it (detached; reported as ``train/clip_fraction``).
+  normalises itself; :data:`UNWEIGHTED_LOSSES` get no importance weight), and ``clipped`` [T], 1.0
+  where a clip took the token's gradient away or capped it (detached; reported as ``train/clip_fraction``).
 - Masks are already applied: every token given is trained. Nothing may be reduced over tokens except
   within a sequence (GSPO's sequence ratio).
 
@@ -105,6 +105,10 @@ def sft(x: PolicyLossInput) -> PolicyLossOutput:
 
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo_clip": ppo_clip, "gspo": gspo, "cispo": cispo, "sft": sft}
+# losses the truncated importance weight does not multiply: a likelihood target, not an estimate of the policy
+# gradient under the sampling policy (weighting it would down-weight exactly the tokens the trainer now finds
+# less likely than the engine did); the sft_coef term beside an RL loss is not weighted either
+UNWEIGHTED_LOSSES = frozenset({"sft"})
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
