@@ -6,9 +6,10 @@ DEPS   := $(VENV)/.deps-installed
 TDEPS  := $(VENV)/.test-deps-installed
 ARGS   ?=
 
-.PHONY: run lint test test-slow test-all bench model notebook clean-runs help
+.PHONY: install run lint test test-slow test-all bench model notebook clean-runs help
 
 help:
+	@echo "make install    create .venv, install the CPU dependencies, provision the model; trains nothing"
 	@echo "make run        install (first time), provision the model, train the calculator agent on CPU"
 	@echo "make test       install test needs, lint, run the default suite (< 15 min on 2 cores)"
 	@echo "make lint       ruff check . (the rules: pyproject.toml [tool.ruff]; about a second)"
@@ -39,6 +40,9 @@ $(TDEPS): $(DEPS)
 
 model: $(DEPS)
 	$(BIN)/python -m rayrl.models
+
+# everything `make run` needs, without the run: then `.venv/bin/python driver.py ...` (or activate .venv first)
+install: model
 
 run: model
 	$(BIN)/python driver.py $(ARGS)
