@@ -2,11 +2,14 @@
 
 What runs here: a real megatron-core GPTModel (the local layer spec: Transformer Engine needs CUDA) inside
 Megatron's real wrappers (Float16Module, and DDP's base class: DDP itself allocates its buffers on CUDA),
-so the checkpoint keys the backend takes are Megatron's own, and a save/load round trip through
-dist_checkpointing; mbridge's own name mapping for every model family rayrl supports, against the real
-transformers models' parameter names (what the engines load by). What cannot run here: mbridge's
-get_model/export_weights (Transformer Engine layers, CUDA), DDP and the distributed optimizer (CUDA);
-tests/gpu/test_gpu_megatron_bridge.py covers them where Transformer Engine is installed.
+so the checkpoint keys the backend takes are Megatron's own; what the checkpoint module hands
+dist_checkpointing and the optimizer on save and on load (is_loading); mbridge's own name mapping for every
+model family rayrl supports, against the real transformers models' parameter names (what the engines load
+by); and mbridge's own HF load and export on the local spec, each Megatron module checked against the
+transformers module loaded from the export. What cannot run on a CUDA-less torch (the source lines are in
+rayrl/trainers/megatron_checkpoint.py and docs/gpu.md): Megatron's attention core, its optimizers, DDP,
+dist_checkpointing's save, mbridge's get_model. tests/gpu/test_gpu_megatron_local.py runs those on a GPU
+(the local spec: the device has no Transformer Engine); tests/gpu/test_gpu_megatron_bridge.py the TE spec.
 """
 
 from __future__ import annotations
@@ -83,15 +86,55 @@ def test_checkpoint_keys_are_the_bare_models_and_load_back_through_the_wrappers(
     assert any(v.abs().sum() > 0 for v in saved.values())
 
 
-def test_the_optimizer_load_is_told_it_is_loading():
-    """Megatron's optimizers build a load's layout only when told (is_loading); the backend passes it."""
+class _RecordingOptimizer:
+    """A recording stand-in for a Megatron optimizer: none can be built on a CUDA-less torch (each makes
+    'cuda' tensors in its constructor, megatron/core/optimizer/optimizer.py). It takes the arguments
+    ``DistributedOptimizer.sharded_state_dict`` and ``FP32Optimizer.sharded_state_dict`` take (checked
+    below) and records what it was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[set, bool]] = []
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, metadata=None):
+        self.calls.append((set(model_sharded_state_dict), is_loading))
+        return {"recorded": len(self.calls)}
+
+
+def test_the_optimizer_load_is_told_it_is_loading(megatron_world, tmp_path, monkeypatch):
+    """Megatron's optimizers build a load's layout only when told (is_loading): the checkpoint module tells
+    them on load and not on save, over the whole model's sharded state. What dist_checkpointing is handed
+    is recorded at its entry (its save and load cannot run on a CUDA-less torch: rayrl/trainers/
+    megatron_checkpoint.py says why); the round trip itself is tests/gpu/test_gpu_megatron_local.py."""
+    from megatron.core import dist_checkpointing
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import FP32Optimizer
 
     from rayrl.trainers import megatron_checkpoint
 
-    assert "is_loading" in inspect.signature(DistributedOptimizer.sharded_state_dict).parameters
-    source = inspect.getsource(megatron_checkpoint.load)
-    assert "sharded_state(model, optimizer, is_loading=True)" in source
+    for cls in (DistributedOptimizer, FP32Optimizer):  # the stand-in's signature is theirs
+        params = inspect.signature(cls.sharded_state_dict).parameters
+        assert list(params)[1:3] == ["model_sharded_state_dict", "is_loading"], cls
+        assert params["is_loading"].default is False
+    _, model = _gpt()
+    keys = set(model.sharded_state_dict())
+    handed = {}
+
+    def record(name):
+        def entry(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+            handed[name] = sharded_state_dict
+            raise RuntimeError(f"recorded {name}")  # stop here: the rest needs CUDA
+        return entry
+
+    monkeypatch.setattr(dist_checkpointing, "save", record("save"))
+    monkeypatch.setattr(dist_checkpointing, "load", record("load"))
+    optimizer = _RecordingOptimizer()
+    for call in (lambda: megatron_checkpoint.save(tmp_path, [model], optimizer, 0, {}),
+                 lambda: megatron_checkpoint.load(tmp_path, [model], optimizer, 0)):
+        with pytest.raises(RuntimeError, match="recorded"):
+            call()
+    assert optimizer.calls == [(keys, False), (keys, True)]  # save: the save's layout; load: the load's
+    for name in ("save", "load"):
+        assert set(handed[name]) == {"model0", "optimizer"} and set(handed[name]["model0"]) == keys
 
 
 def _te_names(layers: int, qkv_bias: bool, qk_norm: bool) -> list[str]:
