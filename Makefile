@@ -29,7 +29,8 @@ $(DEPS): pyproject.toml scripts/install_system_deps.sh
 	touch $@
 
 $(TDEPS): $(DEPS)
-	$(BIN)/pip install --quiet -e '.[test]'
+	# verifiers: tests/environments/ run real verifiers environments (an extra: it brings datasets, pandas, mcp, ...)
+	$(BIN)/pip install --quiet -e '.[test,verifiers]'
 	# the pinned GPU libraries' own code, for tests/contracts/ on CPU: --no-deps, so no CUDA torch comes along
 	# (triton: sglang.srt.utils imports it at module level; 3.5.1 is torch 2.9.1's, the pinned stack's)
 	$(BIN)/pip install --quiet --no-deps sglang==0.5.9 megatron-core==0.15.3 mbridge==0.15.1 triton==3.5.1

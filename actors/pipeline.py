@@ -47,7 +47,8 @@ from actors.weight_sync import WeightSync
 from rayrl.checkpoint import CheckpointStore
 from rayrl.config import RunConfig, capacity_warnings, resolve, to_yaml
 from rayrl.config.paths import absolute_outputs
-from rayrl.data import JsonlDataset, TaskSampler
+from rayrl.data import TaskSampler
+from rayrl.data.load import load_tasks
 from rayrl.engines.backends import engine_backend
 from rayrl.metrics import CounterDeltas, MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
@@ -83,9 +84,8 @@ class Pipeline:
         for warning in capacity_warnings(cfg):
             logger.warning(warning)
         self.model_path = str(resolve_model_path(cfg.model.path))
-        dataset = JsonlDataset(cfg.data.train_path, cfg.data.max_prompt_chars)
+        dataset, self.val_dataset = load_tasks(cfg)
         self.sampler = TaskSampler(dataset, seed=cfg.seed, shuffle=cfg.data.shuffle)
-        self.val_dataset = JsonlDataset(cfg.data.val_path, cfg.data.max_prompt_chars) if cfg.data.val_path else None
         store = CheckpointStore(cfg.pipeline.checkpoint_dir or self.run_dir / "checkpoints",
                                 staging_root=self.run_dir / "checkpoint-staging",
                                 keep_last=cfg.pipeline.keep_checkpoints)

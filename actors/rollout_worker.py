@@ -12,7 +12,7 @@ from actors.trajectory_manager import TrajectoryManagers
 from rayrl.agents import agent_factory
 from rayrl.agents.episode import EpisodeRunner
 from rayrl.config import RunConfig
-from rayrl.rewards import get_reward_fn
+from rayrl.rewards import reward_fn_for
 from rayrl.sandboxes import open_sandbox
 from rayrl.sandboxes.base import Sandbox
 from rayrl.types import Episode, Task
@@ -71,7 +71,7 @@ class RolloutWorker:
         self.sessions = _TreeKeepingManagers(tm_handles)
         self.runner = EpisodeRunner(
             harness=harness,
-            reward_fn=get_reward_fn(cfg.rollout.reward),
+            reward_fn=reward_fn_for(cfg.rollout),
             sessions=self.sessions,
             sandboxes=_PoolSandboxes(pool, owner, cfg.sandbox_pool.lease_s, cfg.sandbox_pool.acquire_timeout_s)
             if harness.needs_sandbox else None,

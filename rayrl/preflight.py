@@ -26,13 +26,22 @@ def check_data(field: str, path: str, max_prompt_chars: int) -> int:
 def preflight(cfg: RunConfig, data: bool = True) -> None:
     """Check everything :mod:`rayrl.preflight` covers (``data=False``: not the data files)."""
     from rayrl.agents import check_agent
-    from rayrl.rewards import get_reward_fn
+    from rayrl.rewards import reward_fn_for
     from rayrl.trajectory.events import load_callback
 
     check_agent(cfg.rollout)
-    get_reward_fn(cfg.rollout.reward)
+    reward_fn_for(cfg.rollout)
     load_callback(cfg.trajectory.debug_callback)
-    if data:
+    if data and cfg.rollout.environment:
+        from rayrl.data.load import load_tasks
+
+        load_tasks(cfg)  # the environment loads, its datasets are built (no hub), eval_interval has a set
+    elif data and cfg.data.reasoning_gym:
+        from rayrl.data.reasoning_gym import check_sources
+
+        check_sources(cfg.data.reasoning_gym)
+    elif data:
         check_data("data.train_path", cfg.data.train_path, cfg.data.max_prompt_chars)
+    if data:
         if cfg.data.val_path:
             check_data("data.val_path", cfg.data.val_path, cfg.data.max_prompt_chars)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from pathlib import Path
 
 from rayrl import config as C
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTION_MODULES = ("schema.py", "serving.py", "rollout.py", "training.py", "algorithm.py")  # rayrl/config/
+SECTION_MODULES = ("schema.py", "data_sources.py", "serving.py", "rollout.py", "training.py",
+                   "algorithm.py")  # rayrl/config/
 
 
 INTRO = """\
@@ -82,7 +84,19 @@ def rows(prefix: str, section: object, comments: dict[str, dict[str, str]]) -> l
         if name in choices:
             meaning = f"{choices[name]} ({meaning})"
         out.append(f"| `{name}` | `{value!r}` | {meaning} |")
+        entry = _entry_class(section, g.name)
+        if entry is not None:  # a list of records (data.reasoning_gym): each entry's fields as name[].field
+            out += rows(f"{name}[]", entry(), comments)
     return out + nested
+
+
+def _entry_class(section: object, name: str) -> type | None:
+    """The dataclass a ``list[...]`` field's entries are, or None."""
+    hint = typing.get_type_hints(type(section)).get(name)
+    if typing.get_origin(hint) is list:
+        (arg,) = typing.get_args(hint)
+        return arg if dataclasses.is_dataclass(arg) else None
+    return None
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 ``rollout.agent`` names one of:
 
-* a built-in harness: ``python_tool_agent``, ``claude_code``, ``codex``, ``agentcore``;
+* a built-in harness: ``python_tool_agent``, ``chat`` (one reply, no tools), ``claude_code``, ``codex``, ``agentcore``;
 * ``command``: any program that reads its endpoint from the environment (``rollout.agent_command``,
   rayrl/agents/command_agent.py);
 * ``package.module:function``: a plain function ``agent(task, endpoint) -> str``, async or not
@@ -28,7 +28,7 @@ from rayrl.config import ConfigError, RolloutConfig
 from rayrl.extensions import check_call, did_you_mean, load_reference
 from rayrl.rl.failures import InfrastructureError
 
-BUILT_IN = ("python_tool_agent", "claude_code", "codex", "agentcore", "command")
+BUILT_IN = ("python_tool_agent", "chat", "claude_code", "codex", "agentcore", "command")
 FIELD = "rollout.agent"
 
 
@@ -97,6 +97,15 @@ def agent_factory(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
         _check_tools(rollout)
         options = python_agent_options(rollout)
         return lambda: PythonToolAgent(**options)
+    if name == "chat":
+        from rayrl.agents.chat_agent import ChatAgent
+
+        return ChatAgent
+    if name == "environment":  # rollout.environment runs the episodes (rayrl/environments/)
+        from rayrl.environments import harness_factory, parse_ref
+
+        parse_ref(rollout.environment or "")
+        return harness_factory(rollout.environment or "", dict(rollout.environment_args), rollout.judge)
     if name == "claude_code":
         from rayrl.agents.claude_code import ClaudeCodeHarness
 
@@ -128,6 +137,10 @@ def make_harness(name: str, **kwargs: Any) -> BaseHarness:
         from rayrl.agents.python_agent import PythonToolAgent
 
         return PythonToolAgent(**kwargs)
+    if name == "chat":
+        from rayrl.agents.chat_agent import ChatAgent
+
+        return ChatAgent(**kwargs)
     if name == "claude_code":
         from rayrl.agents.claude_code import ClaudeCodeHarness
 

@@ -29,6 +29,7 @@ from rayrl.rl.failures import (
     AGENT_CRASHED,
     ENGINE_ERROR,
     INFRA_KINDS,
+    JUDGE_FAILED,
     NO_TURNS,
     REWARD_FAILED,
     SANDBOX_FAILED,
@@ -36,6 +37,7 @@ from rayrl.rl.failures import (
     SESSION_FAILED,
     TIMED_OUT,
     InfrastructureError,
+    JudgeError,
     fail,
 )
 from rayrl.sandboxes.base import Sandbox, SandboxError
@@ -189,6 +191,11 @@ class EpisodeRunner:
             "tool_errors": result.tool_errors,
             "final_answer": (result.final_answer or "")[:500],
         }
+        if result.info.get("judge_calls"):  # what grading it cost: judge/* metrics
+            episode.info["judge_calls"] = list(result.info["judge_calls"])
+        breakdown = result.info.get("reward_breakdown")
+        if breakdown:  # each reward function's own score (an environment's rubric): reward/<name> metrics
+            episode.info["reward_breakdown"] = dict(breakdown)
         if failure is None and not episode.samples:
             failure = (NO_TURNS, "no LLM turn was recorded for this episode")
         if failure is not None:
@@ -235,6 +242,8 @@ def raised_kind(err: BaseException) -> str | None:
     is their own error."""
     if isinstance(err, SandboxError):
         return SANDBOX_FAILED
+    if isinstance(err, JudgeError):
+        return JUDGE_FAILED
     if isinstance(err, InfrastructureError):
         return SERVICE_FAILED
     return None

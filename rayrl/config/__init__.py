@@ -15,9 +15,10 @@ algorithm checks look the estimator and loss registries up when a config is buil
 
 from rayrl.config.algorithm import AlgorithmConfig
 from rayrl.config.checks import ConfigError
+from rayrl.config.data_sources import ReasoningGymSource
 from rayrl.config.load import load_config, to_yaml
 from rayrl.config.resolve import Machine, capacity_warnings, resolve
-from rayrl.config.rollout import AgentCoreConfig, RolloutConfig, SandboxConfig, SandboxPoolConfig
+from rayrl.config.rollout import AgentCoreConfig, JudgeConfig, RolloutConfig, SandboxConfig, SandboxPoolConfig
 from rayrl.config.schema import DataConfig, LoggingConfig, PipelineConfig, RayConfig, RunConfig
 from rayrl.config.serving import EngineConfig, GatewayConfig, ModelConfig, SGLangConfig, TrajectoryConfig
 from rayrl.config.training import PlacementConfig, TrainerConfig
@@ -29,12 +30,14 @@ __all__ = [
     "DataConfig",
     "EngineConfig",
     "GatewayConfig",
+    "JudgeConfig",
     "LoggingConfig",
     "Machine",
     "ModelConfig",
     "PipelineConfig",
     "PlacementConfig",
     "RayConfig",
+    "ReasoningGymSource",
     "RolloutConfig",
     "RunConfig",
     "SandboxConfig",

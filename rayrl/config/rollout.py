@@ -7,7 +7,7 @@ comment beside each field is its documentation (docs/config.md is generated from
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from rayrl.config.checks import ConfigError, non_negative, positive
 from rayrl.config.host_rules import parse_rules
@@ -59,11 +59,68 @@ class SandboxPoolConfig:
             raise ConfigError("sandbox_pool.min_warm: must not exceed sandbox_pool.max_size")
 
 
+DEFAULT_JUDGE_PROMPT = (
+    "You grade an answer to a question.\n\nQuestion:\n{question}\n\nReference answer:\n{answer}\n\n"
+    "Answer to grade:\n{response}\n\nIs the answer to grade correct? Reply with one word: yes or no.")
+
+
+@dataclass
+class JudgeConfig:
+    """A frozen model that grades episodes (``rollout.reward: judge``; an environment's JudgeRubric asks it too)."""
+
+    base_url: Optional[str] = None  # its OpenAI-compatible endpoint (…/v1): SGLang's or vLLM's own server, a hosted
+    # API, rayrl's standalone gateway (python -m rayrl.gateway serve)
+    model: str = ""  # the model name sent to it
+    api_key_env: Optional[str] = None  # the environment variable holding its API key (None: no key)
+    prompt: str = DEFAULT_JUDGE_PROMPT  # the user message; {question} (the task's prompt), {answer} (metadata.answer),
+    # {response} (the agent's final answer) and any other metadata key in braces are filled in
+    system_prompt: Optional[str] = None  # a system message before it
+    verdicts: dict[str, float] = field(default_factory=lambda: {"yes": 1.0, "no": 0.0})  # the reply's first word
+    # (case-insensitive, punctuation stripped) -> reward; a reply that matches none is a judge failure
+    score_pattern: Optional[str] = None  # instead of verdicts: a regular expression whose first group is the reward
+    # (a number), e.g. 'Score: ([0-9.]+)'
+    function: Optional[str] = None  # instead of prompt and parse rules: package.module:function (task, result, judge)
+    # -> float, calling judge.ask(messages) -> str (bounded and retried like every judge call)
+    max_tokens: int = 16  # per judge call
+    temperature: float = 0.0  # the judge samples greedily by default
+    timeout_s: float = 60.0  # one judge call's limit
+    max_retries: int = 3  # retries of a call that failed for the infrastructure (connection, timeout, 429, 5xx)
+    backoff_s: float = 1.0  # the first retry waits this long, each next one twice as long
+    max_concurrent: int = 8  # judge calls in flight per rollout worker
+
+    def __post_init__(self) -> None:
+        positive(self, "rollout.judge.", "max_tokens", "timeout_s", "max_concurrent")
+        non_negative(self, "rollout.judge.", "temperature", "max_retries", "backoff_s")
+        if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
+            raise ConfigError("rollout.judge.base_url: an http(s):// URL of an OpenAI-compatible API, got "
+                              f"{self.base_url!r}")
+        if self.base_url and not self.model:
+            raise ConfigError("rollout.judge.model: name the model the judge endpoint serves")
+        if self.score_pattern is not None:
+            import re
+
+            try:
+                groups = re.compile(self.score_pattern).groups
+            except re.error as err:
+                raise ConfigError(f"rollout.judge.score_pattern: not a regular expression: {err}") from None
+            if groups < 1:
+                raise ConfigError("rollout.judge.score_pattern: needs a group around the score, e.g. "
+                                  "'Score: ([0-9.]+)'")
+        elif not self.verdicts:
+            raise ConfigError("rollout.judge.verdicts: give verdict words and their rewards, or "
+                              "rollout.judge.score_pattern")
+
+
 @dataclass
 class RolloutConfig:
     """Episodes: which agent, how many, how long."""
 
-    agent: str = "python_tool_agent"  # python_tool_agent | claude_code | codex | agentcore | command |
+    environment: Optional[str] = None  # an environment written for another framework, run unchanged: verifiers:<env id>
+    # or verifiers:package.module:load_environment; it then gives the tasks, runs the episodes and scores them
+    # (rollout.agent and rollout.reward become environment); docs/environments.md
+    environment_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the environment's
+    # load_environment
+    agent: str = "python_tool_agent"  # python_tool_agent | chat | claude_code | codex | agentcore | command |
     # package.module:function (async def agent(task, endpoint) -> str) | package.module:Class (a BaseHarness);
     # docs/agents.md
     agent_command: list[str] = field(default_factory=list)  # rollout.agent command: the program and its arguments; it
@@ -71,6 +128,8 @@ class RolloutConfig:
     # (docs/agents.md)
     tools: list[str] = field(default_factory=lambda: ["calculator"])  # tools of the python agent
     reward: str = "calculator"  # reward function: calculator | math | gsm8k | agent_reported | hidden_tests |
+    # reasoning_gym (the task's dataset's own score_answer) | environment (rollout.environment's own score) | judge
+    # (rollout.judge's model grades the final answer) |
     # package.module:function (reward(task, result) -> float); docs/agents.md
     prompts_per_step: int = 4  # distinct tasks per training step
     group_size: int = 4  # episodes per task (GRPO group)
@@ -82,12 +141,13 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature the agent requests
     top_p: float = 1.0  # nucleus sampling the agent requests
     max_tokens: int = 96  # per LLM call
-    system_prompt: Optional[str] = None  # overrides the python agent's system prompt
+    system_prompt: Optional[str] = None  # the system prompt of the python agent (overrides its own) and the chat agent
     few_shot_examples: int = 2  # worked tool-use examples the python agent puts before the question
     tool_delay_s: list[float] = field(default_factory=list)  # [min, max]: each tool call also sleeps that long
     # (uniform) in the sandbox, as slow real tools do; [] none
     step_deadline_s: float = 0.0  # a step stops waiting for episodes after this (0: no deadline)
     min_groups_fraction: float = 1.0  # finish the step once this fraction of groups completed
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     min_group_episodes: int = 2  # a group trains only if at least this many (capped at group_size) of its episodes were
     # scored; else its task runs again (only infrastructure failures are not scored; the agent's own count with the
     # reward they got)
@@ -105,11 +165,30 @@ class RolloutConfig:
         if delay and (len(delay) != 2 or not 0.0 <= delay[0] <= delay[1]):
             raise ConfigError(f"rollout.tool_delay_s: need [] or [min, max] with 0 <= min <= max, "
                               f"got {delay}")
+        self._check_environment()
+        if self.reward == "judge" and not self.judge.base_url:
+            raise ConfigError("rollout.judge.base_url: rollout.reward: judge needs the judge's OpenAI-compatible "
+                              "endpoint")
         if self.agent == "command" and not self.agent_command:
             raise ConfigError("rollout.agent_command: rollout.agent command needs the program to run, e.g. "
                               "[python, my_agent.py]")
         if self.agent != "command" and self.agent_command:
             raise ConfigError(f"rollout.agent_command: only read with rollout.agent: command (it is {self.agent!r})")
+
+    def _check_environment(self) -> None:
+        """With an environment, it is the agent and the reward (left at their defaults or set to environment)."""
+        if not self.environment:
+            for name in ("agent", "reward"):
+                if getattr(self, name) == "environment":
+                    raise ConfigError(f"rollout.{name}: environment needs rollout.environment (e.g. verifiers:<env>)")
+            if self.environment_args:
+                raise ConfigError("rollout.environment_args: set without rollout.environment")
+            return
+        for name, default in (("agent", "python_tool_agent"), ("reward", "calculator")):
+            if getattr(self, name) not in (default, "environment"):
+                raise ConfigError(f"rollout.{name}: rollout.environment runs the episodes and scores them; leave "
+                                  f"rollout.{name} unset (or environment), got {getattr(self, name)!r}")
+            setattr(self, name, "environment")
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import Literal, Optional
 
 from rayrl.config.algorithm import AlgorithmConfig
 from rayrl.config.checks import ConfigError, at_least_one, non_negative, positive
+from rayrl.config.data_sources import ReasoningGymSource, check_sources
 from rayrl.config.rollout import AgentCoreConfig, RolloutConfig, SandboxConfig, SandboxPoolConfig
 from rayrl.config.serving import EngineConfig, GatewayConfig, ModelConfig, TrajectoryConfig
 from rayrl.config.training import PlacementConfig, TrainerConfig
@@ -36,6 +37,19 @@ class DataConfig:
     val_path: Optional[str] = None  # held-out tasks for validation
     shuffle: bool = True  # reshuffle each epoch (seeded)
     max_prompt_chars: int = 0  # drop rows whose prompt is longer (0: keep all)
+    reasoning_gym: list[ReasoningGymSource] = field(default_factory=list)  # reasoning-gym datasets to generate the
+    # tasks from instead of train_path (and, with val_size, the held-out tasks instead of val_path); each entry: name,
+    # size, seed, weight, config, val_size, val_seed (docs/environments.md)
+
+    def __post_init__(self) -> None:
+        check_sources(self.reasoning_gym)
+        if self.reasoning_gym and self.max_prompt_chars:
+            raise ConfigError("data.max_prompt_chars: filters JSONL rows; reasoning-gym tasks are sized by their "
+                              "dataset's own config (data.reasoning_gym[i].config)")
+
+    def has_val(self) -> bool:
+        """Whether there are held-out tasks (a file, or reasoning-gym entries with val_size)."""
+        return bool(self.val_path) or any(s.val_size for s in self.reasoning_gym)
 
 
 @dataclass
@@ -163,8 +177,12 @@ class RunConfig:
         if not self.exp_id or "/" in self.exp_id or self.exp_id in (".", ".."):
             raise ConfigError(f"exp_id: must be a plain name, got {self.exp_id!r}")
         self._check_algorithm()
-        if self.pipeline.eval_interval and not self.data.val_path:
-            raise ConfigError("pipeline.eval_interval: set data.val_path to validate")
+        if self.rollout.environment and (self.data.reasoning_gym or self.data.val_path):
+            raise ConfigError("rollout.environment: the environment's datasets are the tasks; drop "
+                              + ("data.reasoning_gym" if self.data.reasoning_gym else "data.val_path"))
+        if self.pipeline.eval_interval and not self.data.has_val() and not self.rollout.environment:
+            raise ConfigError("pipeline.eval_interval: set data.val_path (or data.reasoning_gym[i].val_size) to "
+                              "validate")
         if 0 < self.pipeline.episode_budget < self.rollout.group_size:
             raise ConfigError(f"pipeline.episode_budget: {self.pipeline.episode_budget} is less than one group "
                               f"(rollout.group_size {self.rollout.group_size}); groups start whole")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -79,6 +79,14 @@ class JsonlDataset:
         return self.tasks[i]
 
 
+class TaskSource(Protocol):
+    """What a sampler walks: indexed tasks; optionally ``order(epoch, seed, shuffle)``, its own draw order."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> Task: ...
+
+
 @dataclass
 class SamplerState:
     epoch: int = 0
@@ -88,13 +96,19 @@ class SamplerState:
 class TaskSampler:
     """Seeded epoch-wise shuffling with an exact, serialisable cursor."""
 
-    def __init__(self, dataset: JsonlDataset, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(self, dataset: TaskSource, seed: int = 0, shuffle: bool = True) -> None:
         self.dataset = dataset
         self.seed = seed
         self.shuffle = shuffle
         self.state = SamplerState()
+        self._cached: tuple[int, np.ndarray] | None = None
 
     def _order(self, epoch: int) -> np.ndarray:
+        order = getattr(self.dataset, "order", None)
+        if order is not None:  # a dataset with its own draw order (a weighted mixture: rayrl/data/reasoning_gym.py)
+            if self._cached is None or self._cached[0] != epoch:
+                self._cached = (epoch, order(epoch, self.seed, self.shuffle))
+            return self._cached[1]
         n = len(self.dataset)
         if not self.shuffle:
             return np.arange(n)

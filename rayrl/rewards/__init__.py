@@ -15,7 +15,9 @@ from __future__ import annotations
 from typing import Callable
 
 from rayrl.agents.base import AgentResult
-from rayrl.config import ConfigError
+from rayrl.config import ConfigError, RolloutConfig
+from rayrl.data.reasoning_gym import reasoning_gym_reward
+from rayrl.environments import environment_reward
 from rayrl.extensions import check_call, did_you_mean, load_reference
 from rayrl.rewards.gsm8k import agent_reported_reward, gsm8k_reward
 from rayrl.rewards.hidden_tests import hidden_tests_reward
@@ -30,7 +32,10 @@ REWARDS: dict[str, RewardFn] = {
     "gsm8k": gsm8k_reward,
     "agent_reported": agent_reported_reward,
     "hidden_tests": hidden_tests_reward,
+    "reasoning_gym": reasoning_gym_reward,
+    "environment": environment_reward,
 }
+BUILT_WITH_CONFIG = ("judge",)  # built by reward_fn_for from their rollout section
 
 
 def get_reward_fn(name: str) -> RewardFn:
@@ -38,13 +43,26 @@ def get_reward_fn(name: str) -> RewardFn:
     ConfigError naming ``rollout.reward`` otherwise."""
     if name in REWARDS:
         return REWARDS[name]
+    if name in BUILT_WITH_CONFIG:
+        raise ConfigError(f"rollout.reward: {name} is built from its config section: use reward_fn_for(rollout)")
     if ":" not in name:
-        raise ConfigError(f"rollout.reward: unknown reward {name!r}{did_you_mean(name, list(REWARDS))}; registered: "
-                          f"{', '.join(sorted(REWARDS))}, or package.module:function")
+        names = [*REWARDS, *BUILT_WITH_CONFIG]
+        raise ConfigError(f"rollout.reward: unknown reward {name!r}{did_you_mean(name, names)}; registered: "
+                          f"{', '.join(sorted(names))}, or package.module:function")
     fn = load_reference(name, "rollout.reward")
     check_call(fn, "rollout.reward", name, ("task", "result"), "reward(task, result) -> float")
     return fn
 
 
+def reward_fn_for(rollout: RolloutConfig) -> RewardFn:
+    """``rollout.reward``'s function, built with what it needs from the rollout section (``judge``: the
+    judge endpoint of ``rollout.judge``)."""
+    if rollout.reward == "judge":
+        from rayrl.rewards.judge import judge_reward
+
+        return judge_reward(rollout.judge)
+    return get_reward_fn(rollout.reward)
+
+
 __all__ = ["RewardFn", "agent_reported_reward", "get_reward_fn", "gsm8k_reward", "hidden_tests_reward",
-           "numeric_answer_reward"]
+           "numeric_answer_reward", "reward_fn_for"]

@@ -36,11 +36,12 @@ STEP_DEADLINE = "step_deadline"  # the step's deadline came before the episode f
 # a service the episode relies on failed: a hosted agent's (AgentCore: invoke, timeout, result), or any
 # InfrastructureError an agent or reward raised
 SERVICE_FAILED = "service_failed"
+JUDGE_FAILED = "judge_failed"  # the judge model (rollout.reward: judge, an environment's JudgeRubric) gave no verdict
 AGENT_CRASHED = "agent_crashed"  # the agent raised, or reported that it failed
 NO_TURNS = "no_turns"  # the agent ended without any LLM call recorded
 
 INFRA_KINDS = frozenset({ENGINE_ERROR, SANDBOX_FAILED, TIMED_OUT, SESSION_FAILED, WORKER_DIED, STEP_DEADLINE,
-                         SERVICE_FAILED})
+                         SERVICE_FAILED, JUDGE_FAILED})
 AGENT_KINDS = frozenset({AGENT_CRASHED, NO_TURNS, REWARD_FAILED})
 
 
@@ -49,6 +50,11 @@ class InfrastructureError(Exception):
     tool service that is down, a quota hit. The episode becomes an infrastructure failure
     (``service_failed``): left out of training, and its group may run again. Any other exception counts
     against the task (see the module docstring)."""
+
+
+class JudgeError(InfrastructureError):
+    """The judge gave no verdict (unreachable, timed out after its retries, or an answer its parse rule
+    does not read): ``judge_failed``, an infrastructure failure, never a reward of 0."""
 
 
 def fail(episode: Episode, kind: str, message: str) -> Episode:

@@ -117,6 +117,8 @@ def step_metrics(
         metrics["rollout/reward_mean"] = _mean([e.reward for e in scored])
         metrics["rollout/success_rate"] = _mean([e.reward >= 1.0 for e in scored])
     metrics.update({f"rollout/excluded_{kind}": n for kind, n in sorted(excluded.items())})
+    metrics.update(reward_breakdown_means(ok))
+    metrics.update(judge_metrics(episodes))
     metrics.update({f"pipeline/{k}": v for k, v in pipeline_counts.items()})
     metrics.update(batch.metrics)  # what building the batch measured: reward shaping, distillation
     metrics.update(train if train is not None else {"train/trained_samples": 0})
@@ -134,6 +136,32 @@ def step_metrics(
     metrics["rollout/generated_tokens_per_s"] = generated / max(step_s, 1e-9)
     metrics["rollout/episodes_per_s_run"] = run_episodes / max(run_s, 1e-9)
     return metrics
+
+
+def reward_breakdown_means(episodes: Sequence[Any]) -> dict[str, float]:
+    """``reward/<name>``: each reward function's mean score over the episodes that report it (an
+    environment's rubric functions: ``Episode.info["reward_breakdown"]``)."""
+    scores: dict[str, list[float]] = {}
+    for e in episodes:
+        for name, value in (e.info.get("reward_breakdown") or {}).items():
+            scores.setdefault(str(name), []).append(float(value))
+    return {f"reward/{name}": _mean(values) for name, values in sorted(scores.items())}
+
+
+def judge_metrics(episodes: Sequence[Any]) -> dict[str, float]:
+    """``judge/*``: the judge calls the step's episodes made (rayrl/rewards/judge.py), failed episodes too:
+    how many, how many gave no answer, their tokens, latency and retries. Empty without a judge."""
+    calls = [c for e in episodes for c in e.info.get("judge_calls") or ()]
+    if not calls:
+        return {}
+    ok = [c for c in calls if c.get("ok")]
+    return {"judge/calls": len(calls), "judge/failed_calls": len(calls) - len(ok),
+            "judge/prompt_tokens": sum(c.get("prompt_tokens", 0) for c in ok),
+            "judge/completion_tokens": sum(c.get("completion_tokens", 0) for c in ok),
+            "judge/latency_s_mean": _mean([c.get("latency_s", 0.0) for c in ok]),
+            "judge/latency_s_max": max((c.get("latency_s", 0.0) for c in ok), default=0.0),
+            "judge/queue_s_mean": _mean([c.get("queue_s", 0.0) for c in calls]),
+            "judge/attempts_mean": _mean([c.get("attempts", 1) for c in calls])}
 
 
 GATEWAY_TOTALS = ("requests", "errors_4xx", "errors_engine", "tool_parse_errors", "cumulative_hits", "full_renders",

@@ -37,6 +37,7 @@ class ScriptedEngine:
         self.script = script
         self.token_delay_s = token_delay_s
         self.prompts: list[str] = []
+        self.sampling: list[dict[str, Any]] = []  # each request's sampling_params, as the engine got them
         self.aborted: list[str] = []
         self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self._runner: web.AppRunner | None = None
@@ -77,6 +78,7 @@ class ScriptedEngine:
         prompt = self.tokenizer.decode(body["input_ids"])
         self.prompts.append(prompt)
         params = body.get("sampling_params") or {}
+        self.sampling.append(params)
         completion = self.script(prompt)
         if completion == ENGINE_FAILURE:
             return web.json_response({"object": "error", "message": "scripted engine failure", "type": "Internal",
