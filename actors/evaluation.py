@@ -16,6 +16,7 @@ import ray
 from tqdm import tqdm
 
 from rayrl.rl.failures import is_scored
+from rayrl.rl.step_metrics import reward_breakdown_means
 from rayrl.types import Episode, Task
 
 
@@ -41,6 +42,7 @@ def evaluate(workers: Sequence[Any], tasks: Sequence[Task], max_concurrent: int,
         "eval/episodes_excluded": len(episodes) - len(scored),
         "eval/time_s": time.monotonic() - started,
     }
+    metrics.update({f"eval/{k}": v for k, v in reward_breakdown_means([e for e in episodes if e.ok]).items()})
     if scored:
         metrics["eval/reward_mean"] = float(np.mean([e.reward for e in scored]))
         metrics["eval/success_rate"] = float(np.mean([e.reward >= 1.0 for e in scored]))

@@ -142,6 +142,14 @@ def test_a_missing_package_says_how_to_install_it(monkeypatch):
         preflight(load_config(EXAMPLE))
 
 
+def test_an_override_reaches_one_entry_of_the_list():
+    cfg = load_config(EXAMPLE, ["data.reasoning_gym[1].size=7", "data.reasoning_gym[0].config.max_digits=3"])
+    assert cfg.data.reasoning_gym[1].size == 7 and cfg.data.reasoning_gym[0].config["max_digits"] == 3
+    assert cfg.data.reasoning_gym[0].size == 1000
+    with pytest.raises(ConfigError, match=r"^data.reasoning_gym\[1\].size: Value 'x'"):
+        load_config(EXAMPLE, ["data.reasoning_gym[1].size=x"])
+
+
 def test_the_example_loads_and_passes_preflight():
     cfg = load_config(EXAMPLE)
     preflight(cfg)

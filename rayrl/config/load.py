@@ -85,8 +85,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         _check_removed(loaded, overrides)
         if loaded is not None:
             merged = OmegaConf.merge(merged, loaded)
-        if overrides:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        plain = [item for item in overrides if "[" not in item.split("=", 1)[0]]
+        if plain:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(plain))
+        for item in overrides:  # a list entry's field (data.reasoning_gym[0].size=50): set in place, typed
+            key, value = item.split("=", 1)
+            if "[" in key:
+                OmegaConf.update(merged, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=True)
         cfg = OmegaConf.to_object(merged)  # the dataclasses' __post_init__ checks raise ConfigError here
     except OmegaConfBaseException as err:
         raise ConfigError(_describe(err)) from None

@@ -112,7 +112,11 @@ def tangle_episode(gw: ScriptedGateway, group_id: str) -> Episode:
     samples, tree = gw.finish(info.session_id, 1.0)
     return Episode(info.session_id, "task-tangle", group_id, samples, reward=1.0, timings={"total_s": 0.5},
                    info={"agent_status": "completed", "turns": 4, "tool_calls": 1, "tool_errors": 0,
-                         "final_answer": "The answer is 5."}, tree=tree)
+                         "final_answer": "The answer is 5.",
+                         # an environment's rubric functions and a judge call, as rayrl/agents/episode.py keeps them
+                         "reward_breakdown": {"correct_answer": 1.0, "answer_format": 0.5},
+                         "judge_calls": [{"ok": True, "latency_s": 0.25, "queue_s": 0.0, "attempts": 2,
+                                          "prompt_tokens": 40, "completion_tokens": 2}]}, tree=tree)
 
 
 def plain_episode(gw: ScriptedGateway, task_id: str, group_id: str, question: str, reward: float) -> Episode:

@@ -107,6 +107,9 @@ def test_served_page_filters_and_shows_tokens_tree_drift_and_fork_merge(scripted
 
     # the scripted episode: drift point, fork-merge, sub-agent branch, linked to the LLM calls
     _open(page, "1:0")
+    summary = page.locator("#ep-summary").inner_text()  # each reward function's score, the judge's calls
+    assert "reward by function\ncorrect_answer 1, answer_format 0.500" in summary, summary
+    assert "judge calls\n1 (0 failed), 42 tokens, 0.25 s after 2 attempts" in summary, summary
     tangle = made["steps"][1][0]
     position = tangle.samples[1].metadata["drift"]["position"]
     drift = page.locator("#tree .badge.drift")

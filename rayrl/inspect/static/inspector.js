@@ -135,6 +135,13 @@ async function openEpisode(step, index) {
   renderEpisode();
 }
 
+function judgeLine(calls) {  // rollout.judge's calls for this episode: how many, tokens, latency, retries
+  if (!calls || !calls.length) return null;
+  const ok = calls.filter((c) => c.ok), tokens = ok.reduce((t, c) => t + (c.prompt_tokens || 0) + (c.completion_tokens || 0), 0);
+  return calls.length + " (" + (calls.length - ok.length) + " failed), " + tokens + " tokens, " +
+    calls.map((c) => fmt(c.latency_s, 2) + " s" + (c.attempts > 1 ? " after " + c.attempts + " attempts" : "")).join(", ");
+}
+
 function renderEpisode() {
   const d = EPISODE, r = d.row;
   $("episode").hidden = false;
@@ -143,6 +150,8 @@ function renderEpisode() {
   const items = [["session", r.session_id], ["task", r.task_id], ["prompt", r.prompt], ["group", r.group_id], ["harness", r.harness],
     ["status", r.status + (r.agent_status ? " (agent: " + r.agent_status + ")" : "")], ["failure", r.failure], ["error", r.error],
     ["set aside", r.discarded ? (r.discarded === "rerun" ? "its group ran again (infrastructure failures); not trained" : "its group was too stale; not trained") : null], ["reward", fmt(r.reward)],
+    ["reward by function", Object.entries(r.reward_breakdown || {}).map(([k, v]) => k + " " + fmt(v)).join(", ")],
+    ["judge calls", judgeLine(r.judge_calls)],
     ["advantage", fmt(r.advantage)], ["turns / tool calls / tool errors", [r.turns, r.tool_calls, r.tool_errors].map(fmt).join(" / ")],
     ["final answer", r.final_answer], ["timings (s)", Object.entries(r.timings || {}).map(([k, v]) => k + " " + fmt(v, 2)).join(", ")]];
   $("ep-summary").replaceChildren(...items.filter((i) => i[1] != null && i[1] !== "").flatMap(([k, v]) => [el("dt", {text: k}), el("dd", {text: v})]));
