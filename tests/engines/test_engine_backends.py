@@ -13,15 +13,19 @@ from rayrl.engines.backends.base import EngineBackend
 from rayrl.engines.launcher import EngineProcess
 
 
-def test_the_table_is_what_engine_backend_takes():
+def test_the_table_is_what_engine_backend_takes(monkeypatch):
     """engine.backend is checked against the table at load (its one source of names)."""
+    import sys
+
+    monkeypatch.setattr("rayrl.engines.backends.vllm._has_vllm", lambda python: "")  # the vllm rows' own check
     for name in ("auto", *BACKENDS):
-        assert load_config(None, [f"engine.backend={name}"]).engine.backend == name
-    with pytest.raises(ConfigError, match=r"^engine.backend: 'vllm' is not one of auto, cpu, sglang$"):
-        load_config(None, ["engine.backend=vllm"])
+        cfg = load_config(None, [f"engine.backend={name}", f"engine.vllm.python={sys.executable}"])
+        assert cfg.engine.backend == name
+    with pytest.raises(ConfigError, match=r"^engine.backend: 'tgi' is not one of auto, cpu, sglang, vllm, vllm-cpu$"):
+        load_config(None, ["engine.backend=tgi"])
     assert all(isinstance(b, EngineBackend) and b.name == name for name, b in BACKENDS.items())
-    with pytest.raises(ValueError, match=r"^engine.backend: 'vllm' is not one of cpu, sglang"):
-        engine_backend("vllm")
+    with pytest.raises(ValueError, match=r"^engine.backend: 'tgi' is not one of cpu, sglang, vllm, vllm-cpu"):
+        engine_backend("tgi")
 
 
 def test_auto_and_the_auto_dtype_follow_the_row():

@@ -134,4 +134,4 @@ def test_command_builders():
         and cpu[-2:] == ["--foo", "1"]
     )
     with pytest.raises(ValueError):
-        EngineProcess(cfg, "/m", "/tmp/x.log", backend="vllm")
+        EngineProcess(cfg, "/m", "/tmp/x.log", backend="tgi")

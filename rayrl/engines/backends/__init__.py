@@ -11,8 +11,9 @@ from __future__ import annotations
 from rayrl.engines.backends.base import EngineBackend
 from rayrl.engines.backends.cpu import CPU
 from rayrl.engines.backends.sglang import SGLANG
+from rayrl.engines.backends.vllm import VLLM, VLLM_CPU
 
-BACKENDS: dict[str, EngineBackend] = {backend.name: backend for backend in (CPU, SGLANG)}
+BACKENDS: dict[str, EngineBackend] = {backend.name: backend for backend in (CPU, SGLANG, VLLM, VLLM_CPU)}
 AUTO = {False: CPU.name, True: SGLANG.name}  # engine.backend: auto -> by whether the machine has CUDA
 
 

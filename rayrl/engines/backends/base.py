@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Protocol
+from typing import TYPE_CHECKING, Mapping, Optional, Protocol
 
 if TYPE_CHECKING:
     from rayrl.config import EngineConfig
@@ -24,6 +24,10 @@ class LaunchCommand(Protocol):
 
 class LaunchEnv(Protocol):
     def __call__(self, cfg: "EngineConfig") -> dict[str, str]: ...
+
+
+class ConfigCheck(Protocol):
+    def __call__(self, cfg: "EngineConfig") -> None: ...
 
 
 def no_env(cfg: "EngineConfig") -> dict[str, str]:
@@ -41,7 +45,9 @@ class EngineBackend:
     classes only (rayrl/weights/wire.py), so senders must never fall back to ours. ``weight_formats``: the
     ``engine.weight_format`` values it takes beyond ``auto`` (empty: it has no such setting; its own flags
     go in ``engine.extra_args``); ``extra_routes``: the routes it serves beyond rayrl/engines/api.py's
-    ``ROUTES`` (path -> method).
+    ``ROUTES`` (path -> method); ``check``: what the config must hold for it beyond the schema, run at
+    load (``EngineConfig.__post_init__``; raises ConfigError naming the field), e.g. that the
+    interpreter it runs from exists.
     """
 
     name: str
@@ -51,6 +57,7 @@ class EngineBackend:
     sglang_wire: bool = False
     weight_formats: tuple[str, ...] = ()
     extra_routes: Mapping[str, str] = field(default_factory=dict)
+    check: Optional[ConfigCheck] = None
 
     @property
     def switch_weight_format(self) -> bool:

@@ -1,0 +1,124 @@
+"""rayrl's weight-transfer engine for vLLM, registered through vLLM's own factory. Runs inside vLLM.
+
+This module is imported by vLLM's workers, in vLLM's interpreter (``engine.vllm.python``), never by
+rayrl's: the vllm backend starts vLLM with ``--worker-extension-cls
+rayrl.engines.vllm_worker.RayrlWorkerExtension`` and ``--weight-transfer-config
+'{"backend": "rayrl_shm"}'``, with rayrl's source on ``PYTHONPATH``. Importing the extension class is what
+runs :func:`register` in each worker before its model loads (vllm/v1/worker/worker_base.py resolves the
+extension at worker init; vllm/v1/worker/gpu_worker.py creates the configured transfer engine in
+``load_model``), so the engine is there when vLLM's factory looks the backend up.
+
+Why an engine of our own: vLLM 0.32's engines are NCCL, CUDA IPC and RDMA-based ones; none runs on CPU.
+Ours takes the payloads rayrl's senders already make (rayrl/weights/handles.py: flattened buckets whose
+bytes lie in rayrl's shared-memory buffers, rayrl/weights/shm.py) and reads them with the same
+allow-listed unpickler our CPU engine uses (rayrl/weights/wire.py ``deserialize_entry``), so no tensor
+bytes cross HTTP and no other pickled class is accepted. A safetensors directory (the disk transport)
+loads the same way. The tensors go through the model's own ``load_weights`` (vLLM's checkpoint-name
+mapping: q/k/v and gate/up fused as vLLM fuses them, tied heads skipped), in place, so each bucket is
+complete on its own: ``start_weight_update`` and ``finish_weight_update`` have nothing to prepare or
+finalize (the base class's contract for engines that apply weights in place). That holds for
+unquantized checkpoints; a quantized model would need vLLM's layerwise reload, which needs every
+weight of a layer inside one session.
+
+The control plane is vLLM's own: ``/start_weight_update``, ``/update_weights`` with this engine's
+``update_info``, ``/finish_weight_update`` with the weight version (rayrl/engines/vllm_adapter.py calls
+them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+BACKEND = "rayrl_shm"  # the --weight-transfer-config backend name
+
+
+@dataclass
+class RayrlInitInfo(WeightTransferInitInfo):
+    """Nothing to rendezvous: the buffers are files the worker opens by name."""
+
+
+@dataclass
+class RayrlUpdateInfo(WeightTransferUpdateInfo):
+    """One bucket: ``payload`` (one ``serialized_named_tensors`` entry as rayrl's senders make it) or
+    ``safetensors_dir`` (a directory of ``*.safetensors`` files, the disk transport)."""
+
+    payload: Optional[str] = None
+    safetensors_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if (self.payload is None) == (self.safetensors_dir is None):
+            raise ValueError("rayrl_shm update_info needs exactly one of payload or safetensors_dir")
+
+
+class RayrlWeightTransferEngine(WeightTransferEngine[RayrlInitInfo, RayrlUpdateInfo]):
+    """Loads rayrl's weight payloads into the worker's model, in place (see the module docstring)."""
+
+    init_info_cls = RayrlInitInfo
+    update_info_cls = RayrlUpdateInfo
+
+    def init_transfer_engine(self, init_info: RayrlInitInfo) -> None:
+        pass  # no process group, no buffers to allocate: each update names its own
+
+    def start_weight_update(self) -> None:
+        pass  # applied in place, bucket by bucket
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def receive_weights(self, update_info: RayrlUpdateInfo) -> None:
+        if update_info.payload is not None:
+            from rayrl.weights.wire import deserialize_entry
+
+            # ValueError for anything not a weight payload; on GPU, CUDA IPC handles as SGLang's senders make them
+            named, _gpu = deserialize_entry(update_info.payload, allow_cuda=self.device.type == "cuda")
+        else:
+            named = _read_safetensors_dir(update_info.safetensors_dir or "")
+        self.model.load_weights(iter(named))  # a name the model does not have raises (KeyError) there
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _read_safetensors_dir(path: str) -> list[tuple[str, torch.Tensor]]:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+    out: list[tuple[str, torch.Tensor]] = []
+    for f in files:
+        out.extend(load_file(str(f)).items())
+    return out
+
+
+def register() -> None:
+    """Add :class:`RayrlWeightTransferEngine` to vLLM's factory as ``rayrl_shm`` (once per process)."""
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, RayrlWeightTransferEngine)
+
+
+class RayrlWorkerExtension:
+    """The class named by ``--worker-extension-cls``: importing it registers the engine in each worker.
+
+    Its one method is reached through vLLM's ``/collective_rpc`` and serves tests: a parameter's values
+    as the worker holds them (vLLM's fused name), to check that an update landed."""
+
+    def rayrl_parameter(self, name: str, first: int = 8) -> list[float]:
+        params = dict(self.model_runner.get_model().named_parameters())  # type: ignore[attr-defined]
+        if name not in params:
+            raise ValueError(f"no parameter {name!r}")
+        return params[name].detach().reshape(-1)[:first].float().tolist()
+
+
+register()
