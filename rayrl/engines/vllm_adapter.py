@@ -358,8 +358,8 @@ class VLLMAdapter:
                                          status=400 if err.status < 500 else err.status)
             await self.call("POST", "/finish_weight_update",
                             json={"weight_version": None if version is None else str(version)})
-            if bool_flag(body, "flush_cache", default=True):
-                await self.call("POST", "/reset_prefix_cache")
+            if bool_flag(body, "flush_cache", default=True):  # no KV of the old weights may be reused
+                await self.call("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
         message = "Succeeded to update model weights."
         if version is not None:
             message += f" Weight version updated to {version}."

@@ -66,15 +66,17 @@ def test_the_launch_command_runs_the_adapter_from_rayrl_and_vllm_from_its_venv(m
 
 @needs_vllm
 def test_vllms_own_parser_takes_the_command(monkeypatch):
-    """vLLM's argument parser (vllm/engine/arg_utils.py via its api_server's make_arg_parser) takes every
-    flag the adapter passes, and the values land where we mean them."""
+    """vLLM's own server parser and its check (vllm/entrypoints/launchers/api_server/entry.py ``main``:
+    ``make_arg_parser``, ``validate_parsed_serve_args``) take every flag the adapter passes, and the values
+    land where we mean them."""
     args = parse_args(["--vllm-python", VLLM_PYTHON, "--model-path", "/m", "--port", "1", "--max-batch-size", "8",
                        "--context-length", "2048", "--", "--enforce-eager"])
     argv = vllm_command(args, 9000)[3:]
     got = run_in_vllm(
-        "from vllm.entrypoints.openai.cli_args import make_arg_parser\n"
+        "from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args\n"
         "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
         "a = make_arg_parser(FlexibleArgumentParser()).parse_args(DATA)\n"
+        "validate_parsed_serve_args(a)\n"
         "print(json.dumps({'model': a.model, 'max_num_seqs': a.max_num_seqs, 'max_model_len': a.max_model_len,"
         " 'ext': a.worker_extension_cls, 'wt': str(a.weight_transfer_config), 'lp': a.logprobs_mode,"
         " 'eager': a.enforce_eager}))", argv)
@@ -159,7 +161,7 @@ def test_the_requests_we_send_are_valid_vllm_generate_requests():
         {"input_ids": [1, 2, 3], "rid": "a", "return_logprob": True, "stream": True,
          "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0, "skip_special_tokens": True}},
         {"input_ids": [4, 5], "rid": "b", "return_logprob": True,
-         "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "top_k": 5, "stop": ["\n"], "sampling_seed": 1,
+         "sampling_params": {"max_new_tokens": 3, "temperature": 0.5, "top_k": 5, "stop": ["\n"], "sampling_seed": 1,
                              "frequency_penalty": 0.1, "presence_penalty": 0.2, "logit_bias": {"3": -1.0}}},
         {"input_ids": [4, 5, 6], "return_logprob": True, "logprob_start_len": 1,
          "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}},
@@ -180,3 +182,39 @@ def test_the_requests_we_send_are_valid_vllm_generate_requests():
     assert [g["logprobs"] for g in got] == [0, 0, 0] and got[2]["prompt_logprobs"] == 0
     assert got[1]["top_k"] == 5 and got[1]["seed"] == 1 and got[1]["stop"] == ["\n"]
     assert got[1]["logit_bias"] == {"3": -1.0} and got[0]["id"] == "a" and got[0]["mode"] == "text"
+
+
+def _vllm_source():
+    from pathlib import Path
+
+    out = subprocess.run([VLLM_PYTHON, "-c", "import importlib.util as u; "
+                          "print(u.find_spec('vllm').submodule_search_locations[0])"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    return Path(out.stdout.strip())
+
+
+@needs_vllm
+def test_every_vllm_route_and_field_the_adapter_uses_is_in_the_pinned_source():
+    """Read from vLLM's own source (no server): each route the adapter calls is registered, with the
+    query and body fields the adapter sends, and vLLM's server checks the same list at start."""
+    import re
+
+    from rayrl.engines.vllm_adapter import REQUIRED_ROUTES
+
+    root = _vllm_source() / "entrypoints"
+    text = {p: p.read_text() for p in root.rglob("*.py")}
+    registered = {m for src in text.values()
+                  for m in re.findall(r'(?:@router\.(?:post|get)\(\s*|add_api_route\(\s*)"([^"]+)"', src)}
+    assert set(REQUIRED_ROUTES) - {"/health"} <= registered, set(REQUIRED_ROUTES) - registered
+    rl = (root / "rl" / "online" / "api_router.py").read_text()
+    for field in ('mode: Annotated[PauseMode, Query()]', 'clear_cache: Annotated[bool, Query()]',
+                  'init_info: Annotated[dict[str, Any], Body(embed=True)]',
+                  'update_info: Annotated[WeightTransferUpdatePayload, Body(embed=True)]',
+                  'weight_version: Annotated[str | None, Body(embed=True)]',
+                  'new_version: Annotated[str, Body(embed=True)]', 'body.get("request_ids")'):
+        assert field in rl, field
+    assert 'Literal["abort", "wait", "keep"]' in (_vllm_source() / "v1" / "engine" / "__init__.py").read_text()
+    cache = (root / "serve" / "dev" / "cache" / "api_router.py").read_text()
+    assert "reset_running_requests: bool = Query(" in cache
+    serving = (root / "scale_out" / "token_in_token_out" / "serving.py").read_text()
+    assert 'f"generate-tokens-{self._base_request_id(raw_request, request.request_id)}"' in serving  # abort ids
