@@ -39,9 +39,11 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -78,7 +80,38 @@ WORKER_EXTENSION = "rayrl.engines.vllm_worker.RayrlWorkerExtension"
 WEIGHT_BACKEND = "rayrl_shm"
 
 
-def vllm_command(args: argparse.Namespace, port: int) -> list[str]:
+def tokenizer_override(model_path: str, out_dir: Path) -> Optional[str]:
+    """A tokenizer directory for vLLM when the model's would decode wrongly under vLLM's transformers, else
+    None.
+
+    transformers 4 writes a GGUF-converted GPT-2-style BPE tokenizer (byte-level ``tokenizer.json``, as
+    SmolLM2's) with ``tokenizer_class: LlamaTokenizer``; transformers 5, which vLLM 0.32 needs, rebuilds
+    that class with SentencePiece's decoder, so vLLM's text would read ``HiĠthere``. The copy names the
+    generic fast tokenizer, which loads ``tokenizer.json`` as it is (the same ids and text as rayrl's
+    tokenizer); everything else is the model's own files."""
+    import json
+
+    src = Path(model_path)
+    try:
+        config = json.loads((src / "tokenizer_config.json").read_text())
+        pre = json.loads((src / "tokenizer.json").read_text()).get("pre_tokenizer") or {}
+    except (OSError, ValueError):
+        return None
+    byte_level = pre.get("type") == "ByteLevel" or any(
+        p.get("type") == "ByteLevel" for p in pre.get("pretokenizers") or [] if isinstance(p, dict))
+    if config.get("tokenizer_class") not in ("LlamaTokenizer", "LlamaTokenizerFast") or not byte_level:
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges"))
+                            or f.name in ("config.json", "generation_config.json")):
+            shutil.copy2(f, out_dir / f.name)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return str(out_dir)
+
+
+def vllm_command(args: argparse.Namespace, port: int, tokenizer: Optional[str] = None) -> list[str]:
     """vLLM's own server for ``args`` on loopback ``port`` (its flags, from vllm/engine/arg_utils.py)."""
     return [
         args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
@@ -96,6 +129,7 @@ def vllm_command(args: argparse.Namespace, port: int) -> list[str]:
         "--worker-extension-cls", WORKER_EXTENSION,
         "--weight-transfer-config", '{"backend": "%s"}' % WEIGHT_BACKEND,
         "--disable-uvicorn-access-log",
+        *(["--tokenizer", tokenizer] if tokenizer else []),
         *(["--gpu-memory-utilization", str(args.gpu_memory_utilization), "--enable-sleep-mode"]
           if args.device == "cuda" else []),
         *args.vllm_args,
@@ -437,8 +471,14 @@ async def serve(args: argparse.Namespace) -> None:
     runner = web.AppRunner(adapter.app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()  # bound first: the port is ours while vLLM starts
-    logger.info("starting vLLM: %s", " ".join(vllm_command(args, port)))
-    proc = subprocess.Popen(vllm_command(args, port), env=vllm_env(args), preexec_fn=_die_with_parent)
+    scratch = Path(tempfile.mkdtemp(prefix="rayrl-vllm-"))
+    tokenizer = tokenizer_override(args.model_path, scratch / "tokenizer")
+    if tokenizer:
+        logger.info("the model's tokenizer_config names LlamaTokenizer over a byte-level BPE; vLLM gets a copy "
+                    "naming the generic fast tokenizer: %s", tokenizer)
+    command = vllm_command(args, port, tokenizer)
+    logger.info("starting vLLM: %s", " ".join(command))
+    proc = subprocess.Popen(command, env=vllm_env(args), preexec_fn=_die_with_parent)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -467,6 +507,7 @@ async def serve(args: argparse.Namespace) -> None:
                 proc.wait()
         await adapter.close()
         await runner.cleanup()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

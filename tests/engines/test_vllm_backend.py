@@ -218,3 +218,22 @@ def test_every_vllm_route_and_field_the_adapter_uses_is_in_the_pinned_source():
     assert "reset_running_requests: bool = Query(" in cache
     serving = (root / "scale_out" / "token_in_token_out" / "serving.py").read_text()
     assert 'f"generate-tokens-{self._base_request_id(raw_request, request.request_id)}"' in serving  # abort ids
+
+
+def test_a_llama_class_over_byte_level_bpe_gets_a_generic_tokenizer_for_vllm(smollm2_dir, tmp_path):
+    """Our converted SmolLM2 names LlamaTokenizer over a byte-level BPE; vLLM's transformers 5 would decode
+    it with SentencePiece's decoder (``TheĠsea``: the real server test caught it). vLLM gets a copy naming
+    the generic fast tokenizer; a model whose class is right gets none."""
+    import json
+    import shutil
+
+    from rayrl.engines.vllm_adapter import tokenizer_override
+
+    out = tokenizer_override(str(smollm2_dir), tmp_path / "tok")
+    assert out is not None
+    assert json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())["tokenizer_class"] == \
+        "PreTrainedTokenizerFast"
+    assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == (smollm2_dir / "tokenizer.json").read_bytes()
+    right = tmp_path / "right"
+    shutil.copytree(tmp_path / "tok", right)
+    assert tokenizer_override(str(right), tmp_path / "again") is None
