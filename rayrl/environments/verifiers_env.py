@@ -117,7 +117,19 @@ def _load(target: str, args: dict[str, Any]) -> Any:
         env = load_environment(target, **args)
     if not isinstance(env, Environment):
         raise ConfigError(f"{FIELD}: {target} gave a {type(env).__name__}, not a verifiers Environment")
+    _check_supported(env, target)
     return env
+
+
+def _check_supported(env: Any, target: str) -> None:
+    """What rayrl does not run yet fails at load rather than in every episode."""
+    if getattr(env, "requires_group_rollouts", False) or getattr(env, "provides_advantages", False):
+        raise ConfigError(f"{FIELD}: {target}'s rubric scores whole groups of rollouts (group reward functions or "
+                          "its own advantages); rayrl runs and scores each episode on its own, with GRPO's groups "
+                          "formed afterwards")
+    if getattr(env, "message_type", "chat") != "chat":
+        raise ConfigError(f"{FIELD}: {target} is a completion-style environment (message_type "
+                          f"{env.message_type!r}); rayrl's gateway serves chat environments")
 
 
 def _check_args(fn: Any, target: str, args: dict[str, Any]) -> None:

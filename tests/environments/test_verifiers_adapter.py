@@ -126,6 +126,8 @@ def test_a_judge_rubric_whose_judge_is_down_is_an_infrastructure_failure(scripte
          "rollout.environment: loading tests.environments.vf_envs:broken_loader failed: KeyError: 'needs_an_api_key'"),
         (["rollout.environment=verifiers:tests.environments.vf_envs:not_an_env"],
          "rollout.environment: tests.environments.vf_envs:not_an_env gave a dict, not a verifiers Environment"),
+        (["rollout.environment=verifiers:tests.environments.vf_envs:group_scored"],
+         "rollout.environment: tests.environments.vf_envs:group_scored's rubric scores whole groups"),
         (["rollout.environment_args={num_trian: 3}"],
          "rollout.environment_args: examples.verifiers.sums_env:load_environment's load_environment: got an "
          "unexpected keyword argument 'num_trian'"),

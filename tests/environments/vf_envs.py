@@ -95,3 +95,10 @@ def judged(judge_url: str = "http://127.0.0.1:9/v1") -> vf.Environment:
 
     rubric.add_reward_func(judge_says_yes)
     return vf.SingleTurnEnv(dataset=_sums(), rubric=rubric)
+
+
+def group_scored() -> vf.Environment:
+    def best_of_group(completions) -> list[float]:
+        return [1.0] * len(completions)
+
+    return vf.SingleTurnEnv(dataset=_sums(), rubric=vf.Rubric(funcs=[best_of_group]))
