@@ -161,3 +161,4 @@ def test_the_driver_exits_2_before_ray_for_an_unknown_name(capsys):
 
     out = run_main(capsys, f"--config={EXAMPLE}", "data.reasoning_gym=[{name: no_such_task, val_size: 2}]")
     assert_one_line_exit_2(out, "config error: data.reasoning_gym[0].name: no reasoning-gym dataset 'no_such_task'")
+
