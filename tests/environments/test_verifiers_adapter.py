@@ -164,3 +164,12 @@ def test_the_example_passes_preflight_and_has_a_held_out_set():
     assert cfg.rollout.agent == "environment" and cfg.rollout.reward == "environment"
     train, val = load_splits(cfg.rollout.environment.split(":", 1)[1], dict(cfg.rollout.environment_args))
     assert len(train) == cfg.rollout.environment_args["num_train"] and val is not None and len(val) > 0
+
+
+def test_the_driver_exits_2_before_ray_for_an_unknown_environment(capsys):
+    from tests.test_driver_cli import assert_one_line_exit_2, run_main
+
+    out = run_main(capsys, f"--config={EXAMPLE}", "rollout.environment=verifiers:no-such-env-44",
+                   "rollout.environment_args={}")
+    assert_one_line_exit_2(out, "config error: rollout.environment: no installed verifiers environment "
+                                "'no-such-env-44'")
