@@ -54,6 +54,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--strict-sglang", action="store_true",
                     help="a stand-in for the pinned SGLang in tests: enforce its contract "
                          "(rayrl/engines/sglang_standin.py)")
+    ap.add_argument("--record-requests", default=None, metavar="DIR",
+                    help="with --strict-sglang: append every request, its status and any refusal to a JSONL file "
+                         "in DIR (one per engine process)")
+    ap.add_argument("--enable-weights-cpu-backup", action="store_true",
+                    help="with --strict-sglang: released weights keep their contents (SGLang's flag; off, as "
+                         "there, they come back unusable)")
     ap.add_argument("--slow-request-s", type=float, default=120.0, help="log requests slower than this")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
@@ -64,6 +70,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error("--num-threads must be >= 0")
     if args.prefix_cache_mb < 0:
         ap.error("--prefix-cache-mb must be >= 0")
+    if (args.record_requests or args.enable_weights_cpu_backup) and not args.strict_sglang:
+        ap.error("--record-requests and --enable-weights-cpu-backup need --strict-sglang")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         ap.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     args.tp_gpus = tp_gpus(args.tp_size, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
@@ -89,8 +97,11 @@ async def serve(args: argparse.Namespace) -> None:
     from rayrl.engines.server import EngineServer
 
     server_cls = EngineServer
-    if args.strict_sglang:  # imports the pinned SGLang's own serializer and bucket classes
+    strict: dict = {}
+    if args.strict_sglang:  # imports the pinned SGLang's own control code (rayrl/engines/sglang_control.py)
         from rayrl.engines.sglang_standin import StrictSGLangServer as server_cls  # type: ignore[assignment]
+
+        strict = {"record_path": args.record_requests, "weights_cpu_backup": args.enable_weights_cpu_backup}
 
     if args.dtype == "auto":
         from rayrl.config.resolve import compute_dtype, cpu_has_native_bf16
@@ -121,6 +132,7 @@ async def serve(args: argparse.Namespace) -> None:
         slow_request_s=args.slow_request_s,
         tp_size=args.tp_size,
         tp_gpus=args.tp_gpus,
+        **strict,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

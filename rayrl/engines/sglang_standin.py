@@ -2,34 +2,45 @@
 
 rayrl's CPU engine is lenient where SGLang is not, so a test that passes against it can still fail on a
 GPU. ``python -m rayrl.engines.cpu_server --strict-sglang`` (``engine.extra_args: [--strict-sglang]``)
-serves the same engine through :class:`StrictSGLangServer`, which enforces what SGLang 0.5.9 enforces
-(read in its source: entrypoints/http_server.py, managers/tokenizer_manager.py,
-managers/tokenizer_communicator_mixin.py, managers/scheduler_update_weights_mixin.py,
-utils/common.py, model_executor/model_runner.py):
+serves the same engine through :class:`StrictSGLangServer`, which runs the pinned wheel's own control code
+where it imports on CPU (rayrl/engines/sglang_control.py) and enforces the rest as read in its source
+(entrypoints/http_server.py, managers/tokenizer_manager.py, managers/tokenizer_communicator_mixin.py,
+managers/scheduler.py, utils/common.py, model_executor/model_runner.py):
 
-- ``/get_weight_version`` and ``/weight_version`` answer 404 (0.5.9: "use /model_info"); the version is
-  read from ``/model_info`` or ``/get_model_info``;
+- every request is held to SGLang's route table (a path or method it does not serve: 404/405) and built
+  into SGLang's own request class for that route (io_struct, with pydantic as its FastAPI routes do): a
+  field it lacks, a wrong type or literal, a memory tag outside ``GPU_MEMORY_ALL_TYPES``, a dtype that
+  ``getattr(torch, dtype)`` does not resolve, a sampling parameter ``SamplingParams`` refuses: 4xx,
+  counted in ``contract_violations``. ``--record-requests DIR`` appends each request (bodies with tensor
+  payloads shortened), its status and any refusal to a JSONL file there, which the tests check after a
+  run (``sglang_control.check_recorded_requests``);
+- release, resume, the weight updates and ``/flush_cache`` run SGLang's ``SchedulerUpdateWeightsMixin``
+  itself on a scheduler object over the CPU engine (:class:`~rayrl.engines.sglang_control.CPUScheduler`):
+  its memory tags (resuming a tag not released is a KeyError), its idle assertions (release with a
+  request running; an update with ``flush_cache`` while one runs, as in an ``in_place`` pause). Whatever
+  raises in that code kills SGLang's scheduler: here the request fails with 500 and so does every later
+  one (``/server_info`` says why, in ``sglang_contract.scheduler_died``);
+- weights released without ``--enable-weights-cpu-backup`` (SGLang's default) come back as NaN, and
+  until every parameter has been loaded again each ``/generate`` fails with 500, counted in
+  ``lost_weight_generations`` (on SGLang it would decode garbage, silently);
+- ``/get_weight_version`` and ``/weight_version`` answer 404 (0.5.9: "use /model_info");
 - ``/update_weights_from_tensor`` payloads are unpickled by SGLang's own ``MultiprocessingSerializer``
   (its ``SafeUnpickler``: only ``sglang.srt.*`` buckets, torch and Python's own types) and flattened
   buckets are cut apart by SGLang's own ``FlattenedTensorBucket``; on 0.5.9 a refused payload kills the
   scheduler, here it is answered 400 and counted in ``contract_violations``. One entry per TP rank
   (``--tp-size``), each deserialized on its own as its rank would, made on that rank's GPU
-  (rayrl/weights/tp_payloads.py); too few entries, or one from another GPU, is refused the same way
-  (0.5.9: an IndexError or an unknown GPU kills the scheduler; a GPU it sees but does not use is mapped
-  silently, at the cost of a CUDA context and copies across GPUs);
+  (rayrl/weights/tp_payloads.py); too few entries, or one from another GPU, is refused the same way;
 - every ``/generate`` holds the model-update reader lock for its whole run, and an update that arrives
   while generation is not paused takes the writer lock: it waits for the running generations, and new
   ones wait behind it (writer first). Paused (any mode), updates apply at once;
 - ``/pause_generation`` in ``abort`` mode aborts everything and returns only once no generation holds
   the lock; requests that arrive while paused wait until ``/continue_generation``;
-- ``/release_memory_occupation`` with a generation running or waiting is refused (0.5.9 asserts and the
-  scheduler dies), counted in ``contract_violations``;
 - responses carry no per-token policy versions (0.5.9 sends none).
 
 And it counts what would be silently wrong on SGLang, in ``/get_server_info`` ``sglang_contract``:
 ``mixed_weight_generations`` (a generation admitted between two buckets of one update, so it ran on
 half-updated weights) and ``unseen_version_spans`` (a generation that finished on other weights than it
-started on, with nothing in its response to say so). The pipeline's tests assert both stay 0.
+started on, with nothing in its response to say so). The pipeline's tests assert all of them stay 0.
 
 Not modelled: 0.5.5's ``mode``-less pause, and 0.5.21's ``/begin_weight_update`` session (not in 0.5.9).
 The SGLang wheel must be importable (the test extra installs it without its GPU dependencies).
@@ -40,17 +51,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import os
+import time
 from collections import Counter
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, Optional
 
 from aiohttp import web
 
-from rayrl.engines.http_input import RequestError, read_json
+from rayrl.engines.http_input import RequestError, error_response, read_body
 from rayrl.engines.server import EngineServer
+from rayrl.engines.sglang_control import (
+    SGLangRefusal,
+    load_sglang_control,
+    make_scheduler,
+    parse_sglang_request,
+)
+from rayrl.weights.group import WeightGroupError, parse_specs, receive_tensors
 from rayrl.weights.tp_payloads import check_tp_entries, entry_gpu
 from rayrl.weights.wire import WeightUpdateError
 
 PINNED_SGLANG = "0.5.9"
+INFO_PATHS = ("/server_info", "/get_server_info")
+logger = logging.getLogger(__name__)
 
 
 class ModelUpdateLock:
@@ -96,10 +120,12 @@ class ModelUpdateLock:
             await self._cond.wait_for(lambda: not self.writer_active and self.readers == 0)
 
 
+
 class StrictSGLangServer(EngineServer):
     """EngineServer enforcing SGLang 0.5.9's contract (see the module docstring). A stand-in for tests."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, record_path: Optional[str] = None, weights_cpu_backup: bool = False,
+                 **kwargs: Any) -> None:
         from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found]
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # type: ignore[import-not-found]
         from sglang.srt.weight_sync.tensor_bucket import (  # type: ignore[import-not-found]
@@ -111,17 +137,89 @@ class StrictSGLangServer(EngineServer):
         monkey_patch_torch_reductions()  # as 0.5.9's tp_worker: CUDA handles name their GPU by UUID
         self._serializer = MultiprocessingSerializer
         self._bucket_cls, self._metadata_cls = FlattenedTensorBucket, FlattenedTensorMetadata
+        self.control = load_sglang_control()
+        self.scheduler = make_scheduler(self.engine, self._is_no_request, weights_cpu_backup)
+        self._scheduler_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-scheduler")
+        self.scheduler_died: Optional[str] = None
         self.lock = ModelUpdateLock()
         self.counts: Counter = Counter()
         self.update_open = False  # a bucket without weight_version applied; the one that sets it closes it
+        self.pause_mode: Optional[str] = None
         self._unpaused = asyncio.Event()
         self._unpaused.set()
+        self._record = None  # one JSONL file per engine process under the --record-requests directory
+        if record_path:
+            os.makedirs(record_path, exist_ok=True)
+            self._record = open(os.path.join(record_path, f"requests-{os.getpid()}.jsonl"), "a", buffering=1)  # noqa: SIM115
+
+    async def stop(self) -> None:
+        await super().stop()
+        self._scheduler_thread.shutdown(wait=False)
+        if self._record is not None:
+            self._record.close()
+
+    # -- every request: SGLang's route table and request classes, recorded ---------------------------
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        body: Any = None
+        refusal: Optional[str] = None
+        if self.scheduler_died is not None and request.path not in INFO_PATHS:
+            response: web.StreamResponse = error_response(500, f"SGLang {PINNED_SGLANG}'s scheduler died: "
+                                                               f"{self.scheduler_died}")
+        else:
+            try:
+                raw = await read_body(request) if request.can_read_body else b""
+                body = json.loads(raw) if raw else None
+            except (RequestError, ValueError):
+                body = None  # the handler answers it (400)
+            try:
+                request["sglang_req"] = parse_sglang_request(self.control, request.method, request.path, body)
+            except SGLangRefusal as err:
+                self.counts["contract_violations"] += 1
+                refusal = str(err)
+                logger.error("refused as SGLang %s would: %s", PINNED_SGLANG, err)
+                response = error_response(err.status, refusal)
+            else:
+                response = await super()._middleware(request, handler)
+        if self._record is not None:
+            self._record.write(json.dumps({"t": round(time.time(), 3), "method": request.method,
+                                           "path": request.path, "body": _shorten(body),
+                                           "status": response.status, "refused": refusal,
+                                           "scheduler_died": self.scheduler_died}) + "\n")
+        return response
+
+    def _is_no_request(self) -> bool:
+        """The scheduler's ``_is_no_request``: nothing running (retracted requests wait outside the batch);
+        stricter, nothing waiting either."""
+        if self.engine.paused and self.pause_mode == "retract":
+            return True
+        stats = self.engine.stats()
+        return not (stats["running"] or stats["waiting"] or self.lock.readers)
+
+    async def _in_scheduler(self, fn: Callable, *args: Any) -> Any:
+        """Run SGLang's scheduler code on the scheduler thread; whatever raises there kills the scheduler."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._scheduler_thread, fn, *args)
+        except Exception as err:
+            self.scheduler_died = f"{type(err).__name__}: {err}"
+            self.counts["contract_violations"] += 1
+            logger.error("SGLang %s's scheduler would die here (%s); every request now fails with 500",
+                         PINNED_SGLANG, self.scheduler_died)
+            reason = f"SGLang {PINNED_SGLANG}'s scheduler died: {self.scheduler_died}"
+            raise web.HTTPInternalServerError(reason=" ".join(reason.split())[:400]) from None
 
     # -- generation: the reader lock, held for the whole request ------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         await self._unpaused.wait()  # 0.5.9's tokenizer manager holds new requests while paused
         async with self.lock.reader():
+            if self.scheduler.lost:  # resumed without a CPU backup and not loaded since: garbage on SGLang
+                self.counts["lost_weight_generations"] += 1
+                lost = self.scheduler.lost_weights()
+                return error_response(500, f"the weights were released without a CPU backup and {len(lost)} "
+                                           f"parameters (e.g. {lost[0]}) were not loaded since they came back: "
+                                           f"SGLang {PINNED_SGLANG} would generate from garbage")
             if self.update_open:  # between two buckets of one update: half the weights are new
                 self.counts["mixed_weight_generations"] += 1
             return await super().generate(request)
@@ -145,48 +243,83 @@ class StrictSGLangServer(EngineServer):
         info = json.loads(response.body)
         info.pop("weight_buffers", None)  # SGLang unpickles torch's own handles only: no rayrl buffers
         info["sglang_contract"] = {"version": PINNED_SGLANG, "mixed_weight_generations": 0,
-                                   "unseen_version_spans": 0, "contract_violations": 0, **self.counts}
+                                   "unseen_version_spans": 0, "contract_violations": 0,
+                                   "lost_weight_generations": 0, **self.counts,
+                                   "scheduler_died": self.scheduler_died,
+                                   "offload_tags": sorted(self.scheduler.offload_tags),
+                                   "lost_weights": len(self.scheduler.lost),
+                                   "weights_cpu_backup": self.scheduler.weights_cpu_backup}
         return web.json_response(info)
 
-    # -- pause, release ------------------------------------------------------------------------------
+    # -- pause, release, resume, flush ---------------------------------------------------------------
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await read_json(request, allow_empty=True)
+        mode = request["sglang_req"].mode
         self._unpaused.clear()
         response = await super().pause_generation(request)
-        if (body.get("mode") or "abort") == "abort":  # 0.5.9 waits until no request holds the lock
+        self.pause_mode = mode
+        if mode == "abort":  # 0.5.9 waits until no request holds the lock
             await self.lock.wait_unlocked()
         return response
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         response = await super().continue_generation(request)
+        self.pause_mode = None
         self._unpaused.set()
         return response
 
     async def release_memory(self, request: web.Request) -> web.Response:
-        stats = self.engine.stats()
-        if stats["running"] or stats["waiting"] or self.lock.readers:
-            self.counts["contract_violations"] += 1
-            raise RequestError("release_memory_occupation should be called only when no ongoing request "
-                               f"(SGLang {PINNED_SGLANG} asserts this in its scheduler, which then dies)")
-        return await super().release_memory(request)
+        await self._in_scheduler(self.scheduler.release_memory_occupation, request["sglang_req"])
+        return web.json_response(None)
 
-    # -- weight updates: the writer lock unless paused ----------------------------------------------
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        await self._in_scheduler(self.scheduler.resume_memory_occupation, request["sglang_req"])
+        return web.json_response(None)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        ok = await self._in_scheduler(self.scheduler.flush_cache)
+        return web.Response(status=200 if ok else 400, text=(
+            "Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n"))
+
+    # -- weight updates: the writer lock unless paused, then SGLang's scheduler mixin ----------------
 
     async def _locked_update(self, request: web.Request, handler: Any) -> web.Response:
-        body = await read_json(request)
+        req = request["sglang_req"]
+        if req.abort_all_requests:
+            self.engine.abort_all()
         lock = contextlib.nullcontext() if self.engine.paused else self.lock.writer()
         async with lock:
             response = await handler(request)
         if response.status == 200:
-            self.update_open = body.get("weight_version") is None and request.path != "/update_weights_from_disk"
+            self.update_open = req.weight_version is None and request.path != "/update_weights_from_disk"
         return response
 
+    async def _scheduler_update(self, method: Callable, req: Any) -> web.Response:
+        out = await self._in_scheduler(method, req)
+        return web.json_response({"success": out.success, "message": out.message},
+                                 status=200 if out.success else 400)
+
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        return await self._locked_update(request, super().update_weights_from_disk)
+        return await self._locked_update(request, lambda r: self._scheduler_update(
+            self.scheduler.update_weights_from_disk, r["sglang_req"]))
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        return await self._locked_update(request, super().update_weights_from_distributed)
+        req = request["sglang_req"]
+        try:
+            specs = parse_specs(req.names, req.dtypes, req.shapes)
+            group = self.weight_groups.get(req.group_name)
+        except WeightGroupError as err:
+            raise RequestError(str(err)) from None
+
+        def receive() -> list:
+            import torch
+
+            return receive_tensors(group, specs, torch.device("cpu"), flattened=req.load_format == "flattened_bucket")
+
+        req.receive = receive
+        return await self._locked_update(request, lambda r: self._scheduler_update(
+            self.scheduler.update_weights_from_distributed, req))
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         return await self._locked_update(request, self._update_from_tensor)
@@ -195,10 +328,9 @@ class StrictSGLangServer(EngineServer):
         """As 0.5.9's tp_worker/model_runner, once per TP rank: rank ``r`` deserializes entry ``r`` with
         SGLang's serializer and cuts a flattened bucket apart with SGLang's class; the weights load once
         every rank's entry was made on its GPU and all agree (rayrl/weights/tp_payloads.py)."""
-        body = await read_json(request)
-        load_format = body.get("load_format")
-        entries = body.get("serialized_named_tensors")
-        if not isinstance(entries, list) or not entries:
+        req = request["sglang_req"]
+        load_format, entries = req.load_format, req.serialized_named_tensors
+        if not entries:
             raise RequestError("serialized_named_tensors must be a non-empty list")
         if load_format not in (None, "direct", "flattened_bucket"):
             raise RequestError(f"load_format {load_format!r}: the stand-in loads null, direct or flattened_bucket")
@@ -221,9 +353,8 @@ class StrictSGLangServer(EngineServer):
         except WeightUpdateError as err:
             return self._refuse(str(err))
         self.tp_payload_gpus = [gpu for _, gpu in per_rank]
-        version = self._version_field(body)
-        return await self._apply_weights(body, lambda: self.engine.update_weights(dict(named), version),
-                                         "from the request")
+        req.named_tensors = named
+        return await self._scheduler_update(self.scheduler.update_weights_from_tensor, req)
 
     def _reconstruct(self, obj: Any) -> list:
         bucket = self._bucket_cls(flattened_tensor=obj["flattened_tensor"], metadata=[
@@ -235,3 +366,11 @@ class StrictSGLangServer(EngineServer):
         """A payload SGLang would fail on: 400 here, counted in ``contract_violations``."""
         self.counts["contract_violations"] += 1
         return web.json_response({"success": False, "message": message}, status=400)
+
+
+def _shorten(body: Any) -> Any:
+    """The body as recorded: each tensor payload entry replaced by a string saying its length."""
+    if isinstance(body, dict) and isinstance(body.get("serialized_named_tensors"), list):
+        body = {**body, "serialized_named_tensors": [f"<{len(e)} chars>" if isinstance(e, str) else e
+                                                     for e in body["serialized_named_tensors"]]}
+    return body

@@ -17,6 +17,7 @@ from rayrl.config import EngineConfig
 from rayrl.engines.client import EngineClient, EngineError
 from rayrl.engines.launcher import EngineProcess
 from rayrl.weights import bucket as own_bucket
+from rayrl.weights.broadcast import BroadcastSender
 from rayrl.weights.disk import DiskSender
 from rayrl.weights.handles import HandleSender
 from rayrl.weights.transfer import EngineTarget
@@ -106,7 +107,7 @@ def test_a_bucket_sglang_refuses_is_refused_and_counted(strict, weights):
     assert _contract(strict.url)["contract_violations"] == before + 1
 
 
-def test_release_refuses_while_a_generation_runs_and_an_update_waits_for_it(strict, tmp_path, weights):
+def test_an_update_waits_for_a_running_generation(strict, tmp_path, weights):
     from safetensors.torch import save_file
 
     ckpt = tmp_path / "ckpt"
@@ -123,8 +124,6 @@ def test_release_refuses_while_a_generation_runs_and_an_update_waits_for_it(stri
 
         async def update() -> None:
             await _until_running(strict.url)
-            with pytest.raises(EngineError, match="no ongoing request"):
-                await client.release_memory_occupation(None)
             await client.update_weights_from_disk(str(ckpt), "21")
             order.append("update")
 
@@ -135,6 +134,164 @@ def test_release_refuses_while_a_generation_runs_and_an_update_waits_for_it(stri
 
     start, *order = asyncio.run(run())
     assert order == [f"generation v{start}", "update"]  # the writer lock waited for the generation
+
+
+@pytest.mark.parametrize("flattened", [False, True], ids=["named", "flattened_bucket"])
+def test_the_broadcast_sender_sends_what_sglang_resolves(strict, weights, flattened):
+    """What BroadcastSender itself sends (names, dtype strings, shapes) goes through SGLang's request class
+    and its getattr(torch, dtype); the weights arrive and the version is the one sent."""
+    before = _contract(strict.url)["contract_violations"]
+    version = f"bcast-{int(flattened)}"
+
+    async def run() -> str:
+        client = EngineClient(strict.url)
+        sender = BroadcastSender([EngineTarget(client)], bucket_bytes=1 << 20, flattened=flattened, timeout_s=30)
+        await sender.connect()
+        try:
+            await sender.send(iter(weights), version)
+        finally:
+            await sender.close()
+        try:
+            return await client.get_weight_version()
+        finally:
+            await client.close()
+
+    assert asyncio.run(run()) == version
+    assert _contract(strict.url)["contract_violations"] == before
+
+
+def _post(url: str, path: str, body: object) -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw.strip() else {}
+    except urllib.error.HTTPError as err:
+        raw = err.read()
+        try:
+            return err.code, json.loads(raw)
+        except ValueError:
+            return err.code, {"message": raw.decode()}
+
+
+def _generate_status(url: str) -> tuple[int, dict]:
+    return _post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}})
+
+
+@pytest.mark.parametrize("path, body, says", [
+    ("/update_weights_from_distributed", {"names": ["lm_head.weight"], "dtypes": ["torch.bfloat16"],
+                                          "shapes": [[4, 4]]}, "getattr(torch, dtype)"),
+    ("/release_memory_occupation", {"tags": ["cuda_graphs"]}, "memory tags ['cuda_graphs']"),
+    ("/resume_memory_occupation", {"tags": ["weights", "cuda_graphs"]}, "memory tags ['cuda_graphs']"),
+    ("/pause_generation", {"mode": "drain"}, "PauseGenerationReqInput"),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "flush": False}, "['flush']"),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_tokens": 2}}, "max_tokens"),
+    ("/set_weight_format", {"weight_format": "float32"}, "not a route of SGLang"),
+], ids=["torch-dtype-name", "release-tag", "resume-tag", "pause-mode", "unknown-field", "sampling-key",
+        "cpu-engine-route"])
+def test_a_request_sglang_would_refuse_is_refused_by_its_own_classes_and_counted(strict, path, body, says):
+    before = _contract(strict.url)["contract_violations"]
+    status, answer = _post(strict.url, path, body)
+    assert 400 <= status < 500 and says in answer["message"], (status, answer)
+    assert _contract(strict.url)["contract_violations"] == before + 1
+    assert _contract(strict.url)["scheduler_died"] is None
+
+
+def test_weights_released_without_a_cpu_backup_come_back_unusable_until_all_are_loaded(strict, tiny_model):
+    """SGLang 0.5.9's default (enable_weights_cpu_backup off): resume maps the weights back without their
+    contents. A /generate before every parameter is loaded again fails, loudly (on SGLang: garbage)."""
+    from transformers import AutoModelForCausalLM
+
+    full = [(n, t.detach().clone()) for n, t in
+            AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict().items()]
+    before = _contract(strict.url)["lost_weight_generations"]
+    assert _generate_status(strict.url)[0] == 200
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        assert _post(strict.url, path, {"tags": None})[0] == 200
+    status, answer = _generate_status(strict.url)
+    assert status == 500 and "without a CPU backup" in answer["message"]
+
+    async def push(named: list, version: str) -> None:
+        client = EngineClient(strict.url)
+        try:
+            await HandleSender([EngineTarget(client)], bucket_bytes=1 << 20).send(iter(named), version)
+        finally:
+            await client.close()
+
+    asyncio.run(push(full[:2], "51"))  # some of them: still lost
+    assert _generate_status(strict.url)[0] == 500
+    asyncio.run(push(full, "52"))
+    status, answer = _generate_status(strict.url)
+    assert status == 200 and answer["meta_info"]["weight_version"] == "52"
+    contract = _contract(strict.url)
+    assert contract["lost_weight_generations"] == before + 2 and contract["lost_weights"] == 0
+    assert contract["scheduler_died"] is None and contract["offload_tags"] == []
+
+
+def _start(tiny_model, where, *extra: str) -> EngineProcess:
+    cfg = EngineConfig(dtype="float32", max_batch_size=4, context_length=4096, num_threads=1, startup_timeout_s=180,
+                       extra_args=["--strict-sglang", *extra])
+    return EngineProcess(cfg, str(tiny_model), where / "engine.log").start()
+
+
+DEATHS = {  # what kills SGLang 0.5.9's scheduler, done to a fresh stand-in: (pause mode, calls)
+    "release-while-running": (None, [("/release_memory_occupation", {})]),
+    "resume-not-released": ("abort", [("/release_memory_occupation", {"tags": ["kv_cache"]}),
+                                      ("/resume_memory_occupation", {"tags": ["weights"]})]),
+    "update-flushing-in-place": ("in_place", [("/update_weights_from_disk", {"model_path": "MODEL",
+                                                                             "flush_cache": True})]),
+}
+
+
+@pytest.mark.parametrize("death", [
+    "release-while-running",
+    pytest.param("resume-not-released", marks=pytest.mark.slow),  # ~20 s each: a fresh engine
+    pytest.param("update-flushing-in-place", marks=pytest.mark.slow),
+])
+def test_what_kills_sglangs_scheduler_fails_this_and_every_later_request(tiny_model, tmp_path, death):
+    """SGLang's own scheduler code raises (its idle assertion, a KeyError on an unknown offload tag): on
+    0.5.9 the scheduler dies there. The stand-in answers 500, then 500 to everything but /server_info."""
+    proc = _start(tiny_model, tmp_path)
+    mode, calls = DEATHS[death]
+    try:
+        async def run() -> int:
+            client = EngineClient(proc.url)
+            running = asyncio.ensure_future(client.generate(PROMPT, LONG))
+            await _until_running(proc.url)
+            if mode is not None:
+                await client.pause_generation(mode)
+            loop = asyncio.get_running_loop()
+            statuses = [await loop.run_in_executor(None, _post, proc.url, path,
+                                                   {k: str(tiny_model) if v == "MODEL" else v for k, v in body.items()})
+                        for path, body in calls]
+            running.cancel()
+            await client.close()
+            return statuses[-1][0]
+
+        assert asyncio.run(run()) == 500
+        contract = _contract(proc.url)
+        assert contract["scheduler_died"] and contract["contract_violations"] >= 1
+        assert _generate_status(proc.url)[0] == 500
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(proc.url + "/health", timeout=10)
+        assert err.value.code == 500
+    finally:
+        proc.stop()
+
+
+@pytest.mark.slow  # ~20 s: an engine of its own
+def test_with_the_cpu_backup_flag_released_weights_come_back_whole(tiny_model, tmp_path):
+    proc = _start(tiny_model, tmp_path, "--enable-weights-cpu-backup")
+    try:
+        first = _generate_status(proc.url)
+        for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            assert _post(proc.url, path, {})[0] == 200
+        again = _generate_status(proc.url)
+        assert first[0] == again[0] == 200 and again[1]["output_ids"] == first[1]["output_ids"]
+        assert _contract(proc.url)["lost_weights"] == 0
+    finally:
+        proc.stop()
 
 
 def test_a_generation_admitted_between_two_buckets_is_counted_as_mixed(strict, weights):
