@@ -76,6 +76,7 @@ CONTROL_PATHS = frozenset({
 })  # fmt: skip
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
+SESSION_WAIT_S = 600.0  # how long a generation waits for an open weight-update session to finish
 WORKER_EXTENSION = "rayrl.engines.vllm_worker.RayrlWorkerExtension"
 WEIGHT_BACKEND = "rayrl_shm"
 
@@ -164,6 +165,8 @@ class VLLMAdapter:
         self.control_calls: list[str] = []
         self.released: set[str] = set()
         self._weights_lock = asyncio.Lock()
+        self._session_open = False  # a version's buckets are one vLLM weight-update session
+        self._weights_ready: Optional[asyncio.Event] = None  # cleared while a session is open
         self._session: Optional[aiohttp.ClientSession] = None
         self.app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
         r = self.app.router
@@ -234,9 +237,21 @@ class VLLMAdapter:
 
     # -- generation ----------------------------------------------------------------------------------
 
+    def _ready_event(self) -> asyncio.Event:
+        if self._weights_ready is None:
+            self._weights_ready = asyncio.Event()
+            self._weights_ready.set()
+        return self._weights_ready
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         plan = translate_generate(body)
+        if self._session_open:  # vLLM's layers are in checkpoint form until the session's last bucket
+            try:
+                await asyncio.wait_for(self._ready_event().wait(), SESSION_WAIT_S)
+            except asyncio.TimeoutError:
+                raise RequestError("a weight update has been in progress for longer than "
+                                   f"{SESSION_WAIT_S:.0f} s", status=503) from None
         if not plan.stream:
             return web.json_response(await self._generate_whole(plan))
         return await self._generate_stream(request, plan)
@@ -363,7 +378,9 @@ class VLLMAdapter:
         if self.device == "cpu":  # CUDA handles are opened by vLLM's workers only, never in this process
             await asyncio.get_running_loop().run_in_executor(None, _check_payloads, entries)
         infos = [{"payload": e} for e in entries]
-        return await self._update(body, infos[0] if len(infos) == 1 else infos)
+        # SGLang's senders mark a version's last bucket with flush_cache and the version (handles.py)
+        last = bool_flag(body, "flush_cache", default=True) or body.get("weight_version") is not None
+        return await self._update(body, infos[0] if len(infos) == 1 else infos, last)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await read_json(request)
@@ -372,38 +389,52 @@ class VLLMAdapter:
             raise RequestError("model_path must be a non-empty string")
         if not any(Path(path).glob("*.safetensors")):
             raise RequestError(f"model_path {path}: no *.safetensors files there")
-        return await self._update(body, {"safetensors_dir": path})
+        return await self._update(body, {"safetensors_dir": path}, last=True)
 
-    async def _update(self, body: dict[str, Any], update_info: Any) -> web.Response:
-        """vLLM's own weight-update session for one bucket (the rayrl_shm engine applies each bucket in
-        place, so every request is a session of its own), the version set at its end when given."""
+    async def _update(self, body: dict[str, Any], update_info: Any, last: bool) -> web.Response:
+        """One bucket into vLLM's own weight-update session: the first bucket of a version opens it
+        (``/start_weight_update``), the last one (``last``) closes it with the version and resets the
+        prefix cache. Generations wait while it is open (rayrl/engines/vllm_worker.py says why)."""
         version = body.get("weight_version")
         if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
             raise RequestError("weight_version must be a string")
         async with self._weights_lock:
             if bool_flag(body, "abort_all_requests"):
                 await self.call("POST", "/abort_requests", json={})
-            await self.call("POST", "/start_weight_update")
+            if not self._session_open:
+                await self.call("POST", "/start_weight_update")
+                self._session_open = True
+                self._ready_event().clear()
             try:
                 await self.call("POST", "/update_weights", json={"update_info": update_info})
             except RequestError as err:
-                await self._finish_quietly()
+                await self._close_failed_session()
                 return web.json_response({"success": False, "message": f"Failed to update weights: {err}"},
                                          status=400 if err.status < 500 else err.status)
-            await self.call("POST", "/finish_weight_update",
-                            json={"weight_version": None if version is None else str(version)})
-            if bool_flag(body, "flush_cache", default=True):  # no KV of the old weights may be reused
+            if last:
+                await self.call("POST", "/finish_weight_update",
+                                json={"weight_version": None if version is None else str(version)})
+                self._session_open = False
+                self._ready_event().set()
+                # no KV of the old weights may be reused
                 await self.call("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
         message = "Succeeded to update model weights."
         if version is not None:
             message += f" Weight version updated to {version}."
         return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
 
-    async def _finish_quietly(self) -> None:
-        try:  # the worker ends a failed session itself; a session left open would refuse the next start
-            await self.call("POST", "/finish_weight_update", json={"weight_version": None})
-        except RequestError:
-            pass
+    async def _close_failed_session(self) -> None:
+        """After a failed bucket the worker has ended the session but its layers may still be in checkpoint
+        form: a new session finished at once puts back every layer no bucket reached (vLLM's finalize). The
+        update itself failed, which the caller is told."""
+        logger.error("a weight update failed inside vLLM; layers it reached may hold part of the new weights")
+        for path in ("/start_weight_update", "/finish_weight_update"):
+            try:
+                await self.call("POST", path, json={"weight_version": None} if "finish" in path else None)
+            except RequestError:
+                pass
+        self._session_open = False
+        self._ready_event().set()
 
 
 def _memory_tags(tags: Any) -> list[str]:

@@ -13,12 +13,13 @@ Ours takes the payloads rayrl's senders already make (rayrl/weights/handles.py: 
 bytes lie in rayrl's shared-memory buffers, rayrl/weights/shm.py) and reads them with the same
 allow-listed unpickler our CPU engine uses (rayrl/weights/wire.py ``deserialize_entry``), so no tensor
 bytes cross HTTP and no other pickled class is accepted. A safetensors directory (the disk transport)
-loads the same way. The tensors go through the model's own ``load_weights`` (vLLM's checkpoint-name
-mapping: q/k/v and gate/up fused as vLLM fuses them, tied heads skipped), in place, so each bucket is
-complete on its own: ``start_weight_update`` and ``finish_weight_update`` have nothing to prepare or
-finalize (the base class's contract for engines that apply weights in place). That holds for
-unquantized checkpoints; a quantized model would need vLLM's layerwise reload, which needs every
-weight of a layer inside one session.
+loads the same way. The tensors go through vLLM's layerwise reload, as its own IPC engine does:
+``start_weight_update`` puts the layers back in checkpoint form, each bucket goes through the model's
+own ``load_weights`` (checkpoint names: q/k/v and gate/up fused as vLLM fuses them, tied heads skipped),
+and a layer is processed for its kernels (on CPU, repacked) once all its weights are in;
+``finish_weight_update`` finalizes the rest. A version's buckets are therefore one session: a layer
+whose weights straddle two buckets is only complete after both (loading in place instead fails on CPU,
+where processing replaced the parameters: ``'Parameter' object has no attribute 'weight_loader'``).
 
 The control plane is vLLM's own: ``/start_weight_update``, ``/update_weights`` with this engine's
 ``update_info``, ``/finish_weight_update`` with the weight version (rayrl/engines/vllm_adapter.py calls
@@ -69,10 +70,14 @@ class RayrlWeightTransferEngine(WeightTransferEngine[RayrlInitInfo, RayrlUpdateI
         pass  # no process group, no buffers to allocate: each update names its own
 
     def start_weight_update(self) -> None:
-        pass  # applied in place, bucket by bucket
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        pass
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: RayrlUpdateInfo) -> None:
         if update_info.payload is not None:
@@ -82,7 +87,10 @@ class RayrlWeightTransferEngine(WeightTransferEngine[RayrlInitInfo, RayrlUpdateI
             named, _gpu = deserialize_entry(update_info.payload, allow_cuda=self.device.type == "cuda")
         else:
             named = _read_safetensors_dir(update_info.safetensors_dir or "")
-        self.model.load_weights(iter(named))  # a name the model does not have raises (KeyError) there
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        with disable_mtp_completeness_check():  # as vLLM's IPC engine loads: a bucket is part of a model
+            self.model.load_weights(iter(named))  # a name the model does not have raises there
 
     def shutdown(self) -> None:
         pass
