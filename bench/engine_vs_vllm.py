@@ -106,9 +106,9 @@ def start_engines(threads: int, log_dir: Path) -> dict[str, Any]:
               "engine.context_length=2048", "engine.startup_timeout_s=1200"]
     procs = {
         "ours": EngineProcess(load_config(None, ["engine.backend=cpu", *common]).engine, model,
-                              log_dir / "ours.log", backend="cpu"),
+                              log_dir / "ours.log", backend="cpu", die_with_parent=True),
         "vLLM": EngineProcess(load_config(None, ["engine.backend=vllm-cpu", *common]).engine, model,
-                              log_dir / "vllm.log", backend="vllm-cpu"),
+                              log_dir / "vllm.log", backend="vllm-cpu", die_with_parent=True),
     }
     for name, proc in procs.items():
         t0 = time.perf_counter()
