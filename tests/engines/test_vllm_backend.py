@@ -14,7 +14,8 @@ import pytest
 from rayrl.config import ConfigError, load_config
 from rayrl.engines.backends import BACKENDS
 from rayrl.engines.http_input import RequestError
-from rayrl.engines.vllm_adapter import parse_args, vllm_command
+from rayrl.engines.vllm_adapter import parse_args
+from rayrl.engines.vllm_process import vllm_command
 from rayrl.engines.vllm_requests import StreamState, translate_generate
 from tests.vllm_support import VLLM_PYTHON, needs_vllm, run_in_vllm
 
@@ -199,7 +200,7 @@ def test_every_vllm_route_and_field_the_adapter_uses_is_in_the_pinned_source():
     query and body fields the adapter sends, and vLLM's server checks the same list at start."""
     import re
 
-    from rayrl.engines.vllm_adapter import REQUIRED_ROUTES
+    from rayrl.engines.vllm_process import REQUIRED_ROUTES
 
     root = _vllm_source() / "entrypoints"
     text = {p: p.read_text() for p in root.rglob("*.py")}
@@ -227,7 +228,7 @@ def test_a_llama_class_over_byte_level_bpe_gets_a_generic_tokenizer_for_vllm(smo
     import json
     import shutil
 
-    from rayrl.engines.vllm_adapter import tokenizer_override
+    from rayrl.engines.vllm_process import tokenizer_override
 
     out = tokenizer_override(str(smollm2_dir), tmp_path / "tok")
     assert out is not None
@@ -237,3 +238,17 @@ def test_a_llama_class_over_byte_level_bpe_gets_a_generic_tokenizer_for_vllm(smo
     right = tmp_path / "right"
     shutil.copytree(tmp_path / "tok", right)
     assert tokenizer_override(str(right), tmp_path / "again") is None
+
+
+def test_a_vllm_that_dies_at_start_says_why_in_one_line(capfd):
+    """vLLM's output goes on into the engine's log, and the last error line is what the adapter's exit
+    message quotes (a model it cannot load, a flag it refuses), not a bare exit status."""
+    from rayrl.engines.vllm_process import VLLMOutput
+
+    script = ("import sys; print('INFO loading'); print('WARNING something odd'); "
+              "print('ValueError: No model found at /nowhere/model', flush=True); sys.exit(1)")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output = VLLMOutput(proc)
+    proc.wait(30)
+    assert output.why() == ": ValueError: No model found at /nowhere/model"
+    assert "INFO loading" in capfd.readouterr().out  # copied through to the log
