@@ -1,6 +1,9 @@
-"""``python -m rayrl.inspect RUN_DIR [--export FILE.html] [--atif FILE.json [--session ID]] [--host H --port P]``
+"""``python -m rayrl.inspect RUN_DIR [--text [--step N | --episode STEP:INDEX]] [--export FILE.html]
+[--atif FILE.json [--session ID]] [--host H --port P]``
 
-Without ``--export`` or ``--atif`` it serves the inspector until interrupted and prints the URL to open
+``--text`` prints the run in the terminal (its steps and one step's episodes, or with ``--episode`` one
+episode's turns, tool calls and token view with masks: rayrl/inspect/text.py). Without ``--text``,
+``--export`` or ``--atif`` it serves the inspector until interrupted and prints the URL to open
 (loopback by default; bound elsewhere, the URL carries a session token). A path that is not a run
 directory, a file it cannot write or a port it cannot bind ends with one line saying so and exit code
 2, never a traceback.
@@ -10,17 +13,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from rayrl.inspect.atif import export_atif
 from rayrl.inspect.page import export_html
 from rayrl.inspect.reader import RunDirError, RunReader
 from rayrl.inspect.server import start
+from rayrl.inspect.text import episode_view, run_view
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rayrl.inspect", description=__doc__.split("\n\n")[1])
     p.add_argument("run_dir", help="a run directory: runs/<exp_id>/")
+    p.add_argument("--text", action="store_true", help="print the run in the terminal: steps and one step's episodes")
+    p.add_argument("--step", type=int, help="with --text: list this step's episodes (default: the last)")
+    p.add_argument("--episode", metavar="STEP:INDEX", help="with --text: one episode's turns, tool calls and tokens")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="with --text: colour trained and masked tokens (auto: when printing to a terminal)")
+    p.add_argument("--prompt-chars", type=int, default=400, help="with --text --episode: the prompt's last N chars")
     p.add_argument("--export", metavar="FILE.html", help="write the inspector as one self-contained HTML file")
     p.add_argument("--atif", metavar="FILE.json", help="write the episodes as ATIF trajectories (a JSON array)")
     p.add_argument("--session", metavar="ID", help="with --atif: only this episode, as one trajectory object")
@@ -30,7 +41,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.session and not args.atif:
         p.error("--session selects the episode for --atif; give --atif FILE.json too")
+    if (args.step is not None or args.episode) and not args.text:
+        p.error("--step and --episode select what --text prints; give --text too")
+    if args.episode is not None:
+        step, _, index = args.episode.partition(":")
+        if not (step.isdigit() and index.isdigit()):
+            p.error(f"--episode: expected STEP:INDEX (as the list shows, e.g. 3:5), got {args.episode!r}")
+        args.episode = (int(step), int(index))
     return args
+
+
+def _text(reader: RunReader, args: argparse.Namespace) -> str:
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    if args.episode is not None:
+        return episode_view(reader, *args.episode, color=color, prompt_chars=max(args.prompt_chars, 0))
+    return run_view(reader, args.step)
 
 
 async def _serve(reader: RunReader, host: str, port: int, token: str | None) -> None:
@@ -46,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         reader = RunReader(args.run_dir)
+        if args.text:
+            try:
+                print(_text(reader, args), end="" if args.episode else "\n", flush=True)
+            except BrokenPipeError:  # piped into head or less, which stopped reading: not an error
+                sys.stdout = open(os.devnull, "w")  # the interpreter flushes stdout at exit: let it flush nowhere
+            return 0
         if args.export or args.atif:
             if args.export:
                 counts = export_html(reader, args.export)
