@@ -3,22 +3,23 @@
 The schema (types, ranges, choices) is checked by ``load_config``. This adds what needs more than the
 YAML: every ``package.module:name`` the config names is imported and its signature checked
 (``rollout.agent``, ``rollout.reward``, ``trajectory.debug_callback``; rayrl/extensions.py), the
-python agent's tools exist, an agent command is there, and the data files parse row by row
-(``file:line`` for the first bad rows). Every failure is a :class:`~rayrl.config.ConfigError` naming the
-field; driver.py prints it on one line and exits 2.
+python agent's tools exist, an agent command is there, and the data files are read and their fields
+mapped row by row (``file:line`` for the first bad rows). Every failure is a
+:class:`~rayrl.config.ConfigError` naming the field; driver.py prints it on one line and exits 2.
 """
 
 from __future__ import annotations
 
-from rayrl.config import ConfigError, RunConfig
+from rayrl.config import ConfigError, DataConfig, RunConfig
 
 
-def check_data(field: str, path: str, max_prompt_chars: int) -> int:
-    """Parse every row of ``path``; returns how many tasks it holds, or raises ConfigError naming ``field``."""
-    from rayrl.data.dataset import DatasetError, JsonlDataset
+def check_data(field: str, path: str, data: DataConfig) -> int:
+    """Read and map every row of ``path`` as ``data`` says; returns how many tasks it holds, or raises
+    ConfigError naming ``field``."""
+    from rayrl.data.dataset import DatasetError, FileDataset
 
     try:
-        return len(JsonlDataset(path, max_prompt_chars))
+        return len(FileDataset(path, data.max_prompt_chars, data.fields, data.format))
     except DatasetError as err:
         raise ConfigError(f"{field}: {err}") from None
 
@@ -41,7 +42,7 @@ def preflight(cfg: RunConfig, data: bool = True) -> None:
 
         check_sources(cfg.data.reasoning_gym)
     elif data:
-        check_data("data.train_path", cfg.data.train_path, cfg.data.max_prompt_chars)
+        check_data("data.train_path", cfg.data.train_path, cfg.data)
     if data:
         if cfg.data.val_path:
-            check_data("data.val_path", cfg.data.val_path, cfg.data.max_prompt_chars)
+            check_data("data.val_path", cfg.data.val_path, cfg.data)

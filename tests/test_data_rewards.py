@@ -1,11 +1,12 @@
-"""JSONL dataset contract, resumable sampler, and the numeric-answer reward."""
+"""The data file contract (JSONL; the other formats and the field mapping: tests/test_data_formats.py),
+the resumable sampler, and the numeric-answer reward."""
 
 import json
 
 import pytest
 
 from rayrl.agents.base import AgentResult
-from rayrl.data.dataset import DatasetError, JsonlDataset, TaskSampler
+from rayrl.data.dataset import DatasetError, FileDataset, TaskSampler
 from rayrl.rewards import get_reward_fn
 from rayrl.rewards.math import extract_number, numeric_answer_reward
 from rayrl.types import Task
@@ -18,7 +19,7 @@ def write(path, rows):
 
 def test_metadata_is_payload_verbatim_and_a_shallow_copy(tmp_path):
     meta = {"question": "q", "answer": 3, "nested": {"k": [1]}}
-    ds = JsonlDataset(write(tmp_path / "d.jsonl", [{"prompt": "p", "label": "ignored", "metadata": meta}]))
+    ds = FileDataset(write(tmp_path / "d.jsonl", [{"prompt": "p", "label": "ignored", "metadata": meta}]))
     task = ds[0]
     payload = task.payload()
     assert payload == meta  # verbatim: prompt/label are not mixed in
@@ -29,14 +30,14 @@ def test_metadata_is_payload_verbatim_and_a_shallow_copy(tmp_path):
 
 
 def test_missing_metadata_is_an_empty_payload(tmp_path):
-    ds = JsonlDataset(write(tmp_path / "d.jsonl", [{"prompt": "p"}, {"prompt": "q", "metadata": None}]))
+    ds = FileDataset(write(tmp_path / "d.jsonl", [{"prompt": "p"}, {"prompt": "q", "metadata": None}]))
     assert ds[0].payload() == {} and ds[1].payload() == {}
 
 
 @pytest.mark.parametrize("metadata", ["str", [1, 2], 5])
 def test_non_object_metadata_is_an_error_not_a_silent_empty_payload(tmp_path, metadata):
     with pytest.raises(DatasetError, match=r"d.jsonl:2: 'metadata' must be an object"):
-        JsonlDataset(write(tmp_path / "d.jsonl", [{"prompt": "p"}, {"prompt": "p", "metadata": metadata}]))
+        FileDataset(write(tmp_path / "d.jsonl", [{"prompt": "p"}, {"prompt": "p", "metadata": metadata}]))
 
 
 def test_every_bad_row_is_counted_and_the_first_ones_named(tmp_path):
@@ -44,27 +45,28 @@ def test_every_bad_row_is_counted_and_the_first_ones_named(tmp_path):
     path = tmp_path / "many.jsonl"
     path.write_text("\n".join(rows) + "\n")
     with pytest.raises(DatasetError) as info:
-        JsonlDataset(path)
+        FileDataset(path)
     message = str(info.value)
     assert "\n" not in message and "(8 bad rows in all)" in message
-    assert "many.jsonl:2: invalid JSON" in message and "many.jsonl:3: each row needs a string 'prompt'" in message
-    assert "many.jsonl:4: a row must be a JSON object" in message and "many.jsonl:6:" in message
+    assert "many.jsonl:2: invalid JSON" in message
+    assert "many.jsonl:3: no field 'prompt' (data.fields.prompt); the row has: question" in message
+    assert "many.jsonl:4: a row must be an object, got list" in message and "many.jsonl:6:" in message
     assert "many.jsonl:7:" not in message  # the first five are named
 
 
 def test_prompt_drives_length_filter_and_errors_name_the_line(tmp_path):
-    ds = JsonlDataset(write(tmp_path / "d.jsonl", [{"prompt": "short"}, {"prompt": "x" * 100}]), max_prompt_chars=10)
+    ds = FileDataset(write(tmp_path / "d.jsonl", [{"prompt": "short"}, {"prompt": "x" * 100}]), max_prompt_chars=10)
     assert len(ds) == 1 and ds.filtered == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{broken\n')
     with pytest.raises(DatasetError, match="bad.jsonl:2"):
-        JsonlDataset(bad)
-    with pytest.raises(DatasetError, match="string 'prompt'"):
-        JsonlDataset(write(tmp_path / "np.jsonl", [{"metadata": {}}]))
+        FileDataset(bad)
+    with pytest.raises(DatasetError, match="no row has the field 'prompt'"):
+        FileDataset(write(tmp_path / "np.jsonl", [{"metadata": {}}]))
 
 
 def test_sampler_resumes_exactly(tmp_path):
-    ds = JsonlDataset(write(tmp_path / "d.jsonl", [{"prompt": str(i), "id": i} for i in range(10)]))
+    ds = FileDataset(write(tmp_path / "d.jsonl", [{"prompt": str(i), "id": i} for i in range(10)]))
     a = TaskSampler(ds, seed=7)
     first = [t.task_id for t in a.next(7)]
     state = a.state_dict()

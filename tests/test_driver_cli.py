@@ -99,9 +99,28 @@ def test_bad_data_rows_are_named_with_file_and_line(tmp_path, capsys):
     data.write_text('{"prompt": "ok", "metadata": {"answer": 1}}\n{"question": "no prompt"}\n\n{broken\n'
                     '{"prompt": "p", "metadata": "not an object"}\n')
     out = run_main(capsys, UNIT, f"data.train_path={data}")
-    assert_one_line_exit_2(out, f"config error: data.train_path: {data}:2: each row needs a string 'prompt'; "
-                                f"{data}:4: invalid JSON")
+    assert_one_line_exit_2(out, f"config error: data.train_path: {data}:2: no field 'prompt' (data.fields.prompt); "
+                                f"the row has: question; {data}:4: invalid JSON")
     assert f"{data}:5: 'metadata' must be an object" in out.stderr
     missing = run_main(capsys, UNIT, "data.val_path=examples/unit_convert/data/vall.jsonl")
     assert_one_line_exit_2(missing, "config error: data.val_path: data file not found: "
                                     f"examples/unit_convert/data/vall.jsonl (relative to {ROOT})")
+
+
+def test_a_file_with_other_field_names_is_named_once_and_mapped_by_data_fields(tmp_path, capsys):
+    """Issue 43: a question/answer JSONL is refused with the field, the file and what it has; data.fields maps
+    it (tests/test_data_formats.py reads every format with the mapping)."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(f'{{"question": "What is {i} + {i}?", "answer": {2 * i}}}\n' for i in range(3)))
+    out = run_main(capsys, UNIT, f"data.train_path={data}")
+    assert_one_line_exit_2(out, f"config error: data.train_path: {data}: no row has the field 'prompt' "
+                                "(data.fields.prompt); the rows have: question, answer; map yours, e.g. "
+                                "data.fields.prompt: <one of them>")
+    typo = run_main(capsys, UNIT, f"data.train_path={data}", "data.fields.prompt=question", "data.fields.answer=anser")
+    assert_one_line_exit_2(typo, f"config error: data.train_path: {data}: no row has the field 'anser' "
+                                 "(data.fields.answer); the rows have: question, answer")
+    unknown = run_main(capsys, UNIT, "data.fields.question=prompt")
+    assert_one_line_exit_2(unknown, "config error: data.fields.question")
+    fmt = run_main(capsys, UNIT, "data.format=xlsx")
+    assert_one_line_exit_2(fmt, "config error: data.format: 'xlsx' is not one of auto, jsonl, json, csv, parquet, "
+                                "hf_disk")

@@ -12,7 +12,7 @@ import pytest
 
 from rayrl.agents.base import AgentResult
 from rayrl.config import ConfigError, Machine, load_config, resolve
-from rayrl.data.dataset import JsonlDataset
+from rayrl.data.dataset import FileDataset
 from rayrl.placement import plan_placement
 from rayrl.rewards import get_reward_fn
 
@@ -36,7 +36,7 @@ def test_config_loads_and_fits_8_gpus():
 def test_rows_score_with_the_gsm8k_reward():
     reward = get_reward_fn("gsm8k")
     for split in ("train", "test"):
-        tasks = list(JsonlDataset(EXAMPLE / "data" / f"{split}.jsonl"))
+        tasks = list(FileDataset(EXAMPLE / "data" / f"{split}.jsonl"))
         assert tasks
         for task in tasks:
             answer = task.metadata["answer"]
@@ -56,7 +56,7 @@ def test_make_data_converts_gsm8k_jsonl(tmp_path):
     run = subprocess.run([sys.executable, str(EXAMPLE / "make_data.py"), "--input", str(src), "--out", str(out)],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert run.returncode == 0, run.stderr
-    tasks = list(JsonlDataset(out))
+    tasks = list(FileDataset(out))
     assert [t.metadata["answer"] for t in tasks] == [12, 1300]
     assert tasks[0].prompt == rows[0]["question"] and tasks[0].task_id == "gsm8k-test-00000"
     bad = tmp_path / "bad.jsonl"

@@ -307,7 +307,7 @@ def make_run(*overrides: str, outcome: Outcome = scored_by_index, tasks: int = 3
     cfg = resolve(load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=2", *overrides]))
     STARTED_ON.clear()
     log = Log()
-    dataset = [Task(f"prompt {i}", task_id=f"t{i}") for i in range(tasks)]  # what JsonlDataset indexes to
+    dataset = [Task(f"prompt {i}", task_id=f"t{i}") for i in range(tasks)]  # what FileDataset indexes to
     sampler = TaskSampler(dataset, shuffle=False)  # type: ignore[arg-type]
     dispatcher = FakeDispatcher(log, cfg.rollout.group_size, outcome)
     fleet = FakeEngines(log, engines)

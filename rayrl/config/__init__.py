@@ -19,7 +19,7 @@ from rayrl.config.data_sources import ReasoningGymSource
 from rayrl.config.load import load_config, to_yaml
 from rayrl.config.resolve import Machine, capacity_warnings, resolve
 from rayrl.config.rollout import AgentCoreConfig, JudgeConfig, RolloutConfig, SandboxConfig, SandboxPoolConfig
-from rayrl.config.schema import DataConfig, LoggingConfig, PipelineConfig, RayConfig, RunConfig
+from rayrl.config.schema import DataConfig, DataFields, LoggingConfig, PipelineConfig, RayConfig, RunConfig
 from rayrl.config.serving import (
     EngineConfig,
     GatewayConfig,
@@ -35,6 +35,7 @@ __all__ = [
     "AgentCoreConfig",
     "ConfigError",
     "DataConfig",
+    "DataFields",
     "EngineConfig",
     "GatewayConfig",
     "JudgeConfig",

@@ -30,11 +30,35 @@ from rayrl.config.training import PlacementConfig, TrainerConfig
 
 
 @dataclass
-class DataConfig:
-    """The task dataset (JSONL rows: {"prompt": ..., "metadata": {...}})."""
+class DataFields:
+    """Which field of a data file's rows is what, in the file's own names (rayrl/data/dataset.py)."""
 
-    train_path: str = "examples/calculator/data/train.jsonl"  # training tasks
-    val_path: Optional[str] = None  # held-out tasks for validation
+    prompt: str = "prompt"  # the task's text, a string in every row (task.prompt; data.max_prompt_chars filters on it)
+    id: str = "id"  # the task's id, when a row has it (else <file stem>-<line or index>)
+    metadata: str = "metadata"  # an object handed to the agent and the reward as task.metadata, when a row has it (a
+    # CSV cell holding a JSON object is parsed)
+    answer: Optional[str] = None  # a field copied into task.metadata["answer"], what the built-in rewards compare
+    metadata_fields: list[str] = field(default_factory=list)  # more fields copied into task.metadata under their own
+    # names; ["*"]: every field not mapped above
+
+    def __post_init__(self) -> None:
+        for key in ("prompt", "id", "metadata"):
+            if not getattr(self, key):
+                raise ConfigError(f"data.fields.{key}: must name a field")
+        if self.answer == "":
+            raise ConfigError("data.fields.answer: must name a field (or be null)")
+
+
+@dataclass
+class DataConfig:
+    """The task dataset: a data file of one row per task, its fields mapped by data.fields."""
+
+    train_path: str = "examples/calculator/data/train.jsonl"  # training tasks: a .jsonl, .json, .csv/.tsv or .parquet
+    # file, or a Hugging Face datasets save_to_disk directory (one split's)
+    val_path: Optional[str] = None  # held-out tasks for validation (same format and fields)
+    format: str = "auto"  # auto (by the path: a directory is a datasets directory, a file goes by its suffix), jsonl,
+    # json, csv, parquet (needs pyarrow) or hf_disk (needs datasets); rayrl/data/formats.py
+    fields: DataFields = field(default_factory=DataFields)  # which field of a row is the prompt, id, metadata, answer
     shuffle: bool = True  # reshuffle each epoch (seeded)
     max_prompt_chars: int = 0  # drop rows whose prompt is longer (0: keep all)
     reasoning_gym: list[ReasoningGymSource] = field(default_factory=list)  # reasoning-gym datasets to generate the
@@ -42,10 +66,14 @@ class DataConfig:
     # size, seed, weight, config, val_size, val_seed (docs/environments.md)
 
     def __post_init__(self) -> None:
+        from rayrl.data.formats import FORMATS  # not at import: rayrl.config imports no rayrl module
+
+        if self.format != "auto" and self.format not in FORMATS:
+            raise ConfigError(f"data.format: {self.format!r} is not one of auto, {', '.join(FORMATS)}")
         check_sources(self.reasoning_gym)
         if self.reasoning_gym and self.max_prompt_chars:
-            raise ConfigError("data.max_prompt_chars: filters JSONL rows; reasoning-gym tasks are sized by their "
-                              "dataset's own config (data.reasoning_gym[i].config)")
+            raise ConfigError("data.max_prompt_chars: filters the data file's rows; reasoning-gym tasks are sized by "
+                              "their dataset's own config (data.reasoning_gym[i].config)")
 
     def has_val(self) -> bool:
         """Whether there are held-out tasks (a file, or reasoning-gym entries with val_size)."""

@@ -1,5 +1,6 @@
-"""Datasets: JSONL rows ``{"prompt": ..., "metadata": {...}}`` and a resumable sampler."""
+"""Datasets: the user's data files (JSONL, JSON, CSV, Parquet, a datasets directory) with their fields
+mapped to tasks, and a resumable sampler."""
 
-from rayrl.data.dataset import JsonlDataset, TaskSampler
+from rayrl.data.dataset import FileDataset, TaskSampler
 
-__all__ = ["JsonlDataset", "TaskSampler"]
+__all__ = ["FileDataset", "TaskSampler"]

@@ -1,9 +1,16 @@
-"""JSONL task datasets and a sampler whose cursor is part of every checkpoint.
+"""Task datasets read from the user's files as they are, and a sampler whose cursor is part of every
+checkpoint.
 
-Each row is ``{"prompt": str, "metadata": {...}}`` (an optional ``"id"`` names the task). ``metadata``
-is the agent payload verbatim; ``prompt`` drives length filtering. The sampler walks seeded
-permutations epoch after epoch; its state (epoch, position) restores exactly, so a resumed run neither
-repeats nor skips a task.
+A data file (JSONL, JSON, CSV, Parquet or a Hugging Face ``datasets`` directory: rayrl/data/formats.py)
+holds one row per task. ``data.fields`` says which of the row's fields is what, in the file's own names:
+the ``prompt`` (a string; ``data.max_prompt_chars`` filters on it), the ``id``, the ``metadata`` object
+(the agent's payload verbatim), an ``answer`` copied into the metadata, and ``metadata_fields`` copied in
+under their own names. The default mapping reads rayrl's own rows, ``{"prompt": ..., "metadata": {...},
+"id": ...}``; a file with ``question``/``answer`` needs ``data.fields.prompt: question`` and
+``data.fields.answer: answer``, not a rewrite. Every row is checked before any is used.
+
+The sampler walks seeded permutations epoch after epoch; its state (epoch, position) restores exactly, so
+a resumed run neither repeats nor skips a task.
 """
 
 from __future__ import annotations
@@ -11,66 +18,147 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from rayrl.data.formats import FormatError, invalid_reason, read_rows
 from rayrl.types import Task
+
+if TYPE_CHECKING:
+    from rayrl.config import DataFields
 
 
 class DatasetError(ValueError):
-    """A malformed dataset file; the message names the file and the line of each bad row shown."""
+    """A malformed dataset file; the message names the file and the place of each bad row shown."""
 
 
 MAX_REPORTED_ROWS = 5  # bad rows named in a DatasetError (the count covers all of them)
+ALL_OTHER_FIELDS = "*"  # data.fields.metadata_fields: ["*"] copies every field not mapped otherwise
 
 
-class JsonlDataset:
-    """Tasks loaded from a JSONL file, filtered by prompt length.
+@dataclass(frozen=True)
+class FieldMap:
+    """Which field of a row is what (``data.fields``; the defaults read rayrl's own rows)."""
 
-    Every row is checked before any is used: a row that is not a JSON object, lacks a string ``prompt``,
-    or has a ``metadata`` that is not an object makes the whole file fail with ``file:line: what`` for
-    the first :data:`MAX_REPORTED_ROWS` bad rows and the count of all of them, in one line.
+    prompt: str = "prompt"
+    id: str = "id"
+    metadata: str = "metadata"
+    answer: str | None = None
+    metadata_fields: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, fields: "DataFields | None") -> "FieldMap":
+        if fields is None:
+            return cls()
+        return cls(fields.prompt, fields.id, fields.metadata, fields.answer or None, tuple(fields.metadata_fields))
+
+    def required(self) -> list[tuple[str, str]]:
+        """``(field, config key)`` of every field each row must have."""
+        need = [(self.prompt, "data.fields.prompt")]
+        if self.answer:
+            need.append((self.answer, "data.fields.answer"))
+        need += [(name, "data.fields.metadata_fields") for name in self.metadata_fields if name != ALL_OTHER_FIELDS]
+        return need
+
+    def task(self, row: dict[str, Any], default_id: str) -> Task:
+        """The Task of a row :meth:`problem` found nothing wrong with."""
+        raw = row.get(self.metadata)
+        metadata = dict(_object(raw) or {})
+        if self.answer:
+            metadata["answer"] = row[self.answer]
+        names = self.metadata_fields
+        if ALL_OTHER_FIELDS in names:
+            mapped = {self.prompt, self.id, self.metadata, self.answer}
+            names = tuple(k for k in row if k not in mapped)
+        for name in names:
+            metadata[name] = row[name]
+        task_id = row.get(self.id)
+        return Task(prompt=row[self.prompt], metadata=metadata,
+                    task_id=str(task_id) if task_id not in (None, "") else default_id)
+
+    def problem(self, row: Any) -> str | None:
+        """What is wrong with one row, or None."""
+        if not isinstance(row, dict):
+            return f"a row must be an object, got {type(row).__name__}"
+        for name, key in self.required():
+            if name not in row:
+                return f"no field {name!r} ({key}); the row has: {_names(row)}"
+        if not isinstance(row[self.prompt], str):
+            return f"{self.prompt!r} must be a string (data.fields.prompt), got {type(row[self.prompt]).__name__}"
+        raw = row.get(self.metadata)
+        if raw not in (None, "") and _object(raw) is None:
+            return f"{self.metadata!r} must be an object (data.fields.metadata), got {type(raw).__name__}"
+        return None
+
+
+def _object(value: Any) -> dict[str, Any] | None:
+    """``value`` as a metadata object: a dict, or text holding a JSON object (a CSV cell); else None."""
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            return None
+        return parsed if isinstance(parsed, dict) else None
+    return None
+
+
+def _names(row: dict[str, Any], limit: int = 12) -> str:
+    names = [str(k) for k in row]
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} fields)" if len(names) > limit else "") or "(none)"
+
+
+class FileDataset:
+    """Tasks loaded from one data file, mapped by ``fields`` and filtered by prompt length.
+
+    Every row is checked before any is used: a row that is not an object, lacks a field the mapping names,
+    has a prompt that is not a string or a metadata that is not an object makes the whole file fail with
+    ``place: what`` for the first :data:`MAX_REPORTED_ROWS` bad rows and the count of all of them, in one
+    line; a field the mapping names that no row has is said once, with the fields the rows do have.
     """
 
-    def __init__(self, path: str | Path, max_prompt_chars: int = 0) -> None:
+    def __init__(self, path: str | Path, max_prompt_chars: int = 0, fields: "DataFields | None" = None,
+                 format: str = "auto") -> None:
         self.path = Path(path)
-        if not self.path.is_file():
+        if not self.path.exists():
             where = "" if self.path.is_absolute() else f" (relative to {Path.cwd()})"
             raise DatasetError(f"data file not found: {self.path}{where}")
+        self.fields = FieldMap.of(fields)
         self.tasks: list[Task] = []
         self.filtered = 0
         bad: list[str] = []
-        with self.path.open() as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    bad.append(f"{self.path}:{lineno}: invalid JSON ({err.msg})")
-                    continue
-                problem = row_problem(row)
+        missing = {name for name, _ in self.fields.required()}  # mapped fields no row had so far
+        first: dict[str, Any] | None = None
+        rows = 0
+        try:
+            for where, number, row in read_rows(self.path, format):
+                rows += 1
+                if isinstance(row, dict):
+                    missing &= {name for name in missing if name not in row}
+                    first = row if first is None else first
+                problem = invalid_reason(row) or self.fields.problem(row)
                 if problem:
-                    bad.append(f"{self.path}:{lineno}: {problem}")
+                    bad.append(f"{where}: {problem}")
                     continue
-                task = self._task(row, lineno, max_prompt_chars)
-                if task is not None:
-                    self.tasks.append(task)
+                if max_prompt_chars and len(row[self.fields.prompt]) > max_prompt_chars:
+                    self.filtered += 1
+                    continue
+                self.tasks.append(self.fields.task(row, f"{self.path.stem}-{number}"))
+        except FormatError as err:
+            raise DatasetError(str(err)) from None
+        if missing and first is not None:
+            name, key = next((name, key) for name, key in self.fields.required() if name in missing)
+            hint = f"; map yours, e.g. {key}: <one of them>" if key == "data.fields.prompt" else ""
+            raise DatasetError(f"{self.path}: no row has the field {name!r} ({key}); the rows have: "
+                               f"{_names(first)}{hint}")
         if bad:
             more = f" ({len(bad)} bad rows in all)" if len(bad) > MAX_REPORTED_ROWS else ""
-            raise DatasetError("; ".join(bad[:MAX_REPORTED_ROWS]) + more
-                               + '; each row is {"prompt": str, "metadata": {...}, "id": optional}')
+            raise DatasetError("; ".join(bad[:MAX_REPORTED_ROWS]) + more)
         if not self.tasks:
-            raise DatasetError(f"{self.path}: no usable rows"
+            raise DatasetError(f"{self.path}: no usable rows" + (" (it is empty)" if not rows else "")
                                + (f" ({self.filtered} longer than data.max_prompt_chars)" if self.filtered else ""))
-
-    def _task(self, row: dict[str, Any], lineno: int, max_prompt_chars: int) -> Task | None:
-        if max_prompt_chars and len(row["prompt"]) > max_prompt_chars:
-            self.filtered += 1
-            return None
-        metadata = row.get("metadata") if row.get("metadata") is not None else {}
-        return Task(prompt=row["prompt"], metadata=metadata, task_id=str(row.get("id", f"{self.path.stem}-{lineno}")))
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -130,15 +218,3 @@ class TaskSampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.state = SamplerState(int(state["epoch"]), int(state["position"]))
-
-
-def row_problem(row: Any) -> str | None:
-    """What is wrong with one parsed JSONL row, or None."""
-    if not isinstance(row, dict):
-        return f"a row must be a JSON object, got {type(row).__name__}"
-    if not isinstance(row.get("prompt"), str):
-        got = "" if "prompt" not in row else f", got {type(row['prompt']).__name__}"
-        return "each row needs a string 'prompt'" + got
-    if row.get("metadata") is not None and not isinstance(row["metadata"], dict):
-        return f"'metadata' must be an object, got {type(row['metadata']).__name__}"
-    return None

@@ -1,9 +1,10 @@
-"""The run's training and held-out tasks from ``data``: JSONL files, or reasoning-gym's generators."""
+"""The run's training and held-out tasks from ``data``: the user's data files (rayrl/data/dataset.py: any format of
+rayrl/data/formats.py, fields mapped by ``data.fields``), an environment's datasets, or reasoning-gym's generators."""
 
 from __future__ import annotations
 
 from rayrl.config import ConfigError, RunConfig
-from rayrl.data.dataset import JsonlDataset, TaskSource
+from rayrl.data.dataset import FileDataset, TaskSource
 
 
 def load_tasks(cfg: RunConfig) -> tuple[TaskSource, TaskSource | None]:
@@ -25,7 +26,7 @@ def load_tasks(cfg: RunConfig) -> tuple[TaskSource, TaskSource | None]:
 
         train, val = load_splits(data.reasoning_gym)
     else:
-        train = JsonlDataset(data.train_path, data.max_prompt_chars)
+        train = FileDataset(data.train_path, data.max_prompt_chars, data.fields, data.format)
     if val is None and data.val_path:
-        val = JsonlDataset(data.val_path, data.max_prompt_chars)
+        val = FileDataset(data.val_path, data.max_prompt_chars, data.fields, data.format)
     return train, val

@@ -22,7 +22,7 @@ from rayrl.agents.agentcore.launcher import RolloutLauncher
 from rayrl.agents.agentcore.protocol import ROLLOUT_CONFIG_KEY, AgentRolloutConfig, AgentRolloutConfigError
 from rayrl.agents.base import AgentResult, EpisodeContext
 from rayrl.config import AgentCoreConfig, ConfigError, load_config
-from rayrl.data.dataset import DatasetError, JsonlDataset
+from rayrl.data.dataset import DatasetError, FileDataset
 from rayrl.rewards import get_reward_fn
 from rayrl.rewards.gsm8k import agent_reported_reward, gsm8k_reward, parse_gsm8k_answer
 from rayrl.types import Task
@@ -46,7 +46,7 @@ def harness(launcher=None, **cfg) -> AgentCoreHarness:
 
 def test_invariant_1_metadata_is_the_payload_verbatim(tmp_path):
     meta = {"prompt": "How many?", "answer": "7", "tools": ["calc"], "nested": {"k": [1, 2]}}
-    ds = JsonlDataset(write_rows(tmp_path / "d.jsonl", [{"prompt": "TOP-LEVEL", "label": "L", "metadata": meta}]))
+    ds = FileDataset(write_rows(tmp_path / "d.jsonl", [{"prompt": "TOP-LEVEL", "label": "L", "metadata": meta}]))
     payload, rollout = harness().payload_for(ds[0], ctx())
     agent_part = {k: v for k, v in payload.items() if k != ROLLOUT_CONFIG_KEY}
     assert agent_part == meta  # exactly the metadata: neither prompt nor label is mixed in
@@ -55,7 +55,7 @@ def test_invariant_1_metadata_is_the_payload_verbatim(tmp_path):
 
 def test_invariant_2_payload_is_a_shallow_copy(tmp_path):
     meta = {"prompt": "q", "answer": "3", "nested": {"k": [1]}}
-    ds = JsonlDataset(write_rows(tmp_path / "d.jsonl", [{"prompt": "q", "metadata": meta}]))
+    ds = FileDataset(write_rows(tmp_path / "d.jsonl", [{"prompt": "q", "metadata": meta}]))
     task = ds[0]
     payload, _ = harness().payload_for(task, ctx())
     assert ROLLOUT_CONFIG_KEY not in task.metadata  # adding rollout_config touched only the copy
@@ -76,17 +76,17 @@ def test_invariant_3_missing_or_non_dict_metadata_is_an_empty_payload(tmp_path, 
     row = {"prompt": "p"} if metadata == "missing" else {"prompt": "p", "metadata": metadata}
     path = write_rows(tmp_path / "d.jsonl", [row])
     if metadata in ("missing", None):
-        payload, _ = harness().payload_for(JsonlDataset(path)[0], ctx())
+        payload, _ = harness().payload_for(FileDataset(path)[0], ctx())
         assert list(payload) == [ROLLOUT_CONFIG_KEY]
     else:
         with pytest.raises(DatasetError, match=r"d\.jsonl:1: 'metadata' must be an object"):
-            JsonlDataset(path)
+            FileDataset(path)
     assert Task(prompt="p", metadata=metadata).payload() == {}  # even when built by hand
 
 
 def test_prompt_drives_length_filtering_only(tmp_path):
     rows = [{"prompt": "x" * 50, "metadata": {"prompt": "short"}}, {"prompt": "ok", "metadata": {"prompt": "y" * 500}}]
-    ds = JsonlDataset(write_rows(tmp_path / "d.jsonl", rows), max_prompt_chars=10)
+    ds = FileDataset(write_rows(tmp_path / "d.jsonl", rows), max_prompt_chars=10)
     assert len(ds) == 1 and ds.filtered == 1 and ds[0].metadata == {"prompt": "y" * 500}
 
 
@@ -116,7 +116,7 @@ def test_harness_runs_a_session_and_the_agent_sees_only_its_metadata(loop_thread
         launcher = RolloutLauncher(settings, credentials=CREDS)
         h = make_harness("agentcore", launcher=launcher, cfg=settings, exp_id="exp-1")
         meta = {"behaviour": "echo", "prompt": "What is 6 * 7?", "answer": "42"}
-        ds = JsonlDataset(write_rows(tmp_path / "d.jsonl", [{"prompt": "What is 6 * 7?", "metadata": meta},
+        ds = FileDataset(write_rows(tmp_path / "d.jsonl", [{"prompt": "What is 6 * 7?", "metadata": meta},
                                                              {"prompt": "m", "metadata": {"behaviour": "mutate",
                                                                                           "answer": "1"}}]))
         result = h.run(ds[0], ctx())
