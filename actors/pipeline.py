@@ -60,7 +60,8 @@ from rayrl.preflight import preflight
 from rayrl.records import tokenizer_text, write_episodes, write_inspection
 from rayrl.rl.batch import Batch, build_batch
 from rayrl.rl.distill import TeacherScorer, distill_batch
-from rayrl.rl.failures import failure_kind, is_infra
+from rayrl.rl.failure_log import FailureLog
+from rayrl.rl.failures import failure_kind
 from rayrl.rl.logprob_gap import gap_crossed
 from rayrl.rl.step_metrics import EngineWork, gateway_metrics, step_metrics
 
@@ -134,6 +135,7 @@ class Pipeline:
         self._engine_busy = CounterDeltas(time.monotonic())
         self._episodes_total = 0
         self._started_at = time.monotonic()
+        self.failure_log = FailureLog()  # failure causes logged so far: a repeated one is logged short
         self._gap_fallback = False  # engine.max_logprob_gap was crossed: the engines decode in float32
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -285,7 +287,8 @@ class Pipeline:
 
     def _record(self, episodes: list, batch: Batch, set_aside: list) -> None:
         """Write the step's episodes, then those of the groups set aside during it, and the inspection data
-        (rayrl/records.py, docs/inspector.md); count and log each failed episode once, by cause."""
+        (rayrl/records.py, docs/inspector.md); count each failed episode by kind, and log the failures once
+        per cause with their count (rayrl/rl/failure_log.py)."""
         cfg = self.cfg
         detail = cfg.logging.inspect_episodes_per_step
         written = episodes + set_aside
@@ -296,11 +299,8 @@ class Pipeline:
         for e in written:
             if not e.ok:
                 self.state.failures[failure_kind(e)] += 1
-                how = "left out of training" if is_infra(e) else f"scored {e.reward:g}"
-                if e.info.get("discarded"):
-                    how = f"its group was set aside ({e.info['discarded']})"
-                logger.warning("episode failed (%s; %s): session=%s task=%s: %s", failure_kind(e), how,
-                               e.session_id, e.task_id, e.error)
+        for line in self.failure_log.lines(self.step, written):  # once per cause, with its count
+            logger.warning("%s", line)
 
     def _check_engine_gap(self, train: dict[str, Any] | None) -> None:
         """``engine.max_logprob_gap``: once a step's engine-trainer gap crosses it, the CPU engines hold

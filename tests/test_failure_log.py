@@ -1,0 +1,44 @@
+"""Failed episodes are logged once per cause with their count (rayrl/rl/failure_log.py): the issue-43 run printed
+the same 12-line traceback 16 times per step."""
+
+from __future__ import annotations
+
+from rayrl.rl.failure_log import FailureLog, error_signature
+from rayrl.types import Episode
+
+TRACEBACK = """agent_crashed: exited with 1: Traceback (most recent call last):
+  File "/tmp/user{n}/agent.py", line 31, in <module>
+    reply = client.messages.create(model=model, max_tokens=256, temperature=0.7, messages=messages)
+  File "/work/.venv/lib/python3.11/site-packages/anthropic/_utils/_utils.py", line 282, in wrapper
+    return func(*args, **kwargs)
+TypeError: Messages.create() got an unexpected keyword argument 'temperature' (object at 0x7f3a{n}c0)"""
+
+
+def _crashed(n: int, error: str = TRACEBACK) -> Episode:
+    return Episode(f"s0-{n:032x}", f"task-{n}", "g", reward=0.0, status="failed", failure="agent_crashed",
+                   error=error.format(n=n))
+
+
+def test_one_line_per_cause_with_its_count_and_the_whole_error_the_first_time():
+    log = FailureLog()
+    step1 = [_crashed(n) for n in range(16)] + [Episode("s9", "t9", "g", reward=1.0)]
+    lines = log.lines(1, step1)
+    assert len(lines) == 1
+    assert lines[0].startswith("step 1: 16 episodes failed (agent_crashed; scored 0) e.g. session=s0-")
+    assert lines[0].count("Traceback (most recent call last)") == 1 and lines[0].endswith("(object at 0x7f3a0c0)")
+    again = log.lines(2, [_crashed(n) for n in range(100, 116)])
+    assert again == ["step 2: 16 episodes failed (agent_crashed; scored 0) e.g. session=s0-" + f"{100:032x}"
+                     " task=task-100, the same error as at step 1: TypeError: Messages.create() got an unexpected "
+                     "keyword argument 'temperature' (object at 0x7f3a100c0)"]
+
+
+def test_different_causes_are_apart_most_frequent_first():
+    log = FailureLog()
+    timeout = Episode("s1", "t1", "g", status="failed", failure="timed_out", error="timed_out: agent.py was still "
+                                                                                 "running at the episode deadline")
+    other = _crashed(1, "agent_crashed: exited with 1: KeyError: 'answer'")
+    lines = log.lines(3, [timeout, _crashed(2), _crashed(3), other])
+    assert [line.split(" e.g.")[0] for line in lines] == [
+        "step 3: 2 episodes failed (agent_crashed; scored 0)", "step 3: 1 episode failed (timed_out; left out of "
+        "training)", "step 3: 1 episode failed (agent_crashed; scored 0)"]
+    assert error_signature(_crashed(4)) == error_signature(_crashed(5)) != error_signature(other)
