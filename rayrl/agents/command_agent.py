@@ -9,11 +9,12 @@ by itself, the Anthropic SDK ``ANTHROPIC_BASE_URL`` and ``ANTHROPIC_API_KEY``. W
 * working directory: the run's (where ``python driver.py`` was started; the job's working directory
   under ``ray job submit``), so relative paths in the command resolve as they did at load.
 
-Its stdout, stripped, is the final answer (write logs to stderr). Exit code 0 is a completed episode; any
-other exit code (or no exit by the episode deadline, when its whole process group is killed) fails the
-episode against the task, with stderr's tail as the error. An exit code of :data:`INFRA_EXIT_CODE` says
-the program's own infrastructure failed (a service it needs was down): the episode is an
-infrastructure failure instead (rayrl/rl/failures.py). ``python`` as the first word means the Python
+Its stdout, stripped, is the final answer (write logs to stderr: the end of it, :data:`STDERR_KEEP_CHARS`
+characters, is kept with every episode's record as ``stderr``, successes included). Exit code 0 is a
+completed episode; any other exit code (or no exit by the episode deadline, when its whole process group
+is killed) fails the episode against the task, with stderr's tail as the error. An exit code of
+:data:`INFRA_EXIT_CODE` says the program's own infrastructure failed (a service it needs was down): the
+episode is an infrastructure failure instead (rayrl/rl/failures.py). ``python`` as the first word means the Python
 that runs rayrl, so the program sees the same packages. It runs on the host, with no sandbox.
 """
 
@@ -31,6 +32,13 @@ from rayrl.types import Task
 
 INFRA_EXIT_CODE = 75  # EX_TEMPFAIL: "a service I need failed", not the agent's doing
 ERROR_TAIL_CHARS = 2000
+STDERR_KEEP_CHARS = 4000  # the end of every episode's stderr kept in its record (episodes/, the inspector)
+
+
+def stderr_tail(err: str | None) -> str:
+    """The last :data:`STDERR_KEEP_CHARS` characters of a program's stderr, marked when cut."""
+    err = (err or "").rstrip()
+    return err if len(err) <= STDERR_KEEP_CHARS else "…" + err[-STDERR_KEEP_CHARS:]
 
 
 def endpoint_env(endpoint: Endpoint) -> dict[str, str]:
@@ -78,14 +86,15 @@ class CommandAgent(BaseHarness):
             out, err = proc.communicate(row, timeout=None if left == float("inf") else max(left, 0.1))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            return AgentResult(status="error", failure=TIMED_OUT,
+            _, err = proc.communicate()
+            return AgentResult(status="error", failure=TIMED_OUT, info={"stderr": stderr_tail(err)},
                                error=f"{self.argv[-1]} was still running at the episode deadline; killed")
         finally:
             if proc.poll() is None:  # the episode thread was interrupted: leave no process behind
                 os.killpg(proc.pid, signal.SIGKILL)
+        kept = {"stderr": stderr_tail(err)}  # successes too: a warning on stderr is how a quiet bug shows
         if proc.returncode != 0:
             tail = err.strip()[-ERROR_TAIL_CHARS:] or out.strip()[-ERROR_TAIL_CHARS:]
-            return AgentResult(status="error", error=f"exited with {proc.returncode}: {tail}",
+            return AgentResult(status="error", error=f"exited with {proc.returncode}: {tail}", info=kept,
                                failure=SERVICE_FAILED if proc.returncode == INFRA_EXIT_CODE else None)
-        return AgentResult(final_answer=out.strip(), status="completed")
+        return AgentResult(final_answer=out.strip(), status="completed", info=kept)

@@ -196,6 +196,8 @@ class EpisodeRunner:
         breakdown = result.info.get("reward_breakdown")
         if breakdown:  # each reward function's own score (an environment's rubric): reward/<name> metrics
             episode.info["reward_breakdown"] = dict(breakdown)
+        if isinstance(result.info.get("stderr"), str):  # a program agent's stderr, bounded (command_agent.py)
+            episode.info["stderr"] = result.info["stderr"]
         if failure is None and not episode.samples:
             failure = (NO_TURNS, "no LLM turn was recorded for this episode")
         if failure is not None:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from rayrl.agents import agent_factory
+from rayrl.agents.command_agent import STDERR_KEEP_CHARS, stderr_tail
 from rayrl.agents.episode import EpisodeRunner
 from rayrl.config import RolloutConfig
 from rayrl.rewards import get_reward_fn
@@ -84,6 +85,15 @@ def test_a_program_says_infrastructure_with_exit_code_75(scripted):
     assert infra.failure == SERVICE_FAILED and is_infra(infra) and "exited with 75: service down" in infra.error
     crash = _run(stack, "command", command=["python", "tests/byo_agents.py", "3"])
     assert crash.failure == AGENT_CRASHED and is_scored(crash) and crash.reward == 0.0
+    assert infra.info["stderr"] == "service down" and crash.info["stderr"] == "agent bug"
+
+
+def test_a_programs_stderr_is_kept_with_every_episode_bounded(scripted):
+    """Issue 43: where a program agent's stderr goes. A success keeps it too (exit 0 after a warning)."""
+    done = _run(scripted(_script()), "command", command=["python", "tests/byo_agents.py", "0"])
+    assert done.ok and done.info["stderr"] == "agent bug"
+    long = "x" * (STDERR_KEEP_CHARS + 10) + "END"
+    assert stderr_tail(long) == "…" + long[-STDERR_KEEP_CHARS:] and stderr_tail("warn\n") == "warn"
 
 
 def test_an_async_agent_is_cancelled_at_the_deadline(scripted):
