@@ -187,6 +187,10 @@ class EngineActor:
     async def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
         await self._call("release_memory_occupation", tags)
 
+    async def wait_idle(self, timeout_s: float) -> float:
+        """Until no request is running on the server (after a pause, before a release or an update)."""
+        return await self.client.wait_idle(timeout_s)
+
     async def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
         await self._call("resume_memory_occupation", tags)
 

@@ -257,6 +257,11 @@ class EngineFleet:
     def continue_generation(self) -> None:
         self._each("continue_generation")
 
+    def wait_idle(self) -> None:
+        """Until every live engine holds no request (``engine.idle_timeout_s``; EngineError past it): after
+        a pause, before a memory release or a weight update that flushes the cache."""
+        self._each("wait_idle", self.cfg.idle_timeout_s)
+
     def release_memory_occupation(self) -> None:
         self._each("release_memory_occupation", None)
 

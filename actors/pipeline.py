@@ -253,8 +253,7 @@ class Pipeline:
         try:
             if not self.checkpoints.resume():
                 return False
-            if self.state.version > 0:
-                self.schedule.membership.push_weights(self.state.version)
+            self.schedule.weights_loaded()
         except TrainerFailure as failure:
             self.checkpoints.after_trainer_failure(failure, save=False)
             raise

@@ -6,8 +6,12 @@ actors/weight_sync.py, actors/trajectory_manager.py) and keep their contracts as
 (rayrl/pipeline/parts.py): the dispatcher completes a queued group at its next poll with episodes whose
 tokens carry the policy version of that moment, the trainer's step advances the version by one, the fleet
 reports engines going down and coming back as events. Each fake writes what it is asked to one shared
-log, so a test reads the exact order of calls across trainer, engines, weights and gateway. The whole-
-pipeline runs (tests/pipeline/test_schedules_e2e.py) check the same orders on the real parts.
+log, so a test reads the exact order of calls across trainer, engines, weights and gateway. They also keep
+the memory rules of the GPU: an offloaded trainer cannot be saved, loaded or pushed from (the CPU stand-in
+rayrl/trainers/memory_standin.py raises, a GPU reads unmapped memory); an engine that released its memory
+lost its weights until a push (SGLang 0.5.9 without ``enable_weights_cpu_backup``); an episode that
+reaches an engine without its weights fails the test. The whole-pipeline runs
+(tests/pipeline/test_schedules_e2e.py) check the same orders on the real parts.
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ def _episode(group: Group, reward: float, failure: Optional[str] = None) -> Epis
     return fail(episode, failure, "on purpose") if failure else episode
 
 
+class Unmapped(AssertionError):
+    """What the fakes raise where the GPU would read or write memory that is not there."""
+
+
 class Log(list):
     def since(self, mark: int) -> list[str]:
         return list(self[mark:])
@@ -67,6 +75,8 @@ class FakeDispatcher(GroupsInFlight):
         self.log = log
         self.state = RunState()  # the run's (make_run sets it): the policy version a group starts on
         self.outcome = outcome
+        self.engines: Optional[FakeEngines] = None  # (make_run) whose weights a group's episodes are served by
+        self.gateway: Optional[FakeGateway] = None
         self.stalled = False
         self.submitted: list[tuple[str, str, bool, int]] = []  # (group id, task id, front, reruns)
 
@@ -75,6 +85,8 @@ class FakeDispatcher(GroupsInFlight):
         self.submitted.append((group_id, task.task_id, front, reruns))
 
     def poll(self, timeout: float) -> int:
+        if self.queue and self.engines is not None and not (self.gateway and self.gateway.holding):
+            self.engines.check_serving()  # the episodes' LLM calls reach the engines now
         while self.queue:
             group = self.queue.popleft()
             STARTED_ON[group.group_id] = self.state.version
@@ -110,6 +122,11 @@ class FakeTrainer:
         self.survivors: dict[int, int] = {}
         self.during_train: Callable[[], None] = lambda: None
         self.saved_from: list[Optional[int]] = []
+        self.offloaded = False
+
+    def live_memory(self, what: str) -> None:
+        if self.offloaded:
+            raise Unmapped(f"{what} of an offloaded trainer")
 
     def _maybe_fail(self, phase: str) -> None:
         if self.fail_in == phase:
@@ -117,6 +134,7 @@ class FakeTrainer:
 
     def train(self, samples: list[Sample], advantages: Sequence[Any]) -> dict[str, Any]:
         self.log.append(f"trainer.train({len(samples)})")
+        self.live_memory("train")
         self._maybe_fail("train")
         self.during_train()
         self.version += 1
@@ -124,15 +142,19 @@ class FakeTrainer:
 
     def onload(self) -> bool:
         self.log.append("trainer.onload")
+        self.offloaded = False
         return True
 
     def offload(self) -> bool:
         self.log.append("trainer.offload")
         self._maybe_fail("offload")
+        self.offloaded = True
         return True
 
     def save_checkpoint(self, directory: str, from_rank: Optional[int] = None, store: Any = None,
                         step: int = 0) -> None:
+        self.log.append("trainer.save_checkpoint")
+        self.live_memory("save_checkpoint")
         self._maybe_fail("checkpoint")
         Path(directory).mkdir(parents=True, exist_ok=True)
         version = self.survivors.get(from_rank, self.version) if from_rank is not None else self.version
@@ -140,6 +162,8 @@ class FakeTrainer:
         self.saved_from.append(from_rank)
 
     def load_checkpoint(self, directory: str, store: Any = None, step: int = 0) -> int:
+        self.log.append("trainer.load_checkpoint")
+        self.live_memory("load_checkpoint")
         self.version = int((Path(directory) / "trainer.txt").read_text())
         return self.version
 
@@ -150,6 +174,8 @@ class FakeTrainer:
 class FakeSlot:
     def __init__(self, index: int) -> None:
         self.index, self.state, self.info = index, "live", {"url": f"http://e{index}", "node_id": "n0"}
+        self.released: set[str] = set()  # memory tags released
+        self.weights_lost = False  # released without a CPU backup, not pushed to since
 
     @property
     def url(self) -> str:
@@ -177,6 +203,8 @@ class FakeEngines:
         self.waiting: list[int] = []  # down, their replacement starts at the next poll that allows it
         self.dying: list[int] = []  # died, not yet seen
         self.polls_refusing = 0
+        self.batch_may_hold_requests = False  # after a pause, until a flush succeeds (SGLang: aborted requests
+        # leave the batch at the scheduler's next step; in_place keeps them)
 
     @property
     def urls(self) -> list[str]:
@@ -207,6 +235,7 @@ class FakeEngines:
             for index in self.waiting:
                 slot = self.slots[index]
                 slot.state, slot.info = "joining", {"url": f"http://e{index}-new", "node_id": "n1"}
+                slot.released, slot.weights_lost = set(), False  # a new server, the checkpoint's weights
                 self.events.append(FakeEvent("started", index, slot.url))
             self.waiting = []
         events, self.events = self.events, []
@@ -218,23 +247,62 @@ class FakeEngines:
 
     def pause_generation(self, mode: str) -> None:
         self.log.append(f"engines.pause_generation({mode})")
+        self.batch_may_hold_requests = True
+
+    def wait_idle(self) -> None:
+        self.log.append("engines.wait_idle")
+        self.batch_may_hold_requests = False
+
+    def needs_idle(self, what: str) -> None:
+        if self.batch_may_hold_requests:
+            raise Unmapped(f"{what} right after pause_generation: SGLang asserts no request is running")
 
     def continue_generation(self) -> None:
         self.log.append("engines.continue_generation")
 
     def release_memory_occupation(self) -> None:
         self.log.append("engines.release_memory_occupation")
+        self.needs_idle("release_memory_occupation")
+        for slot in self.slots:
+            if slot.state == "live":
+                slot.released, slot.weights_lost = set(TAGS), True
 
     def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
         self.log.append(f"engines.resume_memory_occupation({','.join(tags) if tags else 'all'})")
+        for slot in self.slots:
+            if slot.state == "live":
+                slot.released -= set(tags or TAGS)
+
+    def take_weights(self, endpoints: list[str]) -> None:
+        """A push reached ``endpoints``: they hold the trainer's weights (into memory they have); SGLang
+        flushes the cache after the update and asserts that the flush succeeded."""
+        self.needs_idle("a weight update with flush_cache")
+        for slot in self.slots:
+            if slot.url in endpoints:
+                if "weights" in slot.released:
+                    raise Unmapped(f"weights pushed to engine {slot.index} while its weights memory is released")
+                slot.weights_lost = False
+
+    def check_serving(self) -> None:
+        """Every live engine can generate: its memory is back and its weights are not lost."""
+        for slot in self.slots:
+            if slot.state == "live" and (slot.released or slot.weights_lost):
+                raise Unmapped(f"rollout on engine {slot.index} with {sorted(slot.released) or 'no'} memory "
+                               f"released{' and its weights lost' if slot.weights_lost else ''}")
+
+
+TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class FakeWeights:
-    """WeightSync's contract: push sends the version to the endpoints it is given; a failure on the
-    engines' side is WeightSyncError. ``fail_push``: that many pushes fail (``during_push`` runs first)."""
+    """WeightSync's contract: push reads the trainer's weights (live memory only) and sends the version to
+    the endpoints it is given; a failure on the engines' side is WeightSyncError. ``fail_push``: that many
+    pushes fail (``during_push`` runs first)."""
 
-    def __init__(self, log: Log) -> None:
+    def __init__(self, log: Log, trainer: FakeTrainer, engines: FakeEngines) -> None:
         self.log = log
+        self.trainer = trainer
+        self.engines = engines
         self.fail_push = 0
         self.during_push: Callable[[], None] = lambda: None
 
@@ -243,10 +311,12 @@ class FakeWeights:
 
     def push(self, version: int, endpoints: list[str]) -> dict[str, Any]:
         self.log.append(f"weights.push({version} -> {len(endpoints)})")
+        self.trainer.live_memory("weight push")
         self.during_push()
         if self.fail_push:
             self.fail_push -= 1
             raise WeightSyncError("weight update failed on purpose")
+        self.engines.take_weights(endpoints)
         return {"bytes": 1, "seconds": 0.0, "senders": len(endpoints)}
 
     def release_groups(self) -> None:
@@ -259,6 +329,7 @@ class FakeGateway:
     def __init__(self, log: Log) -> None:
         self.log = log
         self.drained = True
+        self.holding = False
         self.routed: list[list[str]] = []
 
     def set_engines(self, urls: list[str]) -> None:
@@ -267,9 +338,11 @@ class FakeGateway:
 
     def hold_llm_calls(self) -> None:
         self.log.append("gateway.hold_llm_calls")
+        self.holding = True
 
     def release_llm_calls(self) -> None:
         self.log.append("gateway.release_llm_calls")
+        self.holding = False
 
     def drain(self, timeout_s: float) -> bool:
         self.log.append("gateway.drain")
@@ -311,9 +384,13 @@ def make_run(*overrides: str, outcome: Outcome = scored_by_index, tasks: int = 3
     sampler = TaskSampler(dataset, shuffle=False)  # type: ignore[arg-type]
     dispatcher = FakeDispatcher(log, cfg.rollout.group_size, outcome)
     fleet = FakeEngines(log, engines)
-    trainer, weights, gateway = FakeTrainer(log), FakeWeights(log), FakeGateway(log)
+    trainer, gateway = FakeTrainer(log), FakeGateway(log)
+    weights = FakeWeights(log, trainer, fleet)
     parts = RunParts(cfg, RunState(), sampler, dispatcher, trainer, fleet, weights, gateway)
-    dispatcher.state = parts.state
+    dispatcher.state, dispatcher.engines, dispatcher.gateway = parts.state, fleet, gateway
+    if cfg.pipeline.schedule == "colocated_async":  # actors/pipeline.py: while the trainer is built
+        fleet.release_memory_occupation()
+        log.clear()
     return Run(log, parts, dispatcher, trainer, fleet, weights, gateway, make_schedule(parts))
 
 
@@ -339,7 +416,8 @@ def test_async_updates_the_engines_with_nothing_generating_and_calls_held_at_the
         run.step()
         assert run.log.since(mark) == [
             "trainer.train(4)", "gateway.hold_llm_calls", "engines.pause_generation(abort)",
-            f"weights.push({step} -> 2)", "engines.continue_generation", "gateway.release_llm_calls"]
+            "engines.wait_idle", f"weights.push({step} -> 2)", "engines.continue_generation",
+            "gateway.release_llm_calls"]
     assert run.dispatcher.groups_in_flight >= 2  # rollout ran ahead while the trainer trained
 
 
@@ -361,13 +439,15 @@ def test_colocated_async_follows_the_gpu_order(partial_rollout, drained, mode):
     run = make_run("pipeline.schedule=colocated_async", "pipeline.max_staleness=1",
                    f"pipeline.partial_rollout={str(partial_rollout).lower()}")
     run.gateway.drained = drained
-    # built: the trainer's broadcast group and memory go before the engines take the devices back
-    assert run.log == ["weights.release_groups", "trainer.offload", "engines.resume_memory_occupation(all)"]
+    # built: the engines take the devices back as after a step, the trainer's weights pushed first
+    assert run.log == ["engines.resume_memory_occupation(weights)", "weights.push(0 -> 2)", "weights.release_groups",
+                       "trainer.offload", "engines.resume_memory_occupation(kv_cache,cuda_graph)"]
     for step in (1, 2):
         mark = len(run.log)
         _, train = run.step()
         give = ["gateway.hold_llm_calls", *([] if partial_rollout else ["gateway.drain"]),
-                f"engines.pause_generation({mode})", "engines.release_memory_occupation", "trainer.onload"]
+                f"engines.pause_generation({mode})", "engines.wait_idle", "engines.release_memory_occupation",
+                "trainer.onload"]
         back = ["engines.resume_memory_occupation(weights)", f"weights.push({step} -> 2)",
                 "weights.release_groups", "trainer.offload",
                 "engines.resume_memory_occupation(kv_cache,cuda_graph)",
@@ -376,6 +456,62 @@ def test_colocated_async_follows_the_gpu_order(partial_rollout, drained, mode):
         assert {"time/engine_pause_s", "time/weight_sync_s", "gateway/queue_depth"} <= set(train)
     assert run.state.failures["drain_timeouts"] == (0 if drained or partial_rollout else 2)
     assert not run.schedule.devices_with_trainer
+
+
+def test_colocated_async_engines_serve_the_trainers_weights_from_the_first_rollout():
+    """Issue 41 B: the engines released their memory while the trainer was built; SGLang resumes the
+    weights region without its contents (no CPU backup by default), so the trainer's weights are pushed
+    before any episode reaches an engine (the fake dispatcher fails a rollout on lost weights)."""
+    run = make_run("pipeline.schedule=colocated_async", "pipeline.max_staleness=1")
+    log = run.log
+    assert log.index("weights.push(0 -> 2)") < log.index("engines.resume_memory_occupation(kv_cache,cuda_graph)")
+    assert not any(s.released or s.weights_lost for s in run.engines.slots) and run.trainer.offloaded
+    groups, train = run.step()
+    assert groups and train["train/policy_version"] == 1
+
+
+def test_colocated_async_saves_and_loads_checkpoints_with_the_trainer_onloaded(tmp_path):
+    """Issue 41 C and D: outside its train phase the colocated trainer is offloaded; a checkpoint save
+    (every step, and at the end) and a resume's load take the devices for it and give them back with the
+    trainer's weights pushed (a load changed them); nothing reads the trainer while it is offloaded."""
+    overrides = ("pipeline.schedule=colocated_async", "pipeline.max_staleness=1")
+    run = make_run(*overrides)
+    checkpoints = make_checkpoints(run, tmp_path)
+    run_steps(run, checkpoints, 1, save_every=10)
+    mark = len(run.log)
+    checkpoints.save(announce=False)
+    assert run.log.since(mark) == [
+        "gateway.hold_llm_calls", "gateway.drain", "engines.pause_generation(in_place)", "engines.wait_idle",
+        "engines.release_memory_occupation", "trainer.onload", "trainer.save_checkpoint",
+        "engines.resume_memory_occupation(weights)", "weights.push(1 -> 2)", "weights.release_groups",
+        "trainer.offload", "engines.resume_memory_occupation(kv_cache,cuda_graph)",
+        "engines.continue_generation", "gateway.release_llm_calls"]
+    resumed = make_run(*overrides)
+    resumed_checkpoints = make_checkpoints(resumed, tmp_path)
+    mark = len(resumed.log)
+    assert resumed_checkpoints.resume()
+    resumed.schedule.weights_loaded()  # what Pipeline.resume calls next
+    steps = resumed.log.since(mark)
+    assert steps.index("trainer.onload") < steps.index("trainer.load_checkpoint") < steps.index("weights.push(1 -> 2)")
+    assert steps.count("weights.push(1 -> 2)") == 1 and resumed.trainer.offloaded
+    assert (resumed.state.version, resumed.trainer.version) == (1, 1)
+    _, train = resumed.step()
+    assert train["train/policy_version"] == 2
+
+
+def test_colocated_async_a_replacement_engine_gets_weights_from_the_onloaded_trainer():
+    """Issue 41 E: an engine that joins between steps needs the current weights, which only the trainer's
+    live memory holds: the devices go to the trainer and back, every engine (the new one too) pushed to."""
+    run = make_run("pipeline.schedule=colocated_async", "pipeline.max_staleness=1")
+    run.step()
+    run.engines.down(1)
+    mark = len(run.log)
+    run.schedule.tick()
+    steps = run.log.since(mark)
+    assert steps.index("trainer.onload") < steps.index("weights.push(1 -> 2)") < steps.index("trainer.offload")
+    assert steps[-2:] == ["fleet.mark_live(1)", "gateway.set_engines(http://e0 http://e1-new)"]
+    assert run.trainer.offloaded and not run.schedule.devices_with_trainer
+    run.step()
 
 
 # -- the rerun and drop rules ------------------------------------------------------------------------
@@ -465,7 +601,7 @@ def test_an_engine_that_dies_leaves_the_routers_and_returns_only_with_the_curren
     assert run.state.failures["engine_restarts"] == 1
     assert run.log.since(mark) == [
         "gateway.set_engines(http://e0)",
-        "gateway.hold_llm_calls", "engines.pause_generation(abort)", "weights.push(1 -> 2)",
+        "gateway.hold_llm_calls", "engines.pause_generation(abort)", "engines.wait_idle", "weights.push(1 -> 2)",
         "engines.continue_generation", "gateway.release_llm_calls",
         "fleet.mark_live(1)", "gateway.set_engines(http://e0 http://e1-new)"]
     mark = len(run.log)

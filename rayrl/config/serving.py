@@ -88,13 +88,15 @@ class EngineConfig:
     host: str = "127.0.0.1"  # bind address of the engine servers
     startup_timeout_s: float = 300.0  # how long to wait for /health after launch
     request_timeout_s: float = 600.0  # client-side limit for one /generate
+    idle_timeout_s: float = 60.0  # after a pause, how long each engine may take to hold no request (polled with
+    # /flush_cache, as slime does) before a memory release or a weight update; past it the run stops with an error
     tp_size: int = 1  # tensor-parallel ranks per engine (GPUs per SGLang engine)
     extra_args: list[str] = field(default_factory=list)  # passed verbatim to the engine launcher
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # options only the SGLang backend reads
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # options only the vllm backends read
 
     def __post_init__(self) -> None:
-        positive(self, "engine.", "num_engines", "max_batch_size", "context_length")
+        positive(self, "engine.", "num_engines", "max_batch_size", "context_length", "idle_timeout_s")
         non_negative(self, "engine.", "num_threads", "prefix_cache_mb", "max_logprob_gap")
         at_least_one(self, "engine.", "tp_size")
         if not math.isfinite(self.max_logprob_gap):

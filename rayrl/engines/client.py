@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
@@ -374,6 +375,27 @@ class EngineClient:
 
     async def flush_cache(self) -> str:
         return await self._request("POST", "/flush_cache", expect_json=False)
+
+    async def wait_idle(self, timeout_s: float, poll_s: float = 0.2) -> float:
+        """Return once the engine holds no request (``/flush_cache`` answers 200: SGLang 0.5.9 flushes only
+        then, and asserts the same before releasing memory or after an update that flushes); the seconds
+        waited. Aborted requests leave SGLang's batch only at its next scheduler step, so a release right
+        after ``/pause_generation`` can find them (slime polls ``/flush_cache`` the same way). Raises
+        EngineError after ``timeout_s`` (``engine.idle_timeout_s``)."""
+        started = time.monotonic()
+        while True:
+            try:
+                await self._request("POST", "/flush_cache", timeout_s=max(timeout_s, 5.0), expect_json=False)
+                return time.monotonic() - started
+            except EngineError as err:
+                if err.status != 400:
+                    raise
+                if time.monotonic() - started >= timeout_s:
+                    raise EngineError(400, f"requests still running or waiting {timeout_s:.0f} s after the pause "
+                                      "(/flush_cache refused until then; engine.idle_timeout_s): releasing its "
+                                      "memory or flushing its cache now would kill an SGLang scheduler",
+                                      self.base_url) from None
+            await asyncio.sleep(poll_s)
 
     async def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
         await self._request(

@@ -66,6 +66,10 @@ from rayrl.engines.sampling import BatchSampler, SamplingParams
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "in_place", "retract")
+
+
+class EngineBusy(ValueError):
+    """A call that needs an idle engine (memory release) came with requests running or waiting."""
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 _RUNNING: "weakref.WeakSet[CPUEngine]" = weakref.WeakSet()
@@ -294,8 +298,17 @@ class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin):
     def paused(self) -> bool:
         return self._paused
 
+    def idle(self) -> bool:
+        """No request is running or waiting (SGLang's ``_is_no_request``, which its release and flush need;
+        a pause ``in_place`` or ``retract`` keeps requests, so the engine is not idle then)."""
+        with self._lock:
+            return not self._active
+
     def flush_cache(self) -> bool:
-        """Empty the prefix cache (between decode steps). Always succeeds."""
+        """Empty the prefix cache (between decode steps); False, with nothing done, while a request is
+        running or waiting, as SGLang 0.5.9's ``flush_cache`` (callers poll it until the engine is idle)."""
+        if not self.idle():
+            return False
         self._call_in_loop(self._flush_prefix_cache)
         return True
 
@@ -307,9 +320,14 @@ class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin):
         """Records the state (on GPU this frees weights/KV memory for the trainer); releasing
         ``kv_cache`` also empties the prefix cache, as it does in SGLang."""
         tags = self._check_tags(tags)
+        if not self.idle():  # SGLang 0.5.9 asserts this in its scheduler, which then dies
+            stats = self.stats()
+            raise EngineBusy(f"release_memory_occupation should be called only when no ongoing request: "
+                             f"{stats['running']} running, {stats['waiting']} waiting (wait until /flush_cache "
+                             "succeeds first)")
         self._released.update(tags)
         if "kv_cache" in tags:
-            self.flush_cache()
+            self._call_in_loop(self._flush_prefix_cache)
 
     def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
         """CPU no-op counterpart of :meth:`release_memory_occupation` (weights stay valid on CPU)."""

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 from aiohttp import web
 
 from rayrl import __version__
-from rayrl.engines.cpu_engine import PAUSE_MODES, CPUEngine, GenerationResult, RequestHandle
+from rayrl.engines.cpu_engine import PAUSE_MODES, CPUEngine, EngineBusy, GenerationResult, RequestHandle
 from rayrl.engines.generate_request import GenerateBatch, GenerateItem, parse_generate
 from rayrl.engines.http_input import (
     OFF_LOOP_BYTES,
@@ -397,7 +397,11 @@ class EngineServer(WeightEndpoints):
     async def release_memory(self, request: web.Request) -> web.Response:
         body = await read_json(request, allow_empty=True)
         # releasing the KV cache empties the prefix cache on the engine thread: wait off the event loop
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.release_memory_occupation, body.get("tags"))
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.release_memory_occupation,
+                                                             body.get("tags"))
+        except EngineBusy as err:
+            raise RequestError(str(err)) from None
         return web.json_response(None)
 
     async def resume_memory(self, request: web.Request) -> web.Response:
@@ -430,8 +434,9 @@ class EngineServer(WeightEndpoints):
         return web.Response(status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.flush_cache)
-        return web.Response(
+        flushed = await asyncio.get_running_loop().run_in_executor(None, self.engine.flush_cache)
+        return web.Response(  # SGLang 0.5.9's answer: 400 while requests are running or waiting
+            status=200 if flushed else 400,
             text="Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)\n"
         )

@@ -69,7 +69,8 @@ class RunCheckpoints:
         state, after a rank failure); returns where it lives."""
         step = self.state.step
         directory = self.store.staging_dir(step).resolve()
-        self.trainer.save_checkpoint(str(directory), from_rank=from_rank, store=self.store, step=step)
+        self.schedule.with_trainer_memory(  # colocated: the trainer is offloaded outside its train phase
+            lambda: self.trainer.save_checkpoint(str(directory), from_rank=from_rank, store=self.store, step=step))
         state = {"step": step, "policy_version": self.state.version,
                  "sampler": self.sampler.state_dict(), "schedule": self.schedule_state()}
         where = self.store.commit(step, state, upload_staged=False)  # the ranks' nodes uploaded their files
@@ -98,15 +99,19 @@ class RunCheckpoints:
 
     def resume(self) -> bool:
         """Load the newest complete checkpoint and queue its untrained groups (fresh episodes: those in
-        flight were lost, or, on a live pipeline, are dropped). The caller pushes the loaded weights to the
-        engines."""
+        flight were lost, or, on a live pipeline, are dropped). The trainer loads where its memory is live
+        (the schedule's ``with_trainer_memory``); the caller has the schedule push the loaded weights to the
+        engines (``weights_loaded``)."""
         step = self.store.latest()
         if step is None:
             print(f"[rayrl] no checkpoint at {self.store.location}; starting fresh", flush=True)
             return False
         saved = self.store.read_state(step)
-        self.state.version = self.trainer.load_checkpoint(str(self.store.restore_dir(step).resolve()),
-                                                          store=self.store, step=step)
+        def load() -> None:
+            self.state.version = self.trainer.load_checkpoint(str(self.store.restore_dir(step).resolve()),
+                                                              store=self.store, step=step)
+
+        self.schedule.with_trainer_memory(load)
         self.state.step = int(saved["step"])
         self.sampler.load_state_dict(saved["sampler"])
         schedule = saved.get("schedule") or {}

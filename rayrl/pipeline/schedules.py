@@ -28,16 +28,23 @@ picks the class once from ``pipeline.schedule`` and then only calls :meth:`Sched
     3. one trainer step while the episodes go on (engines keep generating; new groups start);
     4. new weights to the engines with nothing generating: the gateway holds new LLM calls, the engines
        ``pause_generation(abort)`` (running generations return; the gateway continues each from its
-       tokens so far once generation continues), the update, ``continue_generation``. SGLang takes an
+       tokens so far once generation continues), the engines polled until idle (``/flush_cache``
+       succeeds: an aborted request leaves SGLang's batch only at its scheduler's next step, and an update
+       that flushes the cache asserts that none is left), the update, ``continue_generation``. SGLang takes an
        update's writer lock only between generations and reports no per-token versions (0.5.9), so an
        update under traffic would wait for running generations and let requests admitted between two
        buckets run on half-updated weights; this way each part of a generation has one version, recorded
        per token by the gateway, and the loss corrects with truncated importance sampling.
 
 ``colocated_async`` (engines and trainer share devices)
+    0. at setup the engines have released their memory (actors/pipeline.py, while the trainer was built)
+       and take the devices back as in 4., the trainer's initial weights pushed first: SGLang 0.5.9 keeps
+       no CPU copy of released weights (``enable_weights_cpu_backup`` is off by default), so resumed
+       weights are garbage until a push (slime pushes right after loading too);
     1.-2. as in async;
     3. hand the devices to the trainer: the gateway holds new LLM calls; in-flight generations finish
-       (or, with ``partial_rollout``, are aborted and later continued); engines ``pause_generation`` and
+       (or, with ``partial_rollout``, are aborted and later continued); engines ``pause_generation``, are
+       polled until idle (SGLang asserts that no request runs on release) and
        ``release_memory_occupation``; ``trainer.onload()``; train while episodes keep doing their tool
        and sandbox work;
     4. engines ``resume_memory_occupation(weights)``; the weight update, read from the trainer's live
@@ -47,6 +54,9 @@ picks the class once from ``pipeline.schedule`` and then only calls :meth:`Sched
        ``continue_generation``; the gateway lets the held calls go on the new weights. The push comes
        before the offload because offload unmaps the trainer's memory (torch_memory_saver): an export
        after it reads unmapped memory (slime pushes from a host copy instead; docs/gpu.md compares).
+    Anything else that reads or writes the trainer (a checkpoint save, a resume's load, the weights for
+    a replacement engine) runs outside the train phase through :meth:`Schedule.with_trainer_memory`:
+    3. without training, then 4. (the engines lost their weights at the release, so they are pushed).
 
 While any schedule waits, :meth:`Schedule.tick` keeps the dispatch going and lets the engine membership
 (rayrl/pipeline/membership.py) tend the engines: an engine that died is taken out of the routers and
@@ -272,6 +282,16 @@ class Schedule:
         """The new weights to every engine (sync: nothing is generating now)."""
         self.membership.push_weights(self.state.version)
 
+    def with_trainer_memory(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (a checkpoint save or load) where the trainer's memory is live (sync, async: always)."""
+        return fn()
+
+    def weights_loaded(self) -> None:
+        """A checkpoint was loaded into the trainer (resume): its weights to the engines, nothing generating
+        yet."""
+        if self.state.version > 0:
+            self.membership.push_weights(self.state.version)
+
     def train_on(self, batch: Batch) -> dict[str, Any]:
         """The trainer step; advances the policy version; ``train/*`` and ``time/train_s``."""
         started = time.monotonic()
@@ -326,6 +346,7 @@ class AsyncSchedule(Schedule):
         parts.gateway.hold_llm_calls()
         try:
             parts.engines.pause_generation("abort")
+            parts.engines.wait_idle()  # aborted requests leave the batch at the next scheduler step
             self.membership.push_weights(self.state.version)
             parts.engines.continue_generation()
         finally:
@@ -339,10 +360,11 @@ class ColocatedAsyncSchedule(AsyncSchedule):
 
     def __init__(self, parts: RunParts) -> None:
         super().__init__(parts)
-        self.devices_with_trainer = False
-        parts.weights.release_groups()  # a broadcast group goes before the trainer's own (its offload)
-        parts.trainer.offload()  # the engines hold the devices outside the train phase;
-        parts.engines.resume_memory_occupation()  # they gave them up while the trainer was built (pipeline.py)
+        # the engines released their memory while the trainer was built (actors/pipeline.py): the devices are
+        # the trainer's; the engines take them back with the trainer's weights pushed first, as after every
+        # step (SGLang resumes released weights without their contents unless enable_weights_cpu_backup)
+        self.devices_with_trainer = True
+        self.engines_take_devices()
 
     def engines_may_join(self) -> bool:
         return not self.devices_with_trainer  # a new engine's memory would collide with the trainer's
@@ -352,24 +374,37 @@ class ColocatedAsyncSchedule(AsyncSchedule):
         started = time.monotonic()
         self.give_devices_to_trainer()
         pause_s = time.monotonic() - started
-        parts.trainer.onload()
         metrics = self.train_on(batch)
         started = time.monotonic()
         metrics["gateway/queue_depth"] = parts.gateway.queue_depth()
-        parts.engines.resume_memory_occupation(["weights"])
-        self.membership.push_weights(self.state.version)  # from live memory: offload unmaps it (module docstring)
-        parts.weights.release_groups()  # NCCL groups hold GPU memory: the broadcast group's, then (offload)
-        parts.trainer.offload()  # the trainer's own go with its memory
-        parts.engines.resume_memory_occupation(["kv_cache", "cuda_graph"])
-        parts.engines.continue_generation()
-        parts.gateway.release_llm_calls()
-        self.devices_with_trainer = False
+        self.give_devices_to_engines()
         metrics["time/weight_sync_s"] = time.monotonic() - started
         metrics["time/engine_pause_s"] = pause_s
         return metrics
 
+    def update_engines(self) -> None:
+        """A replacement engine joins after a step: the weights are read from the trainer's live memory, so
+        the devices go to the trainer and back, and every engine is sent the current version."""
+        self.with_trainer_memory(lambda: None)
+
+    def with_trainer_memory(self, fn: Callable[[], Any]) -> Any:
+        """``fn`` (a checkpoint save or load) with the trainer's memory live: outside the train phase the
+        trainer is offloaded, so the devices go to it first and come back with the weights it then holds
+        pushed (a load changes them; the engines lost theirs when they released their memory)."""
+        if self.devices_with_trainer:
+            return fn()
+        self.give_devices_to_trainer()
+        try:
+            return fn()
+        finally:
+            self.give_devices_to_engines()
+
+    def weights_loaded(self) -> None:
+        """A resume loaded the trainer inside :meth:`with_trainer_memory`, which pushed its weights."""
+
     def give_devices_to_trainer(self) -> None:
-        """Hold LLM calls at the gateway, stop (or finish) generation, free the engines' memory."""
+        """Hold LLM calls at the gateway, stop (or finish) generation, free the engines' memory, onload the
+        trainer."""
         parts, pipeline = self.parts, self.cfg.pipeline
         self.devices_with_trainer = True
         parts.gateway.hold_llm_calls()
@@ -382,7 +417,27 @@ class ColocatedAsyncSchedule(AsyncSchedule):
                 self.state.failures["drain_timeouts"] += 1
                 mode = "abort"
         parts.engines.pause_generation(mode)
+        parts.engines.wait_idle()  # SGLang asserts no request is running on release
         parts.engines.release_memory_occupation()
+        parts.trainer.onload()
+
+    def give_devices_to_engines(self) -> None:
+        """The engines take the devices back with the trainer's weights (step 4 of the module docstring),
+        then generation continues and the gateway lets the held calls go."""
+        self.engines_take_devices()
+        self.parts.engines.continue_generation()
+        self.parts.gateway.release_llm_calls()
+
+    def engines_take_devices(self) -> None:
+        """Engines' weights memory back, the trainer's weights pushed from its live memory (offload unmaps
+        it), its broadcast group and memory released, the engines' KV cache and CUDA graphs back."""
+        parts = self.parts
+        parts.engines.resume_memory_occupation(["weights"])
+        self.membership.push_weights(self.state.version)
+        parts.weights.release_groups()  # NCCL groups hold GPU memory: the broadcast group's, then (offload)
+        parts.trainer.offload()  # the trainer's own go with its memory
+        parts.engines.resume_memory_occupation(["kv_cache", "cuda_graph"])
+        self.devices_with_trainer = False
 
 
 SCHEDULES: dict[str, type[Schedule]] = {s.name: s for s in (Schedule, AsyncSchedule, ColocatedAsyncSchedule)}

@@ -138,7 +138,7 @@ class TorchTrainer:
         if memory is None and cfg.memory_saver_standin and self.device.type == "cpu":
             from rayrl.trainers.memory_standin import UnmappedStandIn
 
-            memory = UnmappedStandIn(lambda: self.model)
+            memory = UnmappedStandIn(lambda: (self.model, self.reference), lambda: self.optimizer)
         self.memory = memory if memory is not None else MemorySaver(cfg.memory_saver, device=self.device)
         with self.memory.region():  # parameters (and buffers) land on the device inside the region
             model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[cfg.dtype])

@@ -513,3 +513,47 @@ def test_fuzzed_generate_bodies_never_5xx(server):
 
     check()
     assert server.engine.alive() and server.engine.stats()["last_error"] is None
+
+
+def test_release_and_flush_wait_for_an_idle_engine(tiny_model):
+    """Issue 41 F: as SGLang 0.5.9, an engine holding a request refuses a memory release (SGLang's scheduler
+    asserts and dies) and a cache flush (400): a pause ``in_place`` keeps the request in the batch, so
+    ``wait_idle`` (polling /flush_cache, as slime does) times out with a clear error; after an ``abort``
+    pause it returns, and the release goes through."""
+    from _engine_kit import ServerThread
+
+    from rayrl.engines.cpu_engine import CPUEngine
+
+    engine = CPUEngine(tiny_model, dtype="float32", max_batch_size=8, weight_version="0").start()
+    st = ServerThread(engine)
+    client = EngineClient(st.url)
+
+    async def run():
+        long = asyncio.ensure_future(client.generate([1, 2, 3], {**GREEDY, "max_new_tokens": 4000}))
+        while engine.stats()["running"] == 0:
+            await asyncio.sleep(0.01)
+        await client.pause_generation("in_place")
+        status, body, _ = await post(st.url, "/release_memory_occupation", {"tags": None})
+        assert status == 400 and "no ongoing request" in body["message"] and "1 running" in body["message"]
+        with pytest.raises(EngineError) as refused:
+            await client.flush_cache()
+        assert refused.value.status == 400
+        with pytest.raises(EngineError, match="still running or waiting 0 s after the pause"):
+            await client.wait_idle(0.3, poll_s=0.05)
+        await client.pause_generation("abort")
+        assert await client.wait_idle(10.0, poll_s=0.05) >= 0
+        await client.release_memory_occupation()
+        await client.resume_memory_occupation()
+        await client.continue_generation()
+        out = await long
+        assert len(out.output_ids) < 4000  # aborted at the pause
+        return engine.stats()["released_memory"]
+
+    try:
+        assert call(run()) == []
+        calls = st.server.control_calls
+        assert [c for c in calls if c in ("flush_cache", "release_memory_occupation")][-2:] == [
+            "flush_cache", "release_memory_occupation"]
+    finally:
+        st.close()
+        engine.shutdown()

@@ -99,7 +99,9 @@ def _async_two_steps(tiny_model_dir, tmp_path, ray_local):
         # requests in between buckets run on half-updated weights (main pushed under traffic)
         logged = ray.get(pipeline.engines.slots[0].actor.control_log.remote())
         calls = [c for i, c in enumerate(logged) if i == 0 or c != logged[i - 1]]  # one entry per bucket run
-        assert calls == ["pause_generation", "update_weights_from_tensor", "continue_generation"] * 2, calls
+        # after the pause, /flush_cache until it succeeds: no request left in the batch (issue 41 F)
+        phase = ["pause_generation", "flush_cache", "update_weights_from_tensor", "continue_generation"]
+        assert calls == phase * 2, calls
         assert history[1]["pipeline/dropped_stale_groups"] >= 1  # counted
         assert all(h["pipeline/staleness_max"] == 0 for h in history)  # nothing older was trained
         assert all(h["pipeline/stale_token_fraction"] == 0 for h in history)
@@ -166,13 +168,16 @@ def test_colocated_async_two_steps_pauses_engines_in_order(ray_local, tiny_model
         # the engine's own record of state-changing calls (weights come straight from the trainer rank)
         logged = ray.get(pipeline.engines.slots[0].actor.control_log.remote())
         calls = [c for i, c in enumerate(logged) if i == 0 or c != logged[i - 1]]  # one entry per bucket run
-        # the engines give their memory to the trainer while it is built, and get it back once it is offloaded
-        start = ["release_memory_occupation", "resume_memory_occupation"]
-        # each step: the weights come back first and are pushed from the trainer's live memory before it is
-        # offloaded, then the KV cache (the stand-in makes offloaded weights unreadable: the old order failed)
-        phase = ["pause_generation", "release_memory_occupation", "resume_memory_occupation",
+        # the engines give their memory to the trainer while it is built, and get it back once it is offloaded,
+        # the trainer's weights pushed first (SGLang resumes released weights without their contents: issue 41 B)
+        start = ["release_memory_occupation", "resume_memory_occupation", "update_weights_from_tensor",
+                 "resume_memory_occupation"]
+        # each step: idle (flush_cache succeeded) before the release; the weights come back first and are pushed
+        # from the trainer's live memory before it is offloaded, then the KV cache (the stand-in makes offloaded
+        # memory unusable: the old order failed); the checkpoint at the end takes the devices the same way (C)
+        phase = ["pause_generation", "flush_cache", "release_memory_occupation", "resume_memory_occupation",
                  "update_weights_from_tensor", "resume_memory_occupation", "continue_generation"]
-        assert calls == start + phase * 2, calls
+        assert calls == start + phase * 3, calls
         _assert_sglang_contract_kept(pipeline.engine_urls)
         assert all(h["pipeline/staleness_max"] <= 1 for h in history)
         # episodes kept doing sandbox work during training; their LLM calls waited at the gateway
@@ -203,12 +208,12 @@ def test_colocated_async_releases_the_broadcast_group_before_the_trainer_lends_i
         logged = ray.get(pipeline.engines.slots[0].actor.control_log.remote())
         calls = [c for i, c in enumerate(logged) if i == 0 or c != logged[i - 1]]
         # the group formed when the weight path connects at start goes too, before the trainer's first offload
-        start = ["release_memory_occupation", "init_weights_update_group", "destroy_weights_update_group",
-                 "resume_memory_occupation"]
-        phase = ["pause_generation", "release_memory_occupation", "resume_memory_occupation",
+        start = ["release_memory_occupation", "init_weights_update_group", "resume_memory_occupation",
+                 "update_weights_from_distributed", "destroy_weights_update_group", "resume_memory_occupation"]
+        phase = ["pause_generation", "flush_cache", "release_memory_occupation", "resume_memory_occupation",
                  "init_weights_update_group", "update_weights_from_distributed", "destroy_weights_update_group",
                  "resume_memory_occupation", "continue_generation"]
-        assert calls == start + phase * 2, calls
+        assert calls == start + phase * 3, calls  # two steps, then the checkpoint at the end
         _assert_sglang_contract_kept(pipeline.engine_urls)
     finally:
         pipeline.shutdown()
