@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +187,26 @@ def test_megatron_state_is_made_by_megatrons_own_init_state_fn():
     assert all(set(adamw.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in dense.parameters())
     assert all(set(fused_like.state[p]) == {"exp_avg", "exp_avg_sq"} for p in expert.parameters())
     assert init_optimizer_state(chained) == 8 and len(calls) == 2  # Megatron's fn skips what has state
+
+
+def test_preload_env_gives_torch_memory_saver_exactly_its_own_library(monkeypatch, caplog):
+    """Issue 41 G: torch_memory_saver 0.0.9 hands the whole ``LD_PRELOAD`` string to ``ctypes.CDLL``
+    (hooks/mode_preload.py, binary_wrapper.py), so a preload set before ours (jemalloc, a profiler) made
+    the trainer ranks fail at their first region. The library's own code reads the environment we make."""
+    import logging
+
+    from torch_memory_saver.hooks.mode_preload import HookUtilModePreload
+
+    from rayrl.trainers.memory_saver import preload_env
+
+    other = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+    monkeypatch.setenv("LD_PRELOAD", other)
+    with caplog.at_level(logging.WARNING, logger="rayrl.trainers.memory_saver"):
+        env = preload_env(True)
+    monkeypatch.setenv("LD_PRELOAD", env["LD_PRELOAD"])
+    handed_to_cdll = HookUtilModePreload().get_path_binary()
+    assert Path(handed_to_cdll).is_file(), handed_to_cdll
+    assert Path(handed_to_cdll).name.startswith("torch_memory_saver_hook_mode_preload")
+    assert other in caplog.text  # what the ranks go without is said
+    monkeypatch.delenv("LD_PRELOAD")
+    assert Path(preload_env(True)["LD_PRELOAD"]).is_file() and preload_env(False) == {}

@@ -388,10 +388,12 @@ def init_optimizer_state(optimizer: Any) -> int:
 
 
 def preload_env(enabled: bool) -> dict[str, str]:
-    """Environment a GPU trainer process must be started with for the saver: torch_memory_saver's preload
-    hook in ``LD_PRELOAD`` (the build for the installed torch's CUDA major), prepended to any preload already
-    set. Empty when the saver is off or the library is not installed here (the process then uses "torch"
-    mode, with its exit status problem above, and a warning says so)."""
+    """Environment a GPU trainer process must be started with for the saver: ``LD_PRELOAD`` set to
+    torch_memory_saver's preload hook alone (the build for the installed torch's CUDA major). torch_memory_saver
+    0.0.9 hands the whole ``LD_PRELOAD`` string to ``ctypes.CDLL`` (its hooks/mode_preload.py), so a preload
+    already set (jemalloc, a profiler) cannot be kept: the ranks go without it, and a warning names it. Empty
+    when the saver is off or the library is not installed here (the process then uses "torch" mode, with its
+    exit status problem above, and a warning says so)."""
     if not enabled:
         return {}
     try:
@@ -401,5 +403,9 @@ def preload_env(enabled: bool) -> dict[str, str]:
                        "they use its torch hook mode, whose processes exit 1 at teardown")
         return {}
     hook = str(get_binary_path_from_package("torch_memory_saver_hook_mode_preload"))
-    current = os.environ.get("LD_PRELOAD", "")
-    return {"LD_PRELOAD": f"{hook}:{current}" if current else hook}
+    others = [p for p in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p and p != hook]
+    if others:
+        logger.warning("memory saver: the trainer ranks start with LD_PRELOAD=%s alone, without %s: "
+                       "torch_memory_saver 0.0.9 loads the whole LD_PRELOAD value as one library", hook,
+                       ":".join(others))
+    return {"LD_PRELOAD": hook}
