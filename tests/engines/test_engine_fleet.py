@@ -82,11 +82,12 @@ def test_fleet_starts_controls_and_replaces_engines(ray_local, tiny_model, tmp_p
         assert all(_generate(u) == "0" for u in fleet.urls)  # every engine serves
 
         fleet.pause_generation("in_place")
+        fleet.wait_idle()  # /flush_cache until it succeeds (nothing is running: at once)
         fleet.release_memory_occupation()
         fleet.resume_memory_occupation()
         fleet.continue_generation()
         logs = ray.get([s.actor.control_log.remote() for s in fleet.slots])
-        assert logs == [["pause_generation", "release_memory_occupation", "resume_memory_occupation",
+        assert logs == [["pause_generation", "flush_cache", "release_memory_occupation", "resume_memory_occupation",
                          "continue_generation"]] * 2
 
         # the actor killed: its server goes with it, and a new engine starts in the same seat
