@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from actors.runtime import init_ray
     from actors.trainer import TrainerFailure
     from rayrl.checkpoint import CheckpointError
+    from rayrl.rl.guards import GuardStop
 
     context = init_ray(cfg.ray)
     if context.dashboard_url:
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     except (WeightSyncError, CheckpointError) as err:
         print(f"[rayrl] stopped: {err}", file=sys.stderr)
         return 3
+    except GuardStop:  # the pipeline printed the guard's line, the checkpoint and how to resume
+        return 4
     finally:
         if pipeline is not None:
             pipeline.shutdown()

@@ -62,6 +62,7 @@ from rayrl.rl.batch import Batch, build_batch
 from rayrl.rl.distill import TeacherScorer, distill_batch
 from rayrl.rl.failure_log import FailureLog
 from rayrl.rl.failures import failure_kind
+from rayrl.rl.guards import GuardStop, StepView, check_guards, write_crossings
 from rayrl.rl.logprob_gap import gap_crossed
 from rayrl.rl.step_metrics import EngineWork, gateway_metrics, step_metrics
 
@@ -157,6 +158,12 @@ class Pipeline:
         except TrainerFailure as failure:
             self.checkpoints.after_trainer_failure(failure)
             raise
+        except GuardStop as stop:  # the step trained and logged; keep it, then say how to go on
+            where = self.save_checkpoint()
+            print(f"[rayrl] run stopped by guard {stop.crossing.guard} (guards.{stop.crossing.guard}: stop). "
+                  f"Checkpoint: {where}. Resume with: python driver.py --config {self.run_dir / 'config.yaml'} "
+                  f"--resume (add guards.{stop.crossing.guard}=warn to go on past it)", flush=True)
+            raise
         if self.failure_counts:
             print(f"[rayrl] failed episodes by cause: {dict(self.failure_counts)}", flush=True)
         print(f"[rayrl] metrics: {self.metrics.jsonl_path}  reward curve: {self.run_dir / 'reward_curve.png'}",
@@ -202,10 +209,19 @@ class Pipeline:
             run_episodes=self._episodes_total,
             run_s=time.monotonic() - self._started_at,
         )
+        guards = check_guards(StepView(drawn, cfg.rollout.max_turns), cfg.guards, state.step,
+                              str(self.run_dir / "episodes" / f"step{state.step:06d}.jsonl"))
+        metrics.update(guards.metrics)
         self.metrics.log(state.step, metrics)
         print(summary_line(state.step, cfg.trainer.steps, metrics)
               + f" | episodes {len(drawn)} | staleness {metrics['pipeline/staleness_mean']:.2f}"
-              + f" | dropped {counts['dropped_stale_groups']}", flush=True)
+              + f" | dropped {counts['dropped_stale_groups']}"
+              + (f" | {guards.summary()}" if guards.crossings else ""), flush=True)
+        for crossing in guards.crossings:
+            print(crossing.line(), flush=True)
+        write_crossings(self.run_dir, guards.crossings)
+        if guards.stop is not None:
+            raise GuardStop(guards.stop)
         return metrics
 
     @property

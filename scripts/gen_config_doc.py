@@ -14,7 +14,7 @@ from rayrl import config as C
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION_MODULES = ("schema.py", "data_sources.py", "serving.py", "rollout.py", "training.py",
-                   "algorithm.py")  # rayrl/config/
+                   "algorithm.py", "guards.py")  # rayrl/config/
 
 
 INTRO = """\
@@ -26,7 +26,7 @@ section, rules across sections by `RunConfig`. A backend's own options are a nes
 (`engine.sglang`).
 Override any field on the command line: `python driver.py --config FILE trainer.steps=3 rollout.group_size=8`.
 This page is generated from the comments in rayrl/config/ (schema.py, serving.py, rollout.py, training.py,
-algorithm.py) by scripts/gen_config_doc.py. Keys removed or moved since an older rayrl (`trainer.loss`,
+algorithm.py, guards.py) by scripts/gen_config_doc.py. Keys removed or moved since an older rayrl (`trainer.loss`,
 `trainer.kl_coef`, `engine.mem_fraction_static`, ...) fail at load with what to write instead.
 
 **Resolve.** Values that mean "auto" (`0`, unset, `auto`) stay that way in the loaded config;

@@ -120,6 +120,7 @@ class EpisodeRunner:
         lease_id: str | None = None
         reward = 0.0
         result = AgentResult(status="error", error="not started")
+        recorded: dict[str, Any] = {}  # what the gateway recorded of the session, for the guards
         failure: tuple[str, str] | None = None  # (kind, message)
         try:
             sandbox = None
@@ -154,6 +155,7 @@ class EpisodeRunner:
                 except Exception as err:
                     raise _Failed(SANDBOX_FAILED, f"collecting the files failed: {type(err).__name__}: {err}") from None
             stats = self._session_stats(session.session_id)
+            recorded = gateway_facts(stats)
             infra = _infra_error(stats)
             if infra is not None:  # the engine or gateway failed a call: the trajectory is not the policy's
                 raise _Failed(ENGINE_ERROR, infra)
@@ -190,6 +192,7 @@ class EpisodeRunner:
             "tool_calls": result.tool_calls,
             "tool_errors": result.tool_errors,
             "final_answer": (result.final_answer or "")[:500],
+            "gateway": recorded,
         }
         if result.info.get("judge_calls"):  # what grading it cost: judge/* metrics
             episode.info["judge_calls"] = list(result.info["judge_calls"])
@@ -229,6 +232,19 @@ class EpisodeRunner:
         except Exception as err:
             raise _Failed(SESSION_FAILED,
                           f"the trajectory manager did not answer: {type(err).__name__}: {err}") from None
+
+
+GATEWAY_FACTS = ("turns", "tool_calls", "tool_turns", "tool_parse_errors", "length_turns", "turn_cap_refusals",
+                 "last_finish")
+
+
+def gateway_facts(stats: dict[str, Any]) -> dict[str, Any]:
+    """What the gateway recorded of a session that the guards read (rayrl/rl/guards.py): counts of its
+    turns, tool calls, unparseable tool calls, turns cut at max_tokens, and drift events (summed over kinds)."""
+    facts = {k: stats[k] for k in GATEWAY_FACTS if k in stats}
+    drift = stats.get("drift")
+    facts["drift"] = int(sum(drift.values())) if isinstance(drift, dict) else 0
+    return facts
 
 
 def _infra_error(stats: dict[str, Any]) -> str | None:

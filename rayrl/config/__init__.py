@@ -1,7 +1,7 @@
 """One typed run configuration: YAML -> ``RunConfig`` (dataclasses), validated at load, resolved once.
 
 - schema.py: ``RunConfig`` and the run-level sections; the other sections by area in serving.py,
-  rollout.py, training.py and algorithm.py. Every field's type, default and documentation (the comment
+  rollout.py, training.py, algorithm.py and guards.py. Every field's type, default and documentation (the comment
   beside it; docs/config.md is generated from them); ``Literal`` types for fixed choices; each section
   checks its own ranges, ``RunConfig`` the rules that span sections.
 - load.py: ``load_config`` (YAML + dotted overrides through OmegaConf) and ``to_yaml``.
@@ -16,6 +16,7 @@ algorithm checks look the estimator and loss registries up when a config is buil
 from rayrl.config.algorithm import AlgorithmConfig
 from rayrl.config.checks import ConfigError
 from rayrl.config.data_sources import ReasoningGymSource
+from rayrl.config.guards import GuardsConfig
 from rayrl.config.load import load_config, to_yaml
 from rayrl.config.resolve import Machine, capacity_warnings, resolve
 from rayrl.config.rollout import AgentCoreConfig, JudgeConfig, RolloutConfig, SandboxConfig, SandboxPoolConfig
@@ -38,6 +39,7 @@ __all__ = [
     "DataFields",
     "EngineConfig",
     "GatewayConfig",
+    "GuardsConfig",
     "JudgeConfig",
     "LoggingConfig",
     "Machine",

@@ -24,6 +24,7 @@ from typing import Literal, Optional
 from rayrl.config.algorithm import AlgorithmConfig
 from rayrl.config.checks import ConfigError, at_least_one, non_negative, positive
 from rayrl.config.data_sources import ReasoningGymSource, check_sources
+from rayrl.config.guards import GuardsConfig
 from rayrl.config.rollout import AgentCoreConfig, RolloutConfig, SandboxConfig, SandboxPoolConfig
 from rayrl.config.serving import EngineConfig, GatewayConfig, ModelConfig, TrajectoryConfig
 from rayrl.config.training import PlacementConfig, TrainerConfig
@@ -191,6 +192,7 @@ class RunConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     data: DataConfig = field(default_factory=DataConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    guards: GuardsConfig = field(default_factory=GuardsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 

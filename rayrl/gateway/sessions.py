@@ -56,6 +56,11 @@ class Session:
     cumulative_hits: int = 0
     admitted: int = 0  # LLM calls admitted (rendered, counted against gateway.max_turns_per_session)
     turn_cap_refusals: int = 0  # ... and refused because the session had used its turns
+    # what the guards read (rayrl/rl/guards.py), counted per recorded turn:
+    tool_turns: int = 0  # turns whose request declared tools
+    tool_parse_errors: int = 0  # turns where the model wrote a tool call the parser could not read
+    length_turns: int = 0  # turns the engine cut at max_tokens (finish reason "length")
+    last_finish: str = ""  # the last recorded turn's finish: "stop", "tool_calls" or "length"
     in_flight: set = field(default_factory=set)
 
     def note_infra_error(self, message: str) -> None:
@@ -159,7 +164,9 @@ class SessionRegistry:
         return {**session.tree.stats(), "api_calls": session.api_calls, "requests": session.requests,
                 "failed_requests": session.failed_requests, "cumulative_hits": session.cumulative_hits,
                 "infra_errors": session.infra_errors, "infra_error": session.infra_error,
-                "turn_cap_refusals": session.turn_cap_refusals}
+                "turn_cap_refusals": session.turn_cap_refusals, "tool_turns": session.tool_turns,
+                "tool_parse_errors": session.tool_parse_errors, "length_turns": session.length_turns,
+                "last_finish": session.last_finish}
 
     @property
     def open_sessions(self) -> int:

@@ -322,12 +322,16 @@ class TurnPipeline:
             tools=spec.tools,
             finish_reason=kind,
         )
+        finish = "tool_calls" if parsed.tool_calls else ("length" if kind == "length" else "stop")
         if not session.finished:
             session.tree.record_turn(turn)
             session.remember(turn)
+            session.tool_turns += 1 if spec.tools else 0
+            session.tool_parse_errors += 1 if parsed.errors else 0
+            session.length_turns += 1 if kind == "length" else 0
+            session.last_finish = finish
         self.counters["generated_tokens"] += len(out.output_ids)
         matched = reason.get("matched")
-        finish = "tool_calls" if parsed.tool_calls else ("length" if kind == "length" else "stop")
         return TurnResult(
             message=message,
             reasoning=parsed.reasoning,

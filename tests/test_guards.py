@@ -1,0 +1,178 @@
+"""The silent-failure guards (rayrl/rl/guards.py) on hand-built episodes: each guard's figure by hand, the
+crossing line, warn / stop / off, thresholds and their validation, and the records' config fields.
+
+Each guard also fires on episodes a real gateway recorded (tests/gateway/test_guards_gateway.py); the
+stop path runs the real driver (tests/pipeline/test_guard_stop.py, slow)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rayrl.config import ConfigError, GuardsConfig, load_config
+from rayrl.rl.failures import REWARD_FAILED, SANDBOX_FAILED
+from rayrl.rl.guards import (
+    GUARDS,
+    GUARDS_BY_NAME,
+    GuardStop,
+    StepView,
+    check_guards,
+    read_crossings,
+    write_crossings,
+)
+from rayrl.types import Episode
+
+
+def ep(i: int, reward: float = 0.0, group: str = "g", failure: str | None = None, tool_errors: int = 0,
+       **facts) -> Episode:
+    """An episode as the runner leaves it; ``facts`` are what the gateway recorded (turns default 1)."""
+    e = Episode(f"s{i}", f"t{i}", group, reward=reward)
+    e.info = {"tool_errors": tool_errors, "gateway": {"turns": 1, "tool_calls": 0, "tool_turns": 1, **facts}}
+    if failure:
+        e.status, e.failure, e.error = "failed", failure, f"{failure}: planted"
+    return e
+
+
+def fired(episodes: list[Episode], cfg: GuardsConfig | None = None, max_turns: int = 4) -> dict[str, object]:
+    report = check_guards(StepView(episodes, max_turns), cfg or GuardsConfig(), step=3, episodes_file="e.jsonl")
+    return {c.guard: c for c in report.crossings}
+
+
+def figure(name: str, episodes: list[Episode], max_turns: int = 4) -> float:
+    guard = GUARDS_BY_NAME[name]
+    report = check_guards(StepView(episodes, max_turns), GuardsConfig(), step=1)
+    return report.metrics[f"guards/{guard.metric}"]
+
+
+def healthy(n: int = 8) -> list[Episode]:
+    """What a working tool-use step looks like: every episode called the calculator, rewards vary."""
+    return [ep(i, reward=float(i % 2), group=f"g{i // 2}", tool_calls=1, turns=2, last_finish="stop")
+            for i in range(n)]
+
+
+def test_a_healthy_step_fires_nothing_and_logs_every_figure():
+    report = check_guards(StepView(healthy(), 4), GuardsConfig(), step=1)
+    assert report.crossings == [] and report.stop is None and report.summary() == ""
+    assert {f"guards/{g.metric}" for g in GUARDS} <= set(report.metrics)
+    assert report.metrics["guards/fired"] == 0.0
+    assert report.metrics["guards/tool_call_rate"] == 1.0
+
+
+def test_tool_calls_that_never_parse():
+    episodes = [ep(i, tool_parse_errors=2, tool_calls=0) for i in range(2)] + healthy(2)
+    # 4 unparsed of 4 + 2 parsed calls
+    assert figure("tool_parse_errors", episodes) == pytest.approx(4 / 6)
+    crossing = fired(episodes)["tool_parse_errors"]
+    assert crossing.session_id == "s0" and crossing.count == 6
+    assert "tool_parse_errors" not in fired(healthy(6) + [ep(9, tool_parse_errors=1)])  # 1 of 7
+
+
+def test_an_agent_that_answers_without_its_tools_and_still_scores():
+    episodes = [ep(i, reward=1.0, group=f"g{i}", tool_calls=0) for i in range(8)]
+    assert figure("unused_tools", episodes) == 1.0
+    got = fired(episodes)
+    assert {"unused_tools", "tool_call_rate"} <= set(got)
+    assert got["tool_call_rate"].line().startswith("[rayrl] guard tool_call_rate at step 3: 0.00 of 8 ")
+    assert "below its threshold 0.02" in got["tool_call_rate"].line()
+    # a task that declares no tools is none of these guards' business
+    no_tools = [ep(i, reward=1.0, group=f"g{i}", tool_turns=0) for i in range(8)]
+    assert not {"unused_tools", "tool_call_rate"} & set(fired(no_tools))
+
+
+def test_tool_results_that_were_errors():
+    episodes = [ep(i, tool_calls=2, tool_errors=2, reward=float(i % 2), group=f"g{i // 2}") for i in range(4)]
+    assert figure("tool_errors", episodes) == 1.0
+    assert "tool_errors" in fired(episodes)
+
+
+def test_truncation_by_max_tokens_and_by_max_turns_and_the_reward_it_left():
+    cut_tokens = [ep(i, length_turns=1, group=f"g{i}") for i in range(3)]
+    cut_turns = [ep(3, turns=4, tool_calls=4, last_finish="tool_calls", group="g3")]  # every turn used, not done
+    refused = [ep(4, turn_cap_refusals=1, tool_calls=1, group="g4")]
+    fine = [ep(5, reward=1.0, turns=4, tool_calls=3, last_finish="stop", group="g5")]  # answered on its last turn
+    episodes = cut_tokens + cut_turns + refused + fine
+    assert figure("truncation", episodes) == pytest.approx(5 / 6)
+    report = check_guards(StepView(episodes, 4), GuardsConfig(), step=1)
+    assert report.metrics["guards/truncated_reward_share"] == 0.0  # the cut ones got none of the reward
+    assert "truncation" in fired(episodes)
+    assert figure("truncation", cut_turns, max_turns=5) == 0.0  # 4 turns of 5: not cut
+
+
+def test_drift_from_a_template_that_drops_reasoning():
+    episodes = [ep(i, drift=1, turns=2, tool_calls=1) for i in range(3)] + healthy(5)
+    assert figure("drift", episodes) == pytest.approx(3 / 8)
+    assert "drift" in fired(episodes)
+
+
+def test_infrastructure_and_judge_failures():
+    infra = [ep(i, failure=SANDBOX_FAILED) for i in range(3)] + healthy(5)
+    assert figure("infra_failures", infra) == pytest.approx(3 / 8)
+    assert fired(infra)["infra_failures"].session_id == "s0"
+    judge = [ep(i, failure=REWARD_FAILED) for i in range(2)] + healthy(6)
+    assert figure("reward_failures", judge) == pytest.approx(2 / 8)
+    assert "reward_failures" in fired(judge)
+
+
+def test_zero_variance_groups_and_the_reward_spread():
+    equal = [ep(i, reward=0.1, group=f"g{i // 3}", tool_calls=1) for i in range(6)]  # two groups of 0.1
+    report = check_guards(StepView(equal, 4), GuardsConfig(), step=1)
+    assert report.metrics["guards/zero_variance_group_rate"] == 1.0
+    assert report.metrics["guards/group_reward_std_mean"] == pytest.approx(0.0, abs=1e-12)
+    assert "zero_variance_groups" in fired(equal)
+    one_varied = equal + [ep(10, reward=0.0, group="g9", tool_calls=1), ep(11, reward=1.0, group="g9", tool_calls=1)]
+    assert figure("zero_variance_groups", one_varied) == pytest.approx(2 / 3)
+    assert "zero_variance_groups" not in fired(one_varied)
+    # an infrastructure failure is not in its group's rewards
+    with_infra = [ep(0, reward=1.0, group="a"), ep(1, reward=0.0, group="a", failure=SANDBOX_FAILED)]
+    assert figure("zero_variance_groups", with_infra) == 1.0
+
+
+def test_too_few_observations_give_no_verdict():
+    three = [ep(i, tool_parse_errors=1) for i in range(3)]  # 3 attempts, the guard needs 4
+    assert figure("tool_parse_errors", three) == 1.0 and "tool_parse_errors" not in fired(three)
+
+
+def test_warn_stop_off_and_thresholds():
+    episodes = [ep(i, failure=SANDBOX_FAILED) for i in range(4)]
+    stop = GuardsConfig(infra_failures="stop")
+    report = check_guards(StepView(episodes, 4), stop, step=2)
+    assert report.stop is not None and report.stop.guard == "infra_failures"
+    assert "stopping the run" in report.stop.line() and "guards: infra_failures" in report.summary()
+    assert str(GuardStop(report.stop)) == report.stop.line()
+    off = check_guards(StepView(episodes, 4), GuardsConfig(infra_failures="off"), step=2)
+    assert "infra_failures" not in {c.guard for c in off.crossings}
+    assert off.metrics["guards/infra_failure_rate"] == 1.0  # an off guard's figure is still logged
+    assert "infra_failures" not in fired(episodes, GuardsConfig(infra_failures_max=1.0))
+    warn = fired(episodes)["infra_failures"]
+    assert warn.action == "warn" and "set guards.infra_failures: stop to stop on it" in warn.line()
+    assert "e.g. episode s0 (task t0, e.jsonl)" in warn.line()
+
+
+def test_every_guard_has_its_two_config_fields_and_nothing_else_is_there():
+    names = {f.name for f in dataclasses.fields(GuardsConfig)}
+    expected = {g.name for g in GUARDS} | {g.threshold_field for g in GUARDS}
+    assert names == expected
+    assert len(GUARDS_BY_NAME) == len(GUARDS)
+
+
+def test_guard_config_is_validated_at_load():
+    cfg = load_config(None, ["guards.drift=stop", "guards.truncation_max=0.9"])
+    assert cfg.guards.drift == "stop" and cfg.guards.truncation_max == 0.9
+    with pytest.raises(ConfigError, match="^guards.drift"):
+        load_config(None, ["guards.drift=halt"])
+    with pytest.raises(ConfigError, match=r"^guards.truncation_max: a share, must be in \[0, 1\], got 1.5"):
+        load_config(None, ["guards.truncation_max=1.5"])
+    with pytest.raises(ConfigError, match="^guards.nonsense"):
+        load_config(None, ["guards.nonsense=warn"])
+
+
+def test_crossings_are_written_for_the_inspector(tmp_path):
+    report = check_guards(StepView([ep(i, failure=SANDBOX_FAILED) for i in range(4)], 4), GuardsConfig(), step=5,
+                          episodes_file="runs/x/episodes/step000005.jsonl")
+    write_crossings(tmp_path, report.crossings)
+    write_crossings(tmp_path, [])
+    (tmp_path / "guards.jsonl").open("a").write('{"half": ')  # a line cut by a crash is skipped
+    rows = read_crossings(tmp_path)
+    assert [(r["guard"], r["step"], r["session_id"]) for r in rows] == [("infra_failures", 5, "s0")]
+    assert read_crossings(tmp_path / "missing") == []
