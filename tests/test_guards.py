@@ -146,7 +146,7 @@ def test_warn_stop_off_and_thresholds():
     assert "infra_failures" not in fired(episodes, GuardsConfig(infra_failures_max=1.0))
     warn = fired(episodes)["infra_failures"]
     assert warn.action == "warn" and "set guards.infra_failures: stop to stop on it" in warn.line()
-    assert "e.g. episode s0 (task t0, e.jsonl)" in warn.line()
+    assert "e.g. episode s0 (task t0, e.jsonl, line 1)" in warn.line()
 
 
 def test_every_guard_has_its_two_config_fields_and_nothing_else_is_there():
@@ -174,5 +174,5 @@ def test_crossings_are_written_for_the_inspector(tmp_path):
     write_crossings(tmp_path, [])
     (tmp_path / "guards.jsonl").open("a").write('{"half": ')  # a line cut by a crash is skipped
     rows = read_crossings(tmp_path)
-    assert [(r["guard"], r["step"], r["session_id"]) for r in rows] == [("infra_failures", 5, "s0")]
+    assert [(r["guard"], r["step"], r["session_id"], r["index"]) for r in rows] == [("infra_failures", 5, "s0", 0)]
     assert read_crossings(tmp_path / "missing") == []

@@ -1,7 +1,9 @@
 """Reads a run directory for the inspector, forgiving what a live or damaged run leaves behind.
 
 What it reads (all written by a normal run, rayrl/records.py and rayrl/metrics.py): ``config.yaml``,
-``metrics.jsonl``, ``episodes/stepNNNNNN.jsonl`` and ``inspect/stepNNNNNN.json``. Why forgiving: the
+``metrics.jsonl``, ``episodes/stepNNNNNN.jsonl``, ``inspect/stepNNNNNN.json`` and ``guards.jsonl`` (the
+guards that fired, rayrl/rl/guards.py: each is given the ``key`` of its example episode, so the page links
+to it). Why forgiving: the
 inspector is used on runs that are still going (the last line of a JSONL file may be half written, a
 step may have episodes but no metrics yet) and on runs that crashed or were copied in part. Each such
 defect becomes one readable line in ``problems`` and the rest is shown; only a path that is not a run
@@ -24,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from rayrl.rl.guards import GUARDS_FILE
+
 _STEP_FILE = re.compile(r"^step(\d+)\.(jsonl|json)$")
 
 
@@ -42,6 +46,7 @@ class Run:
     detail_steps: list[int]
     problems: list[str] = field(default_factory=list)
     stamp: str = ""  # RunReader.stamp() taken before the files were read
+    guards: list[dict[str, Any]] = field(default_factory=list)  # guards.jsonl, each with its example's "key"
 
     def summary(self) -> dict[str, Any]:
         """The JSON the page starts from."""
@@ -51,7 +56,7 @@ class Run:
                 "model": model.get("path", ""), "harness": rollout.get("agent", ""),
                 "steps": sorted({e["step"] for e in self.episodes}), "detail_steps": self.detail_steps,
                 "metrics": self.metrics, "episodes": self.episodes, "problems": self.problems,
-                "stamp": self.stamp}
+                "guards": self.guards, "stamp": self.stamp}
 
 
 class _Cache:
@@ -212,7 +217,7 @@ class RunReader:
         """A short name for the state of every file the inspector reads (paths, sizes, modification times):
         equal stamps, equal reads. Taken before a read, so a file that changes during it changes the next."""
         parts = []
-        for path in (self.path / "config.yaml", self.path / "metrics.jsonl"):
+        for path in (self.path / "config.yaml", self.path / "metrics.jsonl", self.path / GUARDS_FILE):
             parts.append(_stat_part(path))
         for _, path in _step_files(self.path / "episodes", "jsonl") + _step_files(self.path / "inspect", "json"):
             parts.append(_stat_part(path))
@@ -238,7 +243,19 @@ class RunReader:
             for index, row in enumerate(rows):
                 episodes.append({**row, "step": step, "index": index, "key": f"{step}:{index}"})
         detail_steps = [step for step, _ in _step_files(self.path / "inspect", "json")]
-        return Run(self.path, config, metrics, episodes, detail_steps, problems, stamp)
+        return Run(self.path, config, metrics, episodes, detail_steps, problems, stamp,
+                   self._guards(episodes, problems))
+
+    def _guards(self, episodes: list[dict[str, Any]], problems: list[str]) -> list[dict[str, Any]]:
+        """The guards that fired, oldest first, each with the ``key`` of its example episode (None when
+        that episode is not in the run's files)."""
+        path = self.path / GUARDS_FILE
+        if not path.exists():
+            return []
+        rows, bad = self._cache.get(path, _jsonl, ([], []), problems)
+        problems += bad
+        keys = {e["key"] for e in episodes}
+        return [{**r, "key": key if (key := f"{r.get('step')}:{r.get('index')}") in keys else None} for r in rows]
 
     def episode(self, step: int, index: int) -> dict[str, Any] | None:
         """One episode's summary row, tree, samples and the vocabulary its tokens need; None if unknown.

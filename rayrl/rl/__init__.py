@@ -10,6 +10,7 @@
 ``shard.py``: how a batch is split over the trainer's data-parallel replicas (Megatron's rank order).
 ``failures.py``: why an episode failed, and whether the system or the agent is to blame.
 ``step_metrics.py``: one step's metrics from what the step gathered.
+``guards.py``: the silent-failure guards, one record each, measured every step (docs/guards.md).
 
 Why here: the pipeline (actors/pipeline.py), the dispatcher and the trainer group are Ray shells that
 move data between processes; what they compute (which groups train, with what advantages, on which

@@ -244,12 +244,15 @@ class Crossing:
     session_id: Optional[str]  # the example episode
     task_id: Optional[str]
     episodes_file: Optional[str]  # the step's episodes file (runs/<exp_id>/episodes/stepNNNNNN.jsonl)
+    index: Optional[int] = None  # the example's position among the step's episodes: its line in that file
 
     def line(self) -> str:
         """The one line a crossing prints."""
         side = "above" if self.above else "below"
-        where = (f"e.g. episode {self.session_id} (task {self.task_id}, {self.episodes_file})"
-                 if self.session_id else "no single episode to show")
+        where = "no single episode to show"
+        if self.index is not None:
+            where = (f"e.g. episode {self.session_id or '#' + str(self.index)} (task {self.task_id}, "
+                     f"{self.episodes_file}, line {self.index + 1})")
         then = "stopping the run" if self.action == "stop" else f"set guards.{self.guard}: stop to stop on it"
         return (f"[rayrl] guard {self.guard} at step {self.step}: {self.value:.2f} of {self.count} {self.what}, "
                 f"{side} its threshold {self.threshold:g}; {where}; {then}")
@@ -286,9 +289,10 @@ def check_guards(view: StepView, cfg: GuardsConfig, step: int, episodes_file: Op
         if action == "off" or not guard.crossed(figure, threshold):
             continue
         ex = figure.example
+        index = next((i for i, e in enumerate(view.episodes) if e is ex), None)
         crossings.append(Crossing(guard.name, action, figure.value, figure.count, threshold, guard.above,
                                   guard.what, step, ex.session_id if ex else None, ex.task_id if ex else None,
-                                  episodes_file))
+                                  episodes_file, index))
     metrics["guards/fired"] = float(len(crossings))
     return GuardReport(metrics, crossings)
 

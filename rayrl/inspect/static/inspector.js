@@ -83,6 +83,24 @@ function fillSelect(id, values) {
   s.value = values.map(String).includes(keep) ? keep : "";
 }
 
+// the silent-failure guards (rayrl/rl/guards.py): the last step's figures, and each crossing with its example
+function renderGuards() {
+  const last = [...RUN.metrics].reverse().find((m) => Object.keys(m).some((k) => k.startsWith("guards/")));
+  const crossings = RUN.guards || [];
+  $("guards").hidden = !last && !crossings.length;
+  const figures = last ? Object.keys(last).filter((k) => k.startsWith("guards/") && k !== "guards/fired").sort() : [];
+  $("guard-figures").replaceChildren(...(last ? [el("span", {text: "step " + last.step + ": "})] : []),
+    ...figures.map((k) => el("span", {class: "guard-figure", text: k.slice(7) + " " + fmt(last[k]) + "  "})));
+  $("guard-crossings").replaceChildren(...crossings.map((c) => {
+    const what = "step " + c.step + " · " + c.guard + " (" + c.action + "): " + fmt(c.value) + " of " + c.count + " " + c.what
+      + ", threshold " + c.threshold;
+    const item = el("li", {class: c.action === "stop" ? "guard-stop" : "guard-warn", text: what + " "});
+    if (c.key) item.append(el("a", {href: "#episode=" + c.key, text: "example episode " + c.key}));
+    else if (c.session_id) item.append(el("span", {text: "example session " + c.session_id}));
+    return item;
+  }));
+}
+
 function renderRun() {
   $("run-title").textContent = "— " + RUN.exp_id;
   $("run-meta").textContent = [RUN.model, RUN.steps.length + " steps", RUN.episodes.length + " episodes", STATIC ? "static export" : RUN.path].filter(Boolean).join(" · ");
@@ -91,6 +109,7 @@ function renderRun() {
   fillSelect("f-step", RUN.steps);
   fillSelect("f-status", [...new Set(RUN.episodes.map((e) => e.status))].sort());
   fillSelect("f-harness", [...new Set(RUN.episodes.map((e) => e.harness).filter(Boolean))].sort());
+  renderGuards();
   renderCharts();
   renderList();
 }
