@@ -159,10 +159,14 @@ class Pipeline:
             self.checkpoints.after_trainer_failure(failure)
             raise
         except GuardStop as stop:  # the step trained and logged; keep it, then say how to go on
-            where = self.save_checkpoint()
-            print(f"[rayrl] run stopped by guard {stop.crossing.guard} (guards.{stop.crossing.guard}: stop). "
-                  f"Checkpoint: {where}. Resume with: python driver.py --config {self.run_dir / 'config.yaml'} "
-                  f"--resume (add guards.{stop.crossing.guard}=warn to go on past it)", flush=True)
+            name = stop.crossing.guard
+            if save_every < 0:
+                how = "Checkpoint: none (pipeline.checkpoint_interval: -1). Start the run again"
+            else:
+                how = (f"Checkpoint: {self.save_checkpoint()}. Resume with: python driver.py --config "
+                       f"{self.run_dir / 'config.yaml'} --resume")
+            print(f"[rayrl] run stopped by guard {name} (guards.{name}: stop). {how} (add guards.{name}=warn to go "
+                  "on past it)", flush=True)
             raise
         if self.failure_counts:
             print(f"[rayrl] failed episodes by cause: {dict(self.failure_counts)}", flush=True)
