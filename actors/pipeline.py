@@ -62,7 +62,7 @@ from rayrl.rl.batch import Batch, build_batch
 from rayrl.rl.distill import TeacherScorer, distill_batch
 from rayrl.rl.failure_log import FailureLog
 from rayrl.rl.failures import failure_kind
-from rayrl.rl.guards import GuardStop, StepView, check_guards, write_crossings
+from rayrl.rl.guards import GuardMonitor, GuardStop, StepView, write_crossings
 from rayrl.rl.logprob_gap import gap_crossed
 from rayrl.rl.step_metrics import EngineWork, gateway_metrics, step_metrics
 
@@ -133,6 +133,7 @@ class Pipeline:
         self.checkpoints.check_shared()
         self.ray_sink = RayMetricsSink(cfg.exp_id)
         self.metrics = MetricsLogger(cfg.logging, self.run_dir, extra_sink=self.ray_sink)
+        self.guards = GuardMonitor(cfg.guards)  # the silent-failure guards, with their streaks (docs/guards.md)
         self._engine_busy = CounterDeltas(time.monotonic())
         self._episodes_total = 0
         self._started_at = time.monotonic()
@@ -213,8 +214,8 @@ class Pipeline:
             run_episodes=self._episodes_total,
             run_s=time.monotonic() - self._started_at,
         )
-        guards = check_guards(StepView(drawn, cfg.rollout.max_turns), cfg.guards, state.step,
-                              str(self.run_dir / "episodes" / f"step{state.step:06d}.jsonl"))
+        guards = self.guards.check(StepView(drawn, cfg.rollout.max_turns), state.step,
+                                   str(self.run_dir / "episodes" / f"step{state.step:06d}.jsonl"))
         metrics.update(guards.metrics)
         self.metrics.log(state.step, metrics)
         print(summary_line(state.step, cfg.trainer.steps, metrics)

@@ -15,6 +15,7 @@ from rayrl.rl.failures import REWARD_FAILED, SANDBOX_FAILED
 from rayrl.rl.guards import (
     GUARDS,
     GUARDS_BY_NAME,
+    GuardMonitor,
     GuardStop,
     StepView,
     check_guards,
@@ -176,3 +177,21 @@ def test_crossings_are_written_for_the_inspector(tmp_path):
     rows = read_crossings(tmp_path)
     assert [(r["guard"], r["step"], r["session_id"], r["index"]) for r in rows] == [("infra_failures", 5, "s0", 0)]
     assert read_crossings(tmp_path / "missing") == []
+
+
+def test_patience_a_model_learning_its_tool_format_is_not_broken():
+    """tool_parse_errors waits 3 steps in a row: two bad steps then a good one fire nothing; three fire, and
+    the line says for how long; a good step resets the count. Guards with patience 1 fire at once."""
+    assert GUARDS_BY_NAME["tool_parse_errors"].patience == 3 and GUARDS_BY_NAME["infra_failures"].patience == 1
+    bad = [ep(i, tool_parse_errors=1) for i in range(6)]
+    monitor = GuardMonitor(GuardsConfig())
+    seen = [[c.guard for c in monitor.check(StepView(v, 4), step=s).crossings]
+            for s, v in enumerate([bad, bad, healthy(), bad, bad, bad, bad], 1)]
+    assert seen == [[], [], [], [], [], ["tool_parse_errors"], ["tool_parse_errors"]]
+    line = monitor.check(StepView(bad, 4), step=8).crossings[0].line()
+    assert "above its threshold 0.5 for 5 steps in a row" in line
+    infra = [ep(i, failure=SANDBOX_FAILED) for i in range(4)]
+    assert [c.guard for c in GuardMonitor(GuardsConfig()).check(StepView(infra, 4), step=1).crossings] == [
+        "infra_failures"]
+    off = GuardMonitor(GuardsConfig(tool_parse_errors="off"))
+    assert all(not off.check(StepView(bad, 4), step=s).crossings for s in range(1, 5))

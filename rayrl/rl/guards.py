@@ -17,7 +17,10 @@ max_tokens, drift events, the last turn's finish), from the failure kinds the ru
 (whether a tool's result was an error is known only to the agent that ran it). An episode without gateway
 facts (a harness that records none) is left out of the gateway figures.
 
-A crossing is one :class:`Crossing`: one printed line naming the guard, the figure, the threshold and an
+A guard fires once its figure has been past its threshold for its ``patience`` steps in a row (3 for the
+tool and zero-variance guards: a model learning its tool format, or a run converging, is not broken; 1
+for the rest), measured by :class:`GuardMonitor`, which the pipeline keeps for the run. A crossing is one
+:class:`Crossing`: one printed line naming the guard, the figure, the threshold and an
 example episode (its session id and the episodes file it is in, which the inspector links to), and one
 JSON line in ``runs/<exp_id>/guards.jsonl``. A guard whose action is ``stop`` makes the pipeline save a
 checkpoint and stop with exit code 4, printing the resume command (actors/pipeline.py, driver.py).
@@ -60,7 +63,10 @@ class Figure:
 @dataclass(frozen=True)
 class Guard:
     """One guard (module docstring). ``above``: it fires when the figure is above the threshold
-    (``guards.<name>_max``), else below it (``_min``); ``min_count``: fewer observations give no verdict."""
+    (``guards.<name>_max``), else below it (``_min``); ``min_count``: fewer observations give no verdict;
+    ``patience``: the steps in a row the figure must be past the threshold before the guard fires (a model
+    that starts out writing malformed tool calls and learns the format in two steps is learning, not
+    broken; a run whose groups all solve their tasks for a step is converging)."""
 
     name: str
     metric: str  # logged as guards/<metric>
@@ -68,6 +74,7 @@ class Guard:
     min_count: int
     what: str  # completes "guard <name>: 0.62 of 24 <what>"
     measure: Callable[[StepView], Figure]
+    patience: int = 1
 
     @property
     def threshold_field(self) -> str:
@@ -209,11 +216,12 @@ def zero_variance_groups(view: StepView) -> Figure:
 
 GUARDS: tuple[Guard, ...] = (
     Guard("tool_parse_errors", "tool_parse_error_rate", True, 4, "attempted tool calls did not parse",
-          tool_parse_errors),
-    Guard("tool_call_rate", "tool_call_rate", False, 8, "tool-declaring episodes called a tool", tool_call_rate),
-    Guard("tool_errors", "tool_error_rate", True, 8, "tool calls returned an error", tool_errors),
+          tool_parse_errors, patience=3),
+    Guard("tool_call_rate", "tool_call_rate", False, 8, "tool-declaring episodes called a tool", tool_call_rate,
+          patience=3),
+    Guard("tool_errors", "tool_error_rate", True, 8, "tool calls returned an error", tool_errors, patience=3),
     Guard("unused_tools", "unused_tools_rate", True, 4, "rewarded tool-declaring episodes called no tool",
-          unused_tools),
+          unused_tools, patience=3),
     Guard("truncation", "truncated_rate", True, 4, "scored episodes were cut by max_tokens / max_turns",
           truncation),
     Guard("drift", "drift_rate", True, 4, "episodes drifted (turns not extending each other token for token)",
@@ -222,7 +230,7 @@ GUARDS: tuple[Guard, ...] = (
     Guard("reward_failures", "reward_failure_rate", True, 4, "episodes' reward functions raised",
           reward_failures),
     Guard("zero_variance_groups", "zero_variance_group_rate", True, 2, "groups had all-equal rewards (train nothing)",
-          zero_variance_groups),
+          zero_variance_groups, patience=3),
 )
 GUARDS_BY_NAME = {g.name: g for g in GUARDS}
 
@@ -245,17 +253,20 @@ class Crossing:
     task_id: Optional[str]
     episodes_file: Optional[str]  # the step's episodes file (runs/<exp_id>/episodes/stepNNNNNN.jsonl)
     index: Optional[int] = None  # the example's position among the step's episodes: its line in that file
+    steps: int = 1  # steps in a row the figure has been past the threshold
 
     def line(self) -> str:
         """The one line a crossing prints."""
         side = "above" if self.above else "below"
         where = "no single episode to show"
         if self.index is not None:
-            where = (f"e.g. episode {self.session_id or '#' + str(self.index)} (task {self.task_id}, "
-                     f"{self.episodes_file}, line {self.index + 1})")
+            file = f"{self.episodes_file}, " if self.episodes_file else ""
+            name = self.session_id or f"#{self.index}"
+            where = f"e.g. episode {name} (task {self.task_id}, {file}line {self.index + 1})"
         then = "stopping the run" if self.action == "stop" else f"set guards.{self.guard}: stop to stop on it"
+        streak = f" for {self.steps} steps in a row" if self.steps > 1 else ""
         return (f"[rayrl] guard {self.guard} at step {self.step}: {self.value:.2f} of {self.count} {self.what}, "
-                f"{side} its threshold {self.threshold:g}; {where}; {then}")
+                f"{side} its threshold {self.threshold:g}{streak}; {where}; {then}")
 
 
 @dataclass
@@ -275,26 +286,45 @@ class GuardReport:
         return f"guards: {', '.join(c.guard for c in self.crossings)}" if self.crossings else ""
 
 
+class GuardMonitor:
+    """The guards of one run: measures every guard each step and keeps how many steps in a row each has
+    been past its threshold (``patience``; counted from the run's start or resume)."""
+
+    def __init__(self, cfg: GuardsConfig, guards: Sequence[Guard] = GUARDS) -> None:
+        self.cfg = cfg
+        self.guards = tuple(guards)
+        self.streaks: dict[str, int] = {g.name: 0 for g in self.guards}
+
+    def check(self, view: StepView, step: int, episodes_file: Optional[str] = None) -> GuardReport:
+        """The step's figures, log-ready for every guard (an ``off`` guard's too), and the crossings of those
+        that are on and have been past their threshold for ``patience`` steps in a row."""
+        metrics: dict[str, float] = {}
+        crossings: list[Crossing] = []
+        for guard in self.guards:
+            figure = guard.measure(view)
+            metrics[f"guards/{guard.metric}"] = figure.value
+            metrics.update({f"guards/{k}": v for k, v in figure.extra.items()})
+            action, threshold = guard.action(self.cfg), guard.threshold(self.cfg)
+            past = action != "off" and guard.crossed(figure, threshold)
+            self.streaks[guard.name] = self.streaks[guard.name] + 1 if past else 0
+            if not past or self.streaks[guard.name] < guard.patience:
+                continue
+            ex = figure.example
+            index = next((i for i, e in enumerate(view.episodes) if e is ex), None)
+            crossings.append(Crossing(guard.name, action, figure.value, figure.count, threshold, guard.above,
+                                      guard.what, step, ex.session_id if ex else None, ex.task_id if ex else None,
+                                      episodes_file, index, self.streaks[guard.name]))
+        metrics["guards/fired"] = float(len(crossings))
+        return GuardReport(metrics, crossings)
+
+
 def check_guards(view: StepView, cfg: GuardsConfig, step: int, episodes_file: Optional[str] = None,
                  guards: Sequence[Guard] = GUARDS) -> GuardReport:
-    """Measure every guard on the step, log-ready figures for all (an ``off`` guard's figure too), and the
-    crossings of those that are on."""
-    metrics: dict[str, float] = {}
-    crossings: list[Crossing] = []
-    for guard in guards:
-        figure = guard.measure(view)
-        metrics[f"guards/{guard.metric}"] = figure.value
-        metrics.update({f"guards/{k}": v for k, v in figure.extra.items()})
-        action, threshold = guard.action(cfg), guard.threshold(cfg)
-        if action == "off" or not guard.crossed(figure, threshold):
-            continue
-        ex = figure.example
-        index = next((i for i, e in enumerate(view.episodes) if e is ex), None)
-        crossings.append(Crossing(guard.name, action, figure.value, figure.count, threshold, guard.above,
-                                  guard.what, step, ex.session_id if ex else None, ex.task_id if ex else None,
-                                  episodes_file, index))
-    metrics["guards/fired"] = float(len(crossings))
-    return GuardReport(metrics, crossings)
+    """One step on its own, as if every guard had already been past its threshold for its patience: what
+    this step alone says (tests, a notebook looking at one step)."""
+    monitor = GuardMonitor(cfg, guards)
+    monitor.streaks = {g.name: g.patience - 1 for g in monitor.guards}
+    return monitor.check(view, step, episodes_file)
 
 
 class GuardStop(Exception):
