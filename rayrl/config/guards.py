@@ -41,7 +41,8 @@ class GuardsConfig:
     infra_failures: GuardAction = "warn"  # episodes failed by infrastructure (engine, sandbox, timeout, ...): warn /
     # stop / off
     infra_failures_max: float = 0.25  # fires above this share of the step's episodes
-    reward_failures: GuardAction = "warn"  # episodes whose reward function or judge raised: warn / stop / off
+    reward_failures: GuardAction = "warn"  # episodes whose reward function raised or whose judge gave no verdict: warn
+    # / stop / off
     reward_failures_max: float = 0.1  # fires above this share of the step's episodes
     zero_variance_groups: GuardAction = "warn"  # groups whose rewards are all equal, which train nothing: warn / stop
     # / off

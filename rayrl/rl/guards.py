@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from rayrl.config.guards import GuardsConfig
 from rayrl.rl.advantages import REWARD_TOLERANCE
-from rayrl.rl.failures import REWARD_FAILED, is_infra, is_scored
+from rayrl.rl.failures import JUDGE_FAILED, REWARD_FAILED, is_infra, is_scored
 from rayrl.types import Episode
 
 
@@ -190,8 +190,9 @@ def infra_failures(view: StepView) -> Figure:
 
 
 def reward_failures(view: StepView) -> Figure:
-    """Share of the step's episodes whose reward function (or judge) raised: they were scored 0.0."""
-    bad = [e for e in view.episodes if not e.ok and e.failure == REWARD_FAILED]
+    """Share of the step's episodes whose reward function raised (scored 0.0) or whose judge gave no verdict
+    (``judge_failed``, an infrastructure failure: left out)."""
+    bad = [e for e in view.episodes if not e.ok and e.failure in (REWARD_FAILED, JUDGE_FAILED)]
     return _share(bad, len(bad), len(view.episodes))
 
 
@@ -227,7 +228,7 @@ GUARDS: tuple[Guard, ...] = (
     Guard("drift", "drift_rate", True, 4, "episodes drifted (turns not extending each other token for token)",
           drift),
     Guard("infra_failures", "infra_failure_rate", True, 4, "episodes failed by infrastructure", infra_failures),
-    Guard("reward_failures", "reward_failure_rate", True, 4, "episodes' reward functions raised",
+    Guard("reward_failures", "reward_failure_rate", True, 4, "episodes' reward functions or judges failed",
           reward_failures),
     Guard("zero_variance_groups", "zero_variance_group_rate", True, 2, "groups had all-equal rewards (train nothing)",
           zero_variance_groups, patience=3),

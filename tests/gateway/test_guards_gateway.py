@@ -19,6 +19,7 @@ from rayrl.agents.episode import EpisodeRunner, gateway_facts
 from rayrl.agents.python_agent import PythonToolAgent
 from rayrl.config import GatewayConfig, GuardsConfig, RolloutConfig
 from rayrl.rewards import numeric_answer_reward
+from rayrl.rl.failures import JUDGE_FAILED, JudgeError
 from rayrl.rl.guards import StepView, check_guards
 from rayrl.types import Episode, Task
 from tests.gateway.episode_kit import InProcessSessions, LocalSandboxes
@@ -90,7 +91,14 @@ def test_an_engine_that_fails_and_a_judge_that_raises(scripted):
         raise RuntimeError("judge endpoint answered 429")
 
     judged = run_step(scripted(lambda p: "The answer is 7."), 4, reward=judge)
-    assert fired(judged)["reward_failures"].value == 1.0
+    assert fired(judged)["reward_failures"].value == 1.0  # reward_failed: scored 0
+
+    def silent_judge(task: Task, result: AgentResult) -> float:
+        raise JudgeError("the judge gave no answer after 3 attempt(s): 503")
+
+    unjudged = run_step(scripted(lambda p: "The answer is 7."), 4, reward=silent_judge)
+    assert {e.failure for e in unjudged} == {JUDGE_FAILED}
+    assert {"reward_failures", "infra_failures"} <= set(fired(unjudged))  # judge_failed: left out, infrastructure
 
 
 def test_a_template_that_drops_reasoning_drifts(scripted):
