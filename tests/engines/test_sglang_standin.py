@@ -10,6 +10,7 @@ import json
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 import torch
 
@@ -328,3 +329,59 @@ def test_while_paused_an_update_applies_at_once_and_abort_mode_returns_running_g
     finish, version = asyncio.run(run())
     assert finish["type"] == "abort" and version == "41"
     assert _contract(strict.url)["unseen_version_spans"] == 0
+
+
+def test_versions_per_token_across_an_abort_and_continue_on_sglangs_response_shape(strict, weights):
+    """Issue 41 (round 2's open point): SGLang 0.5.9 sends one ``meta_info.weight_version`` per response and no
+    per-token versions. A generation the router streams, aborted by a pause (abort mode), the weights updated
+    while paused, then continued: each token's version comes from the weight_version of the part that made
+    it, as the gateway records the turn (rayrl/gateway/sessions.py versions_from), and no response carried a
+    per-token field."""
+    from rayrl.engines.router import Router
+    from rayrl.gateway.sessions import versions_from
+
+    seen_meta: list[dict] = []
+
+    async def run():
+        client = EngineClient(strict.url)
+        before = await client.get_weight_version()
+        router = Router([strict.url])
+        original = router._stream_on
+
+        async def recording(url, input_ids, params, rid, on_text):  # what each part's response carried
+            out = await original(url, input_ids=input_ids, params=params, rid=rid, on_text=on_text)
+            seen_meta.append(dict(out.meta_info))
+            return out
+
+        router._stream_on = recording
+        try:
+            task = asyncio.ensure_future(router.generate("s1", PROMPT, MEDIUM))
+            await _until_running(strict.url)
+            router.pause()  # the gateway holds (TrajectoryManager.hold_llm_calls)
+            await client.pause_generation("abort")
+            await client.wait_idle(30.0)
+            handles = HandleSender([EngineTarget(client)], bucket_bytes=1 << 20)
+            await handles.send(iter(weights), 57)
+            await client.continue_generation()
+            router.resume()
+            out = await asyncio.wait_for(task, 120)
+        finally:
+            await router.close()
+            await client.close()
+        return before, out
+
+    before, out = asyncio.run(run())
+    assert len(out.output_ids) == MEDIUM["max_new_tokens"] and router_continued(seen_meta)
+    assert all("output_token_versions" not in m and "weight_version" in m for m in seen_meta)
+    recorded = versions_from(out.weight_version, out.versions)  # the turn's policy_version, as the gateway keeps it
+    assert isinstance(recorded, np.ndarray) and len(recorded) == len(out.output_ids)
+    k = int((recorded == int(before)).sum())
+    assert 1 <= k < len(recorded)
+    assert np.array_equal(recorded, np.array([int(before)] * k + [57] * (len(recorded) - k)))
+    assert _contract(strict.url)["unseen_version_spans"] == 0
+
+
+def router_continued(metas: list[dict]) -> bool:
+    """Two parts: the first ended by the pause's abort, the second finished on its length."""
+    return (len(metas) == 2 and (metas[0].get("finish_reason") or {}).get("type") == "abort"
+            and (metas[1].get("finish_reason") or {}).get("type") == "length")
