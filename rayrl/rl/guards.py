@@ -18,8 +18,8 @@ max_tokens, drift events, the last turn's finish), from the failure kinds the ru
 facts (a harness that records none) is left out of the gateway figures.
 
 A guard fires once its figure has been past its threshold for its ``patience`` steps in a row (3 for the
-tool and zero-variance guards: a model learning its tool format, or a run converging, is not broken; 1
-for the rest), measured by :class:`GuardMonitor`, which the pipeline keeps for the run. A crossing is one
+tool guards, 5 for zero-variance groups: a model learning its tool format, or a run converging, is not
+broken; 1 for the rest), measured by :class:`GuardMonitor`, which the pipeline keeps for the run. A crossing is one
 :class:`Crossing`: one printed line naming the guard, the figure, the threshold and an
 example episode (its session id and the episodes file it is in, which the inspector links to), and one
 JSON line in ``runs/<exp_id>/guards.jsonl``. A guard whose action is ``stop`` makes the pipeline save a
@@ -231,7 +231,7 @@ GUARDS: tuple[Guard, ...] = (
     Guard("reward_failures", "reward_failure_rate", True, 4, "episodes' reward functions or judges failed",
           reward_failures),
     Guard("zero_variance_groups", "zero_variance_group_rate", True, 2, "groups had all-equal rewards (train nothing)",
-          zero_variance_groups, patience=3),
+          zero_variance_groups, patience=5),
 )
 GUARDS_BY_NAME = {g.name: g for g in GUARDS}
 
