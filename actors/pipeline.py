@@ -156,6 +156,9 @@ class Pipeline:
                     self.metrics.log(self.step, self.evaluate(self.step))
             if history and save_every >= 0 and not (save_every > 0 and self.step % save_every == 0):
                 self.save_checkpoint()
+            if history and cfg.trainer.lora.enabled:
+                written = self.trainer.export_lora(str(self.run_dir), cfg.trainer.lora.export_merged)
+                print(f"[rayrl] LoRA adapter (PEFT format): {'  merged model: '.join(written)}", flush=True)
         except TrainerFailure as failure:
             self.checkpoints.after_trainer_failure(failure)
             raise

@@ -129,6 +129,14 @@ class TrainerRank:
             return ""
         return str(write_weights(state, Path(root), version))
 
+    def export_lora(self, directory: str, merged: bool) -> list[str]:
+        """The final adapter in PEFT's format under ``directory``/adapter and, with ``merged``, the merged HF
+        model under ``directory``/merged (torch backend with trainer.lora; written on this rank's node)."""
+        out = [str(self.trainer.export_adapter(Path(directory) / "adapter"))]
+        if merged:
+            out.append(str(self.trainer.export_merged(Path(directory) / "merged")))
+        return out
+
     def _run(self, coro: Any) -> Any:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
@@ -386,6 +394,10 @@ class TrainerGroup:
     def export_weights(self, root: str, version: int, dtype: str) -> str:
         ranks = range(len(self.ranks)) if self.cfg.backend == "megatron" else [0]  # Megatron: all ranks gather
         return self._call("weight export", "export_weights", root, version, dtype, ranks=ranks)[0]
+
+    def export_lora(self, directory: str, merged: bool) -> list[str]:
+        """Rank 0 writes the final LoRA adapter (and the merged model when asked); returns the paths."""
+        return self._call("LoRA export", "export_lora", directory, merged, ranks=[0])[0]
 
     def places(self, ranks: Optional[Sequence[int]] = None) -> list[RankPlace]:
         """Where each of ``ranks`` (default: all) runs: its node and, in a shared placement, its bundle."""

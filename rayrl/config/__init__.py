@@ -29,7 +29,7 @@ from rayrl.config.serving import (
     TrajectoryConfig,
     VLLMConfig,
 )
-from rayrl.config.training import PlacementConfig, TrainerConfig
+from rayrl.config.training import LoraConfig, PlacementConfig, TrainerConfig
 
 __all__ = [
     "AlgorithmConfig",
@@ -42,6 +42,7 @@ __all__ = [
     "GuardsConfig",
     "JudgeConfig",
     "LoggingConfig",
+    "LoraConfig",
     "Machine",
     "ModelConfig",
     "PipelineConfig",

@@ -227,6 +227,16 @@ class RunConfig:
                            trainer_gpus=self.placement.trainer_gpus,
                            trainer_gpu_fraction=self.placement.trainer_gpu_fraction)
         self._check_agentcore()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """An engine backend that cannot serve adapters cannot serve a LoRA policy (auto picks one that can)."""
+        from rayrl.engines.backends import BACKENDS  # not at import: rayrl.config imports no rayrl module
+
+        backend = BACKENDS.get(self.engine.backend)
+        if self.trainer.lora.enabled and backend is not None and not backend.serves_lora:
+            raise ConfigError(f"trainer.lora: engine.backend {backend.name} cannot serve LoRA adapters; use one of "
+                              f"{', '.join(b.name for b in BACKENDS.values() if b.serves_lora)} or trainer.lora.rank 0")
 
     def _check_algorithm(self) -> None:
         """The algorithm's needs from the other sections."""

@@ -11,6 +11,37 @@ from typing import Literal
 
 from rayrl.config.checks import ConfigError, at_least_one, non_negative, positive
 
+LORA_ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer except the output head
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters trained with PEFT instead of the full weights (docs/lora.md); rank 0 trains every weight."""
+
+    rank: int = 0  # adapter rank r (0: off, full weights are trained)
+    alpha: float = 32.0  # scaling numerator: the adapter's output is multiplied by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input while training
+    target_modules: list[str] = field(default_factory=lambda: [LORA_ALL_LINEAR])  # module names (suffixes such as
+    # q_proj, down_proj) that get an adapter; all-linear: every linear layer except the output head
+    export_merged: bool = False  # at the end of the run, beside the adapter (runs/<exp_id>/adapter, PEFT's format),
+    # also write the base with the adapter merged in as a plain HF model (runs/<exp_id>/merged)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def __post_init__(self) -> None:
+        non_negative(self, "trainer.lora.", "rank")
+        positive(self, "trainer.lora.", "alpha")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"trainer.lora.dropout: must be in [0, 1), got {self.dropout!r}")
+        names = list(self.target_modules)
+        if not names or not all(isinstance(n, str) and n.strip() for n in names):
+            raise ConfigError(f"trainer.lora.target_modules: need one or more module names, got {names!r}")
+        if LORA_ALL_LINEAR in names and len(names) > 1:
+            raise ConfigError(f"trainer.lora.target_modules: {LORA_ALL_LINEAR} already names every linear layer; "
+                              f"give it alone, got {names!r}")
+
 
 @dataclass
 class TrainerConfig:
@@ -52,6 +83,7 @@ class TrainerConfig:
     memory_saver_standin: bool = False  # tests, torch backend on CPU: offload makes the weights unreadable until
     # onload, as torch_memory_saver's pause does on GPU (rayrl/trainers/memory_standin.py)
     weight_bucket_mb: int = 512  # weights go to the engines in buckets of this size (CUDA IPC / NCCL)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # torch backend: train LoRA adapters, not the weights
 
     def __post_init__(self) -> None:
         positive(self, "trainer.", "num_ranks", "lr", "micro_batch_tokens")
@@ -70,6 +102,9 @@ class TrainerConfig:
         if self.megatron_layer_spec == "local" and (self.sequence_packing or self.cp_size > 1):
             raise ConfigError("trainer.megatron_layer_spec: local has no packed (THD) sequences (Megatron's local "
                               "attention refuses them): set trainer.sequence_packing false and trainer.cp_size 1")
+        if self.lora.enabled and self.backend != "torch":
+            raise ConfigError(f"trainer.lora: the {self.backend} backend trains full weights only (megatron-core "
+                              "0.15.3 and mbridge 0.15.1 have no LoRA adapters); use trainer.backend torch")
         if self.num_ranks % model_parallel:
             raise ConfigError(f"trainer.num_ranks: {self.num_ranks} is not a multiple of tp_size x pp_size x "
                               f"cp_size ({model_parallel})")

@@ -7,7 +7,10 @@ at most ``micro_batch_tokens`` (padded) tokens, each micro-batch's loss comes fr
 gradients are all-reduced across ranks, clipped, and AdamW steps at the learning rate of the schedule
 (rayrl/trainers/lr_schedule.py). With a KL to a reference model, a frozen copy of the reference is
 held beside the policy, inside the same memory-saver region, so it leaves the device with the rest
-when the trainer offloads. Logits are computed only at trained positions, which saves most of the LM-head cost and
+when the trainer offloads. With ``trainer.lora`` the policy is the base model plus PEFT's LoRA adapter
+(rayrl/trainers/lora.py): only the adapter trains, the reference is the same model with the adapter
+switched off (no copy), checkpoints hold the adapter and its optimizer state, and the engines get the
+adapter alone. Logits are computed only at trained positions, which saves most of the LM-head cost and
 memory for tool-heavy episodes. The tokens every sample of a micro-batch starts with (the system prompt,
 tool schemas and few-shot turns all episodes share; a GRPO group's whole prompt) are run once and their
 keys/values repeated for each sample (``trainer.share_prefix``): the gradient is the same, since autograd
@@ -37,6 +40,7 @@ from rayrl.config import AlgorithmConfig, TrainerConfig
 from rayrl.config.resolve import compute_dtype as resolve_compute_dtype
 from rayrl.config.resolve import cpu_has_native_bf16
 from rayrl.rl.updates import MiniBatch, UpdatePlan, plan_updates
+from rayrl.trainers import lora
 from rayrl.trainers.lr_schedule import lr_at, set_lr
 from rayrl.trainers.memory_saver import MemorySaver, init_optimizer_state
 from rayrl.trainers.objective import Objective, TokenBatch, step_metrics
@@ -142,14 +146,23 @@ class TorchTrainer:
         self.memory = memory if memory is not None else MemorySaver(cfg.memory_saver, device=self.device)
         with self.memory.region():  # parameters (and buffers) land on the device inside the region
             model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[cfg.dtype])
-            self.model = model.to(self.device)
-            self.reference = self._load_reference(model_path) if self.objective.uses_reference else None
-        self.model.config.use_cache = False
-        if cfg.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            model = model.to(self.device)
+            model.config.use_cache = False
+            if cfg.gradient_checkpointing:
+                model.gradient_checkpointing_enable()
+            self.lora = cfg.lora.enabled
+            self.model = lora.wrap_with_lora(model, cfg.lora) if self.lora else model
+            if self.lora and cfg.gradient_checkpointing:  # checkpointed blocks need an input that wants grad
+                model.enable_input_require_grads()
+            # a LoRA policy's reference is its own base with the adapter off, unless another model is named
+            own_base = self.lora and self.algorithm.reference_path is None
+            needs_copy = self.objective.uses_reference and not own_base
+            self.reference = self._load_reference(model_path) if needs_copy else None
+            self.reference_is_base = self.objective.uses_reference and own_base
         self.model.train()
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas),
+            weight_decay=cfg.weight_decay,
         )
         if self.memory.active:  # everything offload must free exists now, inside the region
             with self.memory.region():
@@ -215,7 +228,7 @@ class TorchTrainer:
                        with_entropy: bool = False) -> Any:
         """Log-probs of the target tokens at the selected positions only (of ``model``, default the
         policy); with ``with_entropy``, also the entropy of the distribution at each of them."""
-        model = model if model is not None else self.model
+        model = lora.causal_lm(model if model is not None else self.model)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             hidden = self._hidden_states(model, batch)
             selected = hidden[batch["rows"], batch["cols"] - int(batch["prefix"])]
@@ -225,7 +238,8 @@ class TorchTrainer:
 
     @staticmethod
     def _hidden_states(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        """Last hidden states from position ``batch["prefix"]`` on; the shared prefix runs once."""
+        """Last hidden states from position ``batch["prefix"]`` on; the shared prefix runs once. ``model``:
+        a transformers causal LM (its LoRA layers, if any, live inside it)."""
         ids, mask, prefix = batch["input_ids"], batch["attention_mask"], int(batch["prefix"])
         base = model.base_model
         if prefix == 0:
@@ -298,6 +312,9 @@ class TorchTrainer:
             tokens: TokenBatch = batch["tokens"]
             if self.reference is not None:
                 tokens.ref_logp = self.token_logprobs(batch, self.reference)
+            elif self.reference_is_base:
+                with lora.adapter_off(self.model):
+                    tokens.ref_logp = self.token_logprobs(batch)
             if proximal:
                 tokens.proximal = self.token_logprobs(batch)
                 self.objective.record(tokens.proximal, tokens)
@@ -343,11 +360,27 @@ class TorchTrainer:
     # -- weights and checkpoints -------------------------------------------------------------------
 
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named weights for the engines (tied weights once)."""
-        yield from export_state_dict(self.model, dtype).items()
+        """HF-named weights for the engines (tied weights once); with LoRA, the adapter merged in."""
+        state = lora.merged_weights(self.model, dtype) if self.lora else export_state_dict(self.model, dtype)
+        yield from state.items()
+
+    def export_adapter(self, directory: str | Path) -> Path:
+        """The LoRA adapter in PEFT's own format (``PeftModel.from_pretrained`` loads it)."""
+        if not self.lora:
+            raise ValueError("export_adapter: trainer.lora is off; there is no adapter")
+        return lora.export_adapter(self.model, directory)
+
+    def export_merged(self, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """A plain HF model: the policy's weights (with LoRA, the adapter merged in)."""
+        if self.lora:
+            return lora.export_merged(self.model, directory, dtype)
+        directory = Path(directory)
+        self.model.save_pretrained(str(directory), state_dict=export_state_dict(self.model, dtype))
+        return directory
 
     def save_checkpoint(self, directory: str | Path, as_rank: int | None = None) -> None:
-        """``rank<r>.pt``: the optimizer, policy version and RNG states, and on rank 0 the model.
+        """``rank<r>.pt``: the optimizer, policy version and RNG states, and on rank 0 the model (with LoRA,
+        the adapter alone: the frozen base comes back from the model path).
         ``as_rank=0`` writes rank 0's file (model included) from any rank: every rank holds the full state
         (data parallel), so a surviving rank can write the whole checkpoint after rank 0 died."""
         directory = Path(directory)
@@ -362,7 +395,8 @@ class TorchTrainer:
             "python_rng": random.getstate(),
         }
         if rank == 0:
-            state["model"] = self.model.state_dict()
+            state["model"] = lora.trainable_state(self.model) if self.lora else self.model.state_dict()
+            state["lora_rank"] = self.cfg.lora.rank
         tmp = directory / f".rank{rank}.pt.tmp"
         torch.save(state, tmp)
         tmp.replace(directory / f"rank{rank}.pt")
@@ -372,8 +406,15 @@ class TorchTrainer:
         own = directory / f"rank{self.rank}.pt"
         # after a rank failure one surviving rank saves rank0.pt: its optimizer state is every replica's
         mine = torch.load(own if own.exists() else directory / "rank0.pt", weights_only=False)
-        model_state = mine.get("model") or torch.load(directory / "rank0.pt", weights_only=False)["model"]
-        self.model.load_state_dict(model_state)
+        whole = mine if "model" in mine else torch.load(directory / "rank0.pt", weights_only=False)
+        saved_rank = int(whole.get("lora_rank", 0))
+        if saved_rank != self.cfg.lora.rank:
+            raise ValueError(f"trainer.lora.rank: the checkpoint in {directory} was written with "
+                             f"{saved_rank} (0: full weights), this run has {self.cfg.lora.rank}")
+        if self.lora:
+            lora.load_trainable_state(self.model, whole["model"])
+        else:
+            self.model.load_state_dict(whole["model"])
         self.optimizer.load_state_dict(mine["optimizer"])
         self.memory.adopt_optimizer_state(self.optimizer)  # load_state_dict made new tensors, outside it
         self.policy_version = int(mine["policy_version"])

@@ -48,6 +48,8 @@ class EngineBackend:
     ``ROUTES`` (path -> method); ``check``: what the config must hold for it beyond the schema, run at
     load (``EngineConfig.__post_init__``; raises ConfigError naming the field), e.g. that the
     interpreter it runs from exists.
+    ``serves_lora``: it takes a LoRA adapter as the policy's weight update and generates with it
+    (``trainer.lora`` is refused at load for a backend without it).
     """
 
     name: str
@@ -58,6 +60,7 @@ class EngineBackend:
     weight_formats: tuple[str, ...] = ()
     extra_routes: Mapping[str, str] = field(default_factory=dict)
     check: Optional[ConfigCheck] = None
+    serves_lora: bool = False
 
     @property
     def switch_weight_format(self) -> bool:

@@ -42,4 +42,5 @@ CPU = EngineBackend(
     command=cpu_server_command,
     weight_formats=("float32", "fp16-packed"),
     extra_routes={"/set_weight_format": "POST"},  # rayrl/engines/server.py
+    serves_lora=True,
 )

@@ -56,4 +56,5 @@ def sglang_env(cfg: "EngineConfig") -> dict[str, str]:
     return env
 
 
-SGLANG = EngineBackend(name="sglang", command=sglang_command, env=sglang_env, on_gpu=True, sglang_wire=True)
+SGLANG = EngineBackend(name="sglang", command=sglang_command, env=sglang_env, on_gpu=True, sglang_wire=True,
+                       serves_lora=True)
