@@ -116,6 +116,8 @@ class Pipeline:
         routes = self.weights.connect(self.engines.endpoints())
         if self.placement is not None and routes is not None:
             print(f"[rayrl] weights: {routes.describe()}", flush=True)
+        if self.weights.adapter_only:  # requests name the adapter: the engines load version 0 before any
+            self.weights.push(0, self.engines.endpoints())
         # 4. the gateway
         self.trajectories = start_trajectory_managers(cfg, self.model_path, self.engines.urls)
         # 5. the sandbox pool

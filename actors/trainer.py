@@ -160,7 +160,8 @@ class TrainerRank:
         self.sender = make_sender(routes, self.args[2], bucket_bytes=cfg.weight_bucket_mb * 1024 * 1024,
                                   timeout_s=timeout_s, master_address=ray.util.get_node_ip_address(),
                                   disk_root=disk_root, cuda=cuda, store=store,
-                                  gpu_id=str(int(gpus[0])) if gpus and not cuda else None)
+                                  gpu_id=str(int(gpus[0])) if gpus and not cuda else None,
+                                  adapter_config=self.trainer.adapter_config() if cfg.lora.enabled else None)
         if self.sender is not None:
             self._run(self.sender.connect())
         return self.sender is not None

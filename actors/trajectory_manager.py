@@ -15,6 +15,7 @@ import ray
 
 from actors.runtime import on_driver_node
 from rayrl.config import RunConfig
+from rayrl.engines.api import LORA_ADAPTER
 from rayrl.gateway.admin_trees import describe_session
 from rayrl.gateway.app import Gateway, settle_heap
 from rayrl.gateway.sessions import SessionInfo
@@ -37,7 +38,8 @@ class TrajectoryManager:
         same = cfg.model.tokenizer_path == cfg.model.path
         tokenizer = AutoTokenizer.from_pretrained(model_path if same else cfg.model.tokenizer_path)
         model_type = getattr(AutoConfig.from_pretrained(model_path), "model_type", "")
-        self.router = Router(engine_urls, wait_timeout_s=cfg.pipeline.generation_wait_timeout_s)
+        self.router = Router(engine_urls, wait_timeout_s=cfg.pipeline.generation_wait_timeout_s,
+                             lora_path=LORA_ADAPTER if cfg.trainer.lora.enabled else None)
         self.gateway = Gateway(
             cfg.gateway,
             cfg.trajectory,

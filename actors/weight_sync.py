@@ -37,6 +37,7 @@ class WeightSync:
         self._places: Optional[list[RankPlace]] = None
         self._connected: Optional[list[EngineEndpoint]] = []  # the engines the senders were built for
         self.routes: Optional[WeightRoutes] = None
+        self.adapter_only = cfg.trainer.lora.enabled  # updates are the LoRA adapter (rayrl/weights/adapter.py)
 
     @property
     def transport(self) -> str:
@@ -52,7 +53,8 @@ class WeightSync:
             self.trainer.close_weights()
             self.routes = None
             return None
-        routes = plan_routes(self.cfg.pipeline.weight_transfer, endpoints, self._places, self.cfg.engine.backend)
+        routes = plan_routes(self.cfg.pipeline.weight_transfer, endpoints, self._places, self.cfg.engine.backend,
+                             lora=self.cfg.trainer.lora.enabled)
         self.trainer.connect_weights(routes, self.disk_root, self.timeout_s)
         if self.routes is None or routes.describe() != self.routes.describe():
             logger.debug("weight routes: %s", routes.describe())

@@ -11,6 +11,7 @@ import torch
 
 from rayrl.config import AlgorithmConfig, ConfigError, LoraConfig, TrainerConfig, load_config
 from rayrl.rl.updates import plan_updates
+from rayrl.trainers import lora
 from rayrl.types import Sample
 
 
@@ -167,7 +168,11 @@ def test_weights_for_the_engines_and_both_exports_match_the_policy(tiny_model_di
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     assert not torch.allclose(_logits(base, IDS), want, atol=1e-4)  # the adapter changed the policy
 
-    merged = dict(trainer.named_weights())
+    sent = dict(trainer.named_weights())  # the engines get the adapter alone, under PEFT's names
+    assert sent and all(n.startswith("base_model.model.") and (".lora_A." in n or ".lora_B." in n) for n in sent)
+    assert trainer.adapter_config()["r"] == 4 and set(trainer.adapter_config()["target_modules"]) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    merged = lora.merged_weights(trainer.model)
     assert set(merged) <= set(base.state_dict()) and not any("lora" in n for n in merged)
     base.load_state_dict(merged, strict=False)
     assert torch.allclose(_logits(base, IDS), want, atol=1e-5)

@@ -305,6 +305,7 @@ class FakeWeights:
         self.engines = engines
         self.fail_push = 0
         self.during_push: Callable[[], None] = lambda: None
+        self.adapter_only = False
 
     def connect(self, endpoints: list[str]) -> None:
         self.log.append("weights.connect")

@@ -24,6 +24,9 @@ config.yaml, so what ran is what the file says. Resolved here:
   ``loss_agg_norm`` 0: ``rollout.max_turns`` x ``rollout.max_tokens``; ``dynamic_sampling_max_groups``
   0: 4 x ``rollout.prompts_per_step``; ``reference_path`` unset: ``model.path``.
 - ``model.tokenizer_path`` unset: ``model.path``.
+- ``engine.max_lora_rank`` 0 and ``engine.lora_target_modules`` empty, with ``trainer.lora`` on: the
+  trainer's rank and target modules (all-linear: the seven linear projections), which the engines are
+  launched to serve.
 
 ``pipeline.weight_transfer`` stays as configured: its ``auto`` depends on where each engine is placed
 relative to the trainer and is decided when the engines exist (rayrl/weights/routes.py). The machine is the
@@ -39,6 +42,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from rayrl.config.algorithm import AlgorithmConfig
 from rayrl.config.schema import RunConfig
@@ -203,6 +207,19 @@ def resolve_algorithm(cfg: RunConfig) -> AlgorithmConfig:
     )
 
 
+LINEAR_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _engine_lora(cfg: RunConfig) -> dict[str, Any]:
+    """``engine.max_lora_rank`` and ``engine.lora_target_modules`` from ``trainer.lora`` (kept when set)."""
+    lora = cfg.trainer.lora
+    if not lora.enabled:
+        return {}
+    targets = LINEAR_PROJECTIONS if list(lora.target_modules) == ["all-linear"] else list(lora.target_modules)
+    return {"max_lora_rank": cfg.engine.max_lora_rank or lora.rank,
+            "lora_target_modules": list(cfg.engine.lora_target_modules) or targets}
+
+
 def resolve(cfg: RunConfig, machine: Machine | None = None) -> RunConfig:
     """A copy of ``cfg`` with every auto value concrete (the module docstring lists them) for ``machine``
     (default: :meth:`Machine.detect`); ``cfg`` itself is not changed."""
@@ -219,7 +236,8 @@ def resolve(cfg: RunConfig, machine: Machine | None = None) -> RunConfig:
         cfg,
         model=replace(cfg.model, tokenizer_path=cfg.model.tokenizer_path or cfg.model.path),
         engine=replace(cfg.engine, backend=backend, num_threads=engine_threads,
-                       dtype=compute_dtype(cfg.engine.dtype, engine_on_gpu, machine.native_bf16)),
+                       dtype=compute_dtype(cfg.engine.dtype, engine_on_gpu, machine.native_bf16),
+                       **_engine_lora(cfg)),
         trainer=replace(cfg.trainer, num_threads=trainer_threads,
                         compute_dtype=compute_dtype(cfg.trainer.compute_dtype, machine.cuda, machine.native_bf16)),
         algorithm=resolve_algorithm(cfg),

@@ -92,12 +92,16 @@ class EngineConfig:
     # /flush_cache, as slime does) before a memory release or a weight update; past it the run stops with an error
     tp_size: int = 1  # tensor-parallel ranks per engine (GPUs per SGLang engine)
     extra_args: list[str] = field(default_factory=list)  # passed verbatim to the engine launcher
+    max_lora_rank: int = 0  # engines load LoRA adapters up to this rank (0: auto, trainer.lora.rank; none without
+    # trainer.lora)
+    lora_target_modules: list[str] = field(default_factory=list)  # the modules engines keep adapter room for (empty:
+    # auto, trainer.lora.target_modules; its all-linear is the seven projections q/k/v/o_proj, gate/up/down_proj)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # options only the SGLang backend reads
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # options only the vllm backends read
 
     def __post_init__(self) -> None:
         positive(self, "engine.", "num_engines", "max_batch_size", "context_length", "idle_timeout_s")
-        non_negative(self, "engine.", "num_threads", "prefix_cache_mb", "max_logprob_gap")
+        non_negative(self, "engine.", "num_threads", "prefix_cache_mb", "max_logprob_gap", "max_lora_rank")
         at_least_one(self, "engine.", "tp_size")
         if not math.isfinite(self.max_logprob_gap):
             raise ConfigError(f"engine.max_logprob_gap: must be a finite number, got {self.max_logprob_gap!r}")

@@ -34,7 +34,12 @@ ROUTES: dict[str, str] = {
     "/flush_cache": "POST",
     "/release_memory_occupation": "POST",  # tags: weights | kv_cache | cuda_graph (None: all)
     "/resume_memory_occupation": "POST",
+    "/load_lora_adapter_from_tensors": "POST",  # lora_name, config_dict, serialized_tensors (trainer.lora)
+    "/unload_lora_adapter": "POST",  # lora_name
+    "/v1/models": "GET",  # the base model and the LoRA adapters loaded (cards with a parent)
 }
+
+LORA_ADAPTER = "policy"  # the name the policy's LoRA adapter is loaded and requested under (trainer.lora)
 
 
 class EngineAPI(Protocol):
@@ -43,8 +48,10 @@ class EngineAPI(Protocol):
     base_url: str
 
     async def generate(self, input_ids: Sequence[int] | np.ndarray, sampling_params: Optional[Mapping[str, Any]] = None,
-                       rid: Optional[str] = None, return_logprob: bool = True) -> "GenerateOutput":
-        """``/generate``: tokens, their log-probs and the weight version(s) that produced them."""
+                       rid: Optional[str] = None, return_logprob: bool = True,
+                       lora_path: Optional[str] = None) -> "GenerateOutput":
+        """``/generate``: tokens, their log-probs and the weight version(s) that produced them (``lora_path``:
+        generated with that LoRA adapter)."""
         ...
 
     async def prompt_logprobs(self, input_ids: Sequence[int] | np.ndarray, start: int) -> np.ndarray:
@@ -113,6 +120,20 @@ class EngineAPI(Protocol):
 
     async def update_weight_version(self, new_version: str) -> dict[str, Any]:
         """``/update_weight_version``."""
+        ...
+
+    async def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: Mapping[str, Any],
+                                             serialized_tensors: str,
+                                             timeout_s: Optional[float] = None) -> dict[str, Any]:
+        """``/load_lora_adapter_from_tensors``: load a LoRA adapter under ``lora_name``."""
+        ...
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """``/unload_lora_adapter``."""
+        ...
+
+    async def lora_adapters(self) -> list[str]:
+        """The LoRA adapters loaded, from ``/v1/models``."""
         ...
 
     async def set_weight_format(self, weight_format: str) -> dict[str, Any]:

@@ -181,8 +181,10 @@ class EngineClient:
         sampling_params: Optional[Mapping[str, Any]] = None,
         rid: Optional[str] = None,
         return_logprob: bool = True,
+        lora_path: Optional[str] = None,
     ) -> GenerateOutput:
-        """Generate from token ids. Cancelling this coroutine aborts the request on the engine."""
+        """Generate from token ids (``lora_path``: with the LoRA adapter loaded under that name). Cancelling
+        this coroutine aborts the request on the engine."""
         rid = rid or uuid.uuid4().hex
         payload = {
             "input_ids": np.asarray(input_ids).astype(np.int64).tolist(),
@@ -190,6 +192,8 @@ class EngineClient:
             "rid": rid,
             "return_logprob": bool(return_logprob),
         }
+        if lora_path is not None:
+            payload["lora_path"] = lora_path
         try:
             body = await self._request("POST", "/generate", payload)
         except asyncio.CancelledError:
@@ -363,6 +367,26 @@ class EngineClient:
     async def update_weight_version(self, new_version: str) -> dict[str, Any]:
         return await self._request("POST", "/update_weight_version", {"new_version": str(new_version)})
 
+    async def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: Mapping[str, Any],
+                                             serialized_tensors: str,
+                                             timeout_s: Optional[float] = None) -> dict[str, Any]:
+        """SGLang's LoRA route: ``serialized_tensors`` is its MultiprocessingSerializer form (base64) of a dict
+        PEFT name -> tensor (rayrl/weights/adapter.py makes it)."""
+        return await self._request("POST", "/load_lora_adapter_from_tensors",
+                                   {"lora_name": lora_name, "config_dict": dict(config_dict),
+                                    "serialized_tensors": serialized_tensors}, timeout_s=timeout_s)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        return await self._request("POST", "/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def lora_adapters(self) -> list[str]:
+        """The names of the LoRA adapters loaded (``/v1/models``: the cards with a parent model)."""
+        body = await self._request("GET", "/v1/models")
+        cards = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(cards, list):
+            raise EngineError(200, "/v1/models answered without a data list", self.base_url)
+        return [str(c["id"]) for c in cards if isinstance(c, dict) and c.get("parent") is not None]
+
     async def set_weight_format(self, weight_format: str) -> dict[str, Any]:
         """The CPU engine's decode weight format (its own route; SGLang has none: a 404 there)."""
         return await self._request("POST", "/set_weight_format", {"weight_format": weight_format})
@@ -418,6 +442,8 @@ def error_message(raw: bytes) -> str:
     if isinstance(body, dict):
         if isinstance(body.get("message"), str):
             return body["message"]
+        if isinstance(body.get("error_message"), str):  # SGLang's LoRAUpdateOutput
+            return body["error_message"]
         err = body.get("error")
         if isinstance(err, dict) and isinstance(err.get("message"), str):
             return err["message"]

@@ -48,6 +48,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from rayrl.engines.decode import DecodeMixin
+from rayrl.engines.engine_adapter import AdapterMixin
 from rayrl.engines.engine_weights import DTYPES, WeightsMixin
 from rayrl.engines.kv_cache import ATTENTION_NAME, BatchKV
 from rayrl.engines.lean_decode import LeanDecoder
@@ -83,7 +84,7 @@ def _shut_down_running_engines() -> None:
         engine.shutdown(timeout=10.0)
 
 
-class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin):
+class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin, AdapterMixin):
     """Continuous-batching generation over a transformers causal LM on CPU (thread-safe API)."""
 
     def __init__(
@@ -100,13 +101,17 @@ class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin):
         prefix_cache_mb: int = 1024,
         device: str = "cpu",
         weight_format: str = "float32",
+        max_lora_rank: int = 0,
+        lora_target_modules: Optional[Sequence[str]] = None,
     ) -> None:
         """``device``: where the model, the KV cache and sampling live. "cpu" is the engine's purpose;
         "cuda" runs the same loop on a GPU (tensors the loop makes default to it), which is how CUDA IPC
         weight updates are checked against our own engine (tests/gpu/test_gpu_engine_ipc.py).
 
         ``weight_format``: how the decode path holds its matmul weights (weight_formats.py); "auto" takes
-        fp16-packed where the lean decode path runs this model in float32 with FBGEMM, else float32."""
+        fp16-packed where the lean decode path runs this model in float32 with FBGEMM, else float32.
+        ``max_lora_rank``: LoRA adapters up to this rank can be loaded (0: none; engine_adapter.py), on
+        ``lora_target_modules`` only (module names such as q_proj; None: any)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if dtype not in DTYPES:
@@ -126,6 +131,10 @@ class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin):
         self.model.eval()
         self.model.requires_grad_(False)
         self._params = self.model.state_dict(keep_vars=True)
+        self.max_lora_rank = int(max_lora_rank)
+        self.lora_target_modules = frozenset(lora_target_modules) if lora_target_modules else None
+        self._adapter = None
+        self._adapter_base = {}
         # token ids both the embeddings and the logits cover (they differ when the vocabulary is padded)
         out_emb = self.model.get_output_embeddings()
         self.vocab_size = int(min(self.model.get_input_embeddings().num_embeddings,

@@ -48,6 +48,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--weight-format", default="auto", choices=("auto", "float32", "fp16-packed"),
                     help="decode weights (rayrl/engines/weight_formats.py); auto: fp16-packed where the engine's "
                          "own decode path runs the model in float32 on x86, else float32")
+    ap.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag; merged here)")
+    ap.add_argument("--max-lora-rank", type=int, default=0, help="the largest adapter rank it loads")
+    ap.add_argument("--lora-target-modules", nargs="*", default=None,
+                    help="the only modules an adapter may change (SGLang's flag; default: any linear layer)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu",
                     help="cpu, or cuda[:N] to run the model on a GPU (checks CUDA IPC weight updates)")
@@ -68,6 +72,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.num_threads < 0:
         ap.error("--num-threads must be >= 0")
+    if args.enable_lora and args.max_lora_rank < 1:
+        ap.error("--enable-lora needs --max-lora-rank >= 1 (the largest adapter rank to load)")
     if args.prefix_cache_mb < 0:
         ap.error("--prefix-cache-mb must be >= 0")
     if (args.record_requests or args.enable_weights_cpu_backup) and not args.strict_sglang:
@@ -119,6 +125,8 @@ async def serve(args: argparse.Namespace) -> None:
         prefix_cache_mb=args.prefix_cache_mb,
         device=args.device,
         weight_format=args.weight_format,
+        max_lora_rank=args.max_lora_rank if args.enable_lora else 0,
+        lora_target_modules=args.lora_target_modules,
     ).start()
     server = server_cls(
         engine,

@@ -20,7 +20,7 @@ import torch
 from rayrl.engines.lean_decode import LeanDecoder, unsupported_reason
 from rayrl.engines.weight_formats import WEIGHT_FORMATS, check_weight_format, fp16_packing_available
 from rayrl.weights.files import read_checkpoint
-from rayrl.weights.wire import copy_into
+from rayrl.weights.wire import WeightUpdateError, copy_into
 
 logger = logging.getLogger("rayrl.engines.cpu_engine")
 
@@ -81,8 +81,18 @@ class WeightsMixin:
 
         Names and shapes are validated before anything is copied (WeightUpdateError, a ValueError).
         Dtypes are cast to the engine's. Running requests continue with the new weights and record
-        per-token versions.
+        per-token versions. Refused while a LoRA adapter is merged (engine_adapter.py: unload it first);
+        otherwise the base copies a former adapter kept are dropped, since these weights replace them.
         """
+        adapter = getattr(self, "_adapter", None)
+        if adapter is not None:
+            raise WeightUpdateError(f"LoRA adapter {adapter.name!r} is merged into the weights: unload it "
+                                    "before loading full weights")
+        getattr(self, "_adapter_base", {}).clear()
+        return self._replace_weights(named_tensors, version)
+
+    def _replace_weights(self, named_tensors: Mapping[str, torch.Tensor], version: Optional[str] = None) -> int:
+        """Copy ``named_tensors`` into the model and the packed decode weights, between decode steps."""
 
         def apply() -> int:
             count = copy_into(named_tensors, self._params)

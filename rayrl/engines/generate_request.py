@@ -69,7 +69,6 @@ UNSUPPORTED = (
     "image_data",
     "video_data",
     "audio_data",
-    "lora_path",
     "lora_id",
     "session_params",
     "custom_logit_processor",
@@ -177,6 +176,13 @@ def parse_generate(body: dict[str, Any], engine: CPUEngine) -> GenerateBatch:
         body.get("return_logprob"), size, "return_logprob", lambda v: isinstance(v, bool), False
     )
     start_len = per_item(body.get("logprob_start_len"), size, "logprob_start_len", is_int, -1)
+    lora_path = body.get("lora_path")
+    if isinstance(lora_path, list) and len(lora_path) != size:
+        raise RequestError(f"lora_path list length ({len(lora_path)}) must match batch size ({size})")
+    try:  # the adapter merged into the weights, named by every item (rayrl/engines/engine_adapter.py)
+        engine.check_adapter_request(lora_path)
+    except ValueError as err:
+        raise RequestError(str(err)) from None
     items = []
     for i in range(size):
         ids = engine.validate_prompt(prompts[i], params[i])

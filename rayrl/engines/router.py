@@ -94,8 +94,12 @@ class Router:
         imbalance_rel: float = 1.5,
         wait_timeout_s: float = 600.0,
         reconnect_s: float = 5.0,
+        lora_path: Optional[str] = None,
     ) -> None:
+        """``lora_path``: every generation names this LoRA adapter (trainer.lora: the policy is the adapter
+        the engines loaded under that name, rayrl/weights/adapter.py)."""
         self.timeout_s = timeout_s
+        self.lora_path = lora_path
         self.imbalance_abs = imbalance_abs
         self.imbalance_rel = imbalance_rel
         self.wait_timeout_s = wait_timeout_s
@@ -422,6 +426,8 @@ class Router:
             "return_logprob": True,
             "stream": True,
         }
+        if self.lora_path is not None:
+            payload["lora_path"] = self.lora_path
         stream = StreamFold(url)
         try:
             try:

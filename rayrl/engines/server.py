@@ -50,7 +50,7 @@ CONTROL_PATHS = frozenset({
     "/update_weight_version", "/update_weights_from_disk", "/update_weights_from_tensor",
     "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
     "/release_memory_occupation", "/resume_memory_occupation", "/flush_cache", "/pause_generation",
-    "/continue_generation", "/set_weight_format",
+    "/continue_generation", "/set_weight_format", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
 })
 
 
@@ -129,6 +129,9 @@ class EngineServer(WeightEndpoints):
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/set_weight_format", self.set_weight_format)
+        r.add_post("/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
+        r.add_get("/v1/models", self.models)
         for path, handler in (
             ("/release_memory_occupation", self.release_memory),
             ("/resume_memory_occupation", self.resume_memory),
@@ -347,6 +350,17 @@ class EngineServer(WeightEndpoints):
                 "architectures": getattr(config, "architectures", None),
             }
         )
+
+    async def models(self, request: web.Request) -> web.Response:
+        """``/v1/models`` as SGLang lists them: the base model, then each LoRA adapter (``parent``: the base)."""
+        name = self.server_args.get("served_model_name", self.engine.model_path)
+        cards = [{"id": name, "object": "model", "owned_by": "sglang", "root": name, "parent": None,
+                  "max_model_len": self.engine.context_length}]
+        adapter = self.engine.adapter
+        if adapter is not None:
+            cards.append({"id": adapter.name, "object": "model", "owned_by": "sglang", "root": "__tensor__",
+                          "parent": name, "max_model_len": None})
+        return web.json_response({"object": "list", "data": cards})
 
     async def server_info(self, request: web.Request) -> web.Response:
         stats = self.engine.stats()

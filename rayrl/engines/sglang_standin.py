@@ -35,7 +35,11 @@ managers/scheduler.py, utils/common.py, model_executor/model_runner.py):
   ones wait behind it (writer first). Paused (any mode), updates apply at once;
 - ``/pause_generation`` in ``abort`` mode aborts everything and returns only once no generation holds
   the lock; requests that arrive while paused wait until ``/continue_generation``;
-- responses carry no per-token policy versions (0.5.9 sends none).
+- responses carry no per-token policy versions (0.5.9 sends none);
+- ``/load_lora_adapter_from_tensors``: ``serialized_tensors`` is unpickled by SGLang's own serializer, as
+  its tp_worker does outside any error handling (a refused payload kills the scheduler: 400 here, counted),
+  and must be the dict of tensors its LoRAAdapter iterates; ``config_dict`` must be one SGLang's own
+  ``LoRAConfig`` reads (``r``, ``lora_alpha``, ``target_modules``).
 
 And it counts what would be silently wrong on SGLang, in ``/get_server_info`` ``sglang_contract``:
 ``mixed_weight_generations`` (a generation admitted between two buckets of one update, so it ran on
@@ -361,6 +365,34 @@ class StrictSGLangServer(EngineServer):
             self._metadata_cls(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
                                end_idx=m.end_idx, numel=m.numel) for m in obj["metadata"]])
         return bucket.reconstruct_tensors()
+
+    # -- LoRA adapters -------------------------------------------------------------------------------
+
+    async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        config = body.get("config_dict")
+        if isinstance(config, dict):
+            from sglang.srt.lora.lora_config import LoRAConfig  # type: ignore[import-not-found]
+
+            try:  # 0.5.9's lora_manager reads it first; a missing key fails the load (no crash)
+                LoRAConfig.from_dict(config, body.get("added_tokens_config"))
+            except Exception as err:
+                return web.json_response({"success": False, "error_message": f"{type(err).__name__}: {err}",
+                                          "loaded_adapters": None}, status=400)
+        return await super().load_lora_adapter_from_tensors(request)
+
+    def _adapter_tensors(self, payload: Any) -> Any:
+        """As 0.5.9's tp_worker: SGLang's own MultiprocessingSerializer (outside any try: its refusal kills
+        the scheduler), then the LoRAAdapter iterates ``tensors.items()``."""
+        try:
+            obj = self._serializer.deserialize(payload)
+        except Exception as err:
+            return self._refuse(f"serialized_tensors: SGLang {PINNED_SGLANG} refuses this payload (its scheduler "
+                                f"dies on it): {type(err).__name__}: {err}")
+        if not isinstance(obj, dict):
+            return self._refuse(f"serialized_tensors holds a {type(obj).__name__}; SGLang {PINNED_SGLANG}'s "
+                                "LoRAAdapter iterates a dict of name -> tensor")
+        return obj
 
     def _refuse(self, message: str) -> web.Response:
         """A payload SGLang would fail on: 400 here, counted in ``contract_violations``."""

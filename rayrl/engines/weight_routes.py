@@ -19,7 +19,12 @@ from rayrl.engines.http_input import RequestError, bool_flag, read_json
 from rayrl.engines.sampling import is_int
 from rayrl.weights.group import WeightGroupError, parse_specs, receive_tensors
 from rayrl.weights.tp_payloads import check_tp_entries
-from rayrl.weights.wire import decode_named_tensors, deserialize_entry
+from rayrl.weights.wire import decode_named_tensors, deserialize_adapter, deserialize_entry
+
+# SGLang 0.5.9's LoadLoRAAdapterFromTensorsReqInput / UnloadLoRAAdapterReqInput (and BaseReq's rid, http_worker_ipc)
+LORA_LOAD_FIELDS = {"lora_name", "config_dict", "serialized_tensors", "pinned", "added_tokens_config", "lora_id", "rid",
+                    "http_worker_ipc"}
+LORA_UNLOAD_FIELDS = {"lora_name", "lora_id", "rid", "http_worker_ipc"}
 
 
 class WeightEndpoints:
@@ -141,6 +146,62 @@ class WeightEndpoints:
         return await self._apply_weights(
             body, lambda: self.engine.update_weights(tensors, version), "from the request"
         )
+
+    # -- LoRA adapters (SGLang's routes; the CPU engine merges the one it serves: engine_adapter.py) ----
+
+    def _lora_result(self, error: Optional[str] = None) -> web.Response:
+        """SGLang's LoRAUpdateOutput: 200 on success, 400 with ``error_message`` otherwise."""
+        adapter = self.engine.adapter
+        loaded = {adapter.name: {"lora_name": adapter.name, "lora_path": "__tensor__"}} if adapter else {}
+        return web.json_response({"success": error is None, "error_message": error, "loaded_adapters": loaded},
+                                 status=200 if error is None else 400)
+
+    @staticmethod
+    def _lora_body(body: dict[str, Any], fields: set[str]) -> str:
+        unknown = sorted(set(body) - fields)
+        if unknown:
+            raise RequestError(f"unknown field(s) {', '.join(unknown)}")
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise RequestError("lora_name must be a non-empty string")
+        return name
+
+    async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
+        """``{"lora_name", "config_dict", "serialized_tensors"}``: the adapter (PEFT's names and
+        adapter_config.json) merged into the weights; the weight version is the caller's to set."""
+        body = await read_json(request)
+        name = self._lora_body(body, LORA_LOAD_FIELDS)
+        config = body.get("config_dict")
+        if not isinstance(config, dict):
+            raise RequestError("config_dict must be an object (adapter_config.json)")
+        if body.get("added_tokens_config"):
+            return self._lora_result("LoRA serving currently doesn't support adapters that add tokens to the "
+                                     "vocabulary")
+        tensors = self._adapter_tensors(body.get("serialized_tensors"))
+        if isinstance(tensors, web.Response):
+            return tensors
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.load_adapter, name, config, tensors)
+        except ValueError as err:  # AdapterError, WeightUpdateError
+            return self._lora_result(str(err))
+        return self._lora_result()
+
+    def _adapter_tensors(self, payload: Any) -> dict[str, Any] | web.Response:
+        """``serialized_tensors`` as {PEFT name: tensor} (rayrl's allow-listed unpickler; the strict SGLang
+        stand-in uses SGLang's own)."""
+        try:
+            return deserialize_adapter(payload)
+        except ValueError as err:
+            raise RequestError(str(err)) from None
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        name = self._lora_body(body, LORA_UNLOAD_FIELDS)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.unload_adapter, name)
+        except ValueError as err:
+            return self._lora_result(str(err))
+        return self._lora_result()
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         """Join the trainer's weight broadcast group as rank ``rank_offset`` (one TP rank on CPU).

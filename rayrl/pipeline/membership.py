@@ -3,7 +3,8 @@ which engines a weight update goes to, and the weights a joining engine needs be
 
 An engine that died is taken out of the gateway's routers at once (the fleet starts its replacement on
 the same seat). A replacement that has started is *joining*: it gets the current weights first (policy
-version 0: the senders are only connected to it, the engines all start from the same checkpoint), then
+version 0: the senders are only connected to it, the engines all start from the same checkpoint, unless
+the policy is a LoRA adapter, which the engines load even at version 0), then
 the fleet marks it live and only then do the routers learn its address, so no LLM call ever reaches an
 engine with stale weights. The schedule says when an engine may join (colocated: not while the trainer
 holds the devices) and how weights reach the engines with calls in flight (its ``update_engines``, which
@@ -72,8 +73,8 @@ class EngineMembership:
         joining = [s for s in self.engines.slots if s.state == "joining"]
         if not joining or not may_join:
             return
-        if version > 0:  # senders are rebuilt for the new address (and broadcast seat) first
-            update_engines()  # as after a step: with nothing generating on the engines already live
+        if version > 0 or self.weights.adapter_only:  # senders are rebuilt for the new address first (a LoRA
+            update_engines()  # adapter is needed even at version 0); as after a step, nothing generating
         else:
             self.weights.connect(self.engines.endpoints())
         for slot in joining:

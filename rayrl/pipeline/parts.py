@@ -134,7 +134,11 @@ class Engines(Protocol):
 
 class Weights(Protocol):
     """Trainer -> engines weight updates to the endpoints it is given (actors/weight_sync.py WeightSync):
-    ``push`` raises WeightSyncError when the engines' side fails (rayrl/pipeline/failures.py)."""
+    ``push`` raises WeightSyncError when the engines' side fails (rayrl/pipeline/failures.py).
+    ``adapter_only``: the updates are a LoRA adapter (trainer.lora), which engines need even at policy
+    version 0 (requests name it)."""
+
+    adapter_only: bool
 
     def connect(self, endpoints: list[EngineEndpoint]) -> Optional[WeightRoutes]: ...
 

@@ -360,9 +360,16 @@ class TorchTrainer:
     # -- weights and checkpoints -------------------------------------------------------------------
 
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named weights for the engines (tied weights once); with LoRA, the adapter merged in."""
-        state = lora.merged_weights(self.model, dtype) if self.lora else export_state_dict(self.model, dtype)
+        """What the engines need: the HF-named weights (tied weights once), or with LoRA the adapter alone
+        (PEFT's names; :meth:`adapter_config` says what it is)."""
+        state = lora.adapter_tensors(self.model, dtype) if self.lora else export_state_dict(self.model, dtype)
         yield from state.items()
+
+    def adapter_config(self) -> dict[str, Any]:
+        """The LoRA adapter's adapter_config.json, as the engines' LoRA route takes it."""
+        if not self.lora:
+            raise ValueError("adapter_config: trainer.lora is off; there is no adapter")
+        return lora.adapter_config(self.model)
 
     def export_adapter(self, directory: str | Path) -> Path:
         """The LoRA adapter in PEFT's own format (``PeftModel.from_pretrained`` loads it)."""

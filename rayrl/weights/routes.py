@@ -15,6 +15,11 @@ layer found them) and ``pipeline.weight_transfer``. The three transports differ 
   rank on that rank's GPU, which needs a trainer rank on every GPU of the engine (colocated). The rank on
   the engine's first GPU posts all entries (``tp_ranks``).
 
+With ``trainer.lora`` the update is the adapter alone, through SGLang's LoRA routes
+(rayrl/weights/adapter.py: transport ``adapter``, whatever ``pipeline.weight_transfer`` says): each engine
+gets it from a trainer rank on its own node, as shared-memory handles (there is no LoRA route across
+nodes in SGLang 0.5.9; an engine with no trainer rank on its node is refused here, naming trainer.lora).
+
 Every torch rank holds the full weights after a step (data parallel), and every Megatron rank drains the
 gathered export, so any rank can send.
 
@@ -31,10 +36,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 from rayrl.engines import backends
 from rayrl.engines.client import EngineClient
+from rayrl.weights.adapter import AdapterSender
 from rayrl.weights.broadcast import BroadcastSender
 from rayrl.weights.disk import DiskSender
 from rayrl.weights.handles import HandleSender
@@ -42,7 +48,7 @@ from rayrl.weights.shm import owner_tag
 from rayrl.weights.tp_payloads import PayloadExchange
 from rayrl.weights.transfer import EngineTarget, WeightSender
 
-Transport = Literal["disk", "tensor", "distributed"]
+Transport = Literal["disk", "tensor", "distributed", "adapter"]
 TRANSPORTS: tuple[str, ...] = ("disk", "tensor", "distributed")
 NODE_LOCAL: tuple[str, ...] = ("disk", "tensor")
 
@@ -140,15 +146,17 @@ def resolve_transport(
 
 
 def plan_routes(
-    mode: str, engines: Sequence[EngineEndpoint], ranks: Sequence[RankPlace], engine_backend: str
+    mode: str, engines: Sequence[EngineEndpoint], ranks: Sequence[RankPlace], engine_backend: str,
+    lora: bool = False,
 ) -> WeightRoutes:
     """Which rank feeds which engine; raises WeightRouteError when a node-local transport was asked for
-    and some engine has no trainer rank to feed it (``tensor`` on GPUs: on each of its GPUs)."""
+    and some engine has no trainer rank to feed it (``tensor`` on GPUs: on each of its GPUs). ``lora``:
+    the updates are LoRA adapters (transport ``adapter``, node-local)."""
     if not engines:
         raise WeightRouteError("no engines to send weights to")
     if not ranks:
         raise WeightRouteError("no trainer ranks to send weights from")
-    transport = resolve_transport(mode, engines, ranks, engine_backend)
+    transport: Transport = "adapter" if lora else resolve_transport(mode, engines, ranks, engine_backend)
     by_rank: dict[int, list[int]] = {}
     tp_ranks: dict[int, tuple[int, ...]] = {}
     if transport == "distributed":
@@ -167,6 +175,12 @@ def plan_routes(
             by_rank.setdefault(found[0], []).append(i)
             continue
         rank = _local_sender_rank(engine, ranks)
+        if rank is None and transport == "adapter":
+            raise WeightRouteError(
+                f"trainer.lora: the adapter goes to each engine as shared-memory handles from a trainer rank on "
+                f"its node (SGLang's /load_lora_adapter_from_tensors), but the engine at {engine.url} (node "
+                f"{engine.node_id[:12]}) has none; place a trainer rank on every engine node or train full weights"
+            )
         if rank is None:
             raise WeightRouteError(
                 f"pipeline.weight_transfer: {transport} hands weights over on one node, but the engine at "
@@ -189,6 +203,7 @@ def make_sender(
     cuda: bool,
     store: Any = None,
     gpu_id: Optional[str] = None,
+    adapter_config: Optional[Mapping[str, Any]] = None,
 ) -> Optional[WeightSender]:
     """The sender rank ``rank`` needs under ``routes`` (None: it feeds no engine). ``connect()`` it before
     the first ``send``. ``disk_root`` is this run's directory for the disk transport (a per-rank directory
@@ -196,13 +211,17 @@ def make_sender(
     ``disk_root``'s per-rank directory is ``rank<r>-<pid>-<start>`` (rayrl/weights/shm.py: swept when its
     owner is killed); ``store``: the trainer world's TCP store, where the TP ranks' payloads of an engine meet
     (rayrl/weights/tp_payloads.py); ``gpu_id``: the logical GPU a CPU rank stands for (marked on its
-    handle payloads)."""
+    handle payloads); ``adapter_config``: the LoRA adapter's adapter_config.json (transport ``adapter``)."""
     fed = routes.by_rank.get(rank, ())
     contributes = routes.contributions_of(rank)
     if not fed and not contributes:
         return None
     targets = [EngineTarget(EngineClient(routes.engines[i].url, timeout_s=timeout_s), routes.engines[i].tp_size,
                             i if i in routes.tp_ranks else None) for i in fed]
+    if routes.transport == "adapter":
+        if adapter_config is None:
+            raise WeightRouteError("trainer.lora: the adapter transport needs the adapter's config from the trainer")
+        return AdapterSender(targets, adapter_config, timeout_s=timeout_s)
     if routes.transport == "disk":
         return DiskSender(targets, Path(disk_root) / f"rank{rank}-{owner_tag()}", timeout_s=timeout_s)
     if routes.transport == "tensor":

@@ -343,3 +343,40 @@ def deserialize_entry(payload: Any, allow_cuda: bool = False) -> tuple[list[tupl
             raise WeightUpdateError("each entry of a weight payload must be a (name, tensor) pair")
         out.append((item[0], item[1]))
     return out, None
+
+
+def deserialize_adapter(payload: Any) -> dict[str, torch.Tensor]:
+    """SGLang's ``/load_lora_adapter_from_tensors`` ``serialized_tensors`` -> {PEFT name: tensor}: the same
+    allow-listed unpickling as a weight payload (CPU handles only), of a dict of tensors."""
+    if not isinstance(payload, str):
+        raise WeightUpdateError("serialized_tensors must be a base64 string")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise WeightUpdateError(f"serialized_tensors is not valid base64: {err}") from None
+    try:
+        obj = _AllowListUnpickler(raw, False).load()
+    except WeightUpdateError:
+        raise
+    except Exception as err:  # truncated pickles, shared-memory files already gone, ...
+        raise WeightUpdateError(f"serialized_tensors is not a tensor payload: {type(err).__name__}: {err}") from None
+    if not isinstance(obj, dict) or not obj or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        raise WeightUpdateError("serialized_tensors must hold a non-empty dict of name -> tensor")
+    return obj
+
+
+def serialize_adapter(tensors: dict[str, torch.Tensor]) -> str:
+    """``MultiprocessingSerializer.serialize(tensors, output_str=True)`` as SGLang's own
+    ``Engine.load_lora_adapter_from_tensors`` makes it, for CPU tensors (torch's shared-memory file
+    names: the caller keeps them alive until the engines have answered)."""
+    from torch.multiprocessing import reductions
+
+    buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    reduce_tensor = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)
+    pickler.dispatch_table[torch.Tensor] = reduce_tensor
+    pickler.dispatch_table[torch.nn.Parameter] = reduce_tensor
+    with _cpu_tensors_by_file_name():
+        pickler.dump(dict(tensors))
+    return base64.b64encode(buf.getvalue()).decode("ascii")

@@ -300,7 +300,7 @@ def test_every_route_and_field_we_send_exists_in_the_pinned_source(loop_thread):
     source = Path(client_module.__file__).read_text()
     # rayrl's CPU engine only (never called on SGLang: EngineFleet.set_weight_format skips SGLang engines)
     cpu_engine_only = {"/set_weight_format"}
-    assert set(re.findall(r'"(/[a-z_]+)"', source)) <= called_paths | {"/generate"} | cpu_engine_only
+    assert set(re.findall(r'"(/[a-z0-9_/]+)"', source)) <= called_paths | {"/generate"} | cpu_engine_only
     assert not cpu_engine_only & set(routes), "a CPU-engine extension route is now SGLang's too: check its contract"
     for method, path, body in calls:
         assert path in routes, f"{path} is not served by SGLang {PINNED}"

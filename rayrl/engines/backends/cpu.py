@@ -33,6 +33,9 @@ def cpu_server_command(
         "--tp-size", str(cfg.tp_size),
         "--weight-format", cfg.weight_format,
         "--weight-version", str(weight_version),
+        *(["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank)] if cfg.max_lora_rank else []),
+        *(["--lora-target-modules", *cfg.lora_target_modules] if cfg.max_lora_rank and cfg.lora_target_modules
+          else []),
         *cfg.extra_args,
     ]  # fmt: skip
 

@@ -39,8 +39,18 @@ def sglang_command(
         "--weight-version", str(weight_version),
         "--host", cfg.host,
         "--port", str(port),
+        *lora_args(cfg),
         *cfg.extra_args,
     ]  # fmt: skip
+
+
+def lora_args(cfg: "EngineConfig") -> list[str]:
+    """With ``engine.max_lora_rank`` (trainer.lora): LoRA on, the rank and the target modules to reserve room
+    for, so ``/load_lora_adapter_from_tensors`` can take the policy's adapter at every update."""
+    if not cfg.max_lora_rank:
+        return []
+    return ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank),
+            "--lora-target-modules", *(cfg.lora_target_modules or ["all"])]
 
 
 def sglang_env(cfg: "EngineConfig") -> dict[str, str]:
