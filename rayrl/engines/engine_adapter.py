@@ -110,6 +110,8 @@ class AdapterMixin:
         Everything is checked before any weight changes."""
         if self.max_lora_rank < 1:
             raise AdapterError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if self._adapter is not None and self._adapter.name == name:  # SGLang's own words
+            raise AdapterError(f"Failed to load LoRA adapter {name} because it is already loaded")
         if self._adapter is not None:
             raise AdapterError(f"Failed to load LoRA adapter {name} because adapter {self._adapter.name!r} is "
                                "loaded: the CPU engine serves one adapter, merged; unload it first")

@@ -32,8 +32,22 @@ class TrainerBackend(Protocol):
         ...
 
     def named_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named weights for the engines, cast to ``dtype``; every rank iterates to the end (Megatron
-        gathers over tensor and pipeline parallel ranks while it yields)."""
+        """HF-named weights for the engines, cast to ``dtype`` (with ``trainer.lora``: the adapter alone, under
+        PEFT's names); every rank iterates to the end (Megatron gathers over tensor and pipeline parallel
+        ranks while it yields)."""
+        ...
+
+    def adapter_config(self) -> dict[str, Any]:
+        """With ``trainer.lora``: the adapter's adapter_config.json, which the engines' LoRA route takes beside
+        the tensors :meth:`named_weights` yields (ValueError without an adapter)."""
+        ...
+
+    def export_adapter(self, directory: str | Path) -> Path:
+        """With ``trainer.lora``: the adapter in PEFT's own format (ValueError without an adapter)."""
+        ...
+
+    def export_merged(self, directory: str | Path, dtype: Optional[torch.dtype] = None) -> Path:
+        """The policy as a plain HF model (with ``trainer.lora``, the adapter merged into the weights)."""
         ...
 
     def save_checkpoint(self, directory: str | Path, as_rank: Optional[int] = None) -> None:

@@ -81,8 +81,15 @@ def adapter_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None) ->
 
 
 def adapter_config(model: torch.nn.Module) -> dict[str, Any]:
-    """The adapter's ``adapter_config.json`` as a dict (what SGLang's LoRA routes take as ``config_dict``)."""
+    """The adapter's ``adapter_config.json`` as a dict (what SGLang's LoRA routes take as ``config_dict``).
+
+    PEFT resolves ``all-linear`` to every module's full path; the targets here are their last names
+    (q_proj, ...), which PEFT matches as suffixes: the same modules, and what SGLang's target-module
+    checks and ``--lora-target-modules`` compare."""
     config = model.peft_config[ADAPTER].to_dict()
+    targets = config.get("target_modules")
+    if isinstance(targets, (list, set, frozenset, tuple)):
+        config["target_modules"] = sorted({str(t).rsplit(".", 1)[-1] for t in targets})
     return json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
 
 

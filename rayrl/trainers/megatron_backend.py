@@ -68,6 +68,10 @@ from rayrl.types import Sample
 
 logger = logging.getLogger(__name__)
 
+# trainer.lora is refused at load for this backend (rayrl/config/training.py): megatron-core 0.15.3 and
+# mbridge 0.15.1 have no LoRA adapter (their "lora" names are MLA's q/kv ranks and NeMo's grad-reduce hook)
+_NO_LORA = "trainer.lora: the Megatron backend trains full weights only; there is no adapter"
+
 _REQUIREMENTS = (
     ("megatron.core", "megatron-core"),
     ("mbridge", "mbridge"),
@@ -417,6 +421,15 @@ class MegatronTrainer:
             yield name, (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor)
 
     # -- checkpoints (rayrl/trainers/megatron_checkpoint.py) ----------------------------------------
+
+    def adapter_config(self) -> dict[str, Any]:
+        raise ValueError(_NO_LORA)
+
+    def export_adapter(self, directory: str | Path) -> Path:
+        raise ValueError(_NO_LORA)
+
+    def export_merged(self, directory: str | Path, dtype: Optional[torch.dtype] = None) -> Path:
+        raise ValueError("export_merged: the Megatron backend's weights are exported by mbridge (named_weights)")
 
     def save_checkpoint(self, directory: str | Path, as_rank: Optional[int] = None) -> None:
         """Megatron distributed checkpoint (model + optimizer, resharding-capable) and this rank's RNG

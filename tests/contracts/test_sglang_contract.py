@@ -11,6 +11,7 @@ SGLang writes.
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -178,7 +179,7 @@ from sglang.srt.server_args import ServerArgs
 parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
 ns = parser.parse_args(json.loads(sys.argv[1]))
-print(json.dumps({k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, type(None)))}))
+print(json.dumps({k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, list, type(None)))}))
 """
 
 
@@ -195,6 +196,61 @@ def test_our_launch_command_parses_with_sglangs_server_args():
     assert parsed["mem_fraction_static"] == 0.55 and parsed["context_length"] == 8192
     assert parsed["max_running_requests"] == 48 and parsed["weight_version"] == "7"
     assert parsed["enable_memory_saver"] is True and parsed["chunked_prefill_size"] == 4096
+
+
+def _sglang_function(path: Path, name: str):
+    """A top-level function of the pinned source, compiled alone (for modules whose imports need a GPU stack)."""
+    import typing
+
+    tree = ast.parse(path.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    namespace: dict = {k: getattr(typing, k) for k in ("Union", "Iterable", "Optional", "List", "Set", "Dict")}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace[name]
+
+
+def test_the_lora_launch_flags_parse_with_sglangs_server_args():
+    from rayrl.config import Machine, load_config, resolve
+
+    cfg = resolve(load_config(None, ["engine.backend=sglang", "trainer.lora.rank=16"]),
+                  Machine(cuda=True, cores=8, native_bf16=True))
+    cmd = sglang_command(cfg.engine, "/models/qwen", 31234)
+    out = subprocess.run([sys.executable, "-c", _PARSE, json.dumps(cmd[3:])], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    parsed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert parsed["enable_lora"] is True and parsed["max_lora_rank"] == 16
+    assert parsed["lora_target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"]  # every linear layer; not "all", which adds the head
+
+
+def test_the_adapter_we_send_is_what_sglangs_lora_loader_reads(tiny_model_dir):
+    """The adapter transport's payload through 0.5.9's own deserializer, config class and module names."""
+    import re as regex
+
+    from sglang.srt.lora.lora_config import LoRAConfig  # type: ignore[import-not-found]
+
+    from rayrl.config import LoraConfig, TrainerConfig
+    from rayrl.config.resolve import LINEAR_PROJECTIONS
+    from rayrl.trainers.torch_backend import TorchTrainer
+    from rayrl.weights.adapter import AdapterSender
+    from rayrl.weights.wire import serialize_adapter
+
+    trainer = TorchTrainer(tiny_model_dir, TrainerConfig(lora=LoraConfig(rank=8, alpha=16)), device="cpu")
+    sent = dict(trainer.named_weights(torch.bfloat16))
+    sender = AdapterSender([EngineTarget(EngineClient("http://127.0.0.1:9"))], trainer.adapter_config())
+    got = sglang_utils.MultiprocessingSerializer.deserialize(serialize_adapter(sender._shared(list(sent.items()))))
+    assert isinstance(got, dict) and set(got) == set(sent)  # LoRAAdapter iterates tensors.items()
+    assert all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in sent.items())
+    config = LoRAConfig.from_dict(trainer.adapter_config())
+    assert config.r == 8 and config.lora_alpha == 16
+    # what the memory pool checks (can_support): the adapter's modules within the server's, normalized by
+    # 0.5.9's own function (its module imports torchvision at load: the function is taken from its source)
+    normalized = _sglang_function(SRT / "lora" / "utils.py", "get_normalized_target_modules")
+    assert normalized(config.target_modules) <= normalized(LINEAR_PROJECTIONS)
+    assert normalized(config.target_modules) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    # every tensor lands in a layer (get_layer_id): none is dropped as an embedding or skipped
+    assert all(regex.search(r"layers\.(\d+)\.", n) for n in sent)
 
 
 # -- routes and JSON fields, read from the pinned source ----------------------------------------------
@@ -250,6 +306,8 @@ def _record_client_calls(loop_thread) -> list[tuple[str, str, object]]:
                 "completion_tokens": 1, "weight_version": "0", "output_token_logprobs": [[-0.1, 1, None]]}})
         if request.path in ("/model_info", "/server_info"):
             return web.json_response({"weight_version": "0"})
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "m", "parent": None}]})
         return web.json_response({"success": True, "message": ""})
 
     async def run() -> None:
@@ -261,6 +319,10 @@ def _record_client_calls(loop_thread) -> list[tuple[str, str, object]]:
         await site.start()
         c = EngineClient(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
         await c.generate([1, 2], {"max_new_tokens": 1}, rid="r")
+        await c.generate([1, 2], {"max_new_tokens": 1}, rid="r", lora_path="policy")
+        await c.load_lora_adapter_from_tensors("policy", {"r": 8}, "AAAA")
+        await c.unload_lora_adapter("policy")
+        assert await c.lora_adapters() == []
         await c.abort("r")
         await c.abort_all()
         await c.health()

@@ -1,0 +1,226 @@
+"""Full weights against LoRA (rank 16 on every linear layer) on the default model, side by side.
+
+Trainer (each side in a process of its own, so peak RSS is the side's own; the sides take turns, the
+order rotating each round, bench/measure.py): seconds per trainer step on a calculator-shaped batch
+(4 groups x 4 episodes, a 400-token prompt shared in each group, 100 trained tokens each), peak trainer
+RSS, checkpoint size, bytes per weight update.
+
+Engine (one real ``cpu_server`` process, SmolLM2's default fp16-packed decode weights): seconds per
+weight update, full weights as shared-memory handles (the CPU default) against the adapter through
+SGLang's LoRA routes (unload + load + version: the engine merges it and repacks those matrices); and
+what applying the adapter at decode instead would cost per decode step (the two small matmuls per
+adapted layer, timed at the model's shapes), against the engine's own decode step, to say which is
+faster for RL's update-then-generate cycle.
+
+    python bench/lora.py [--model smollm2-135m-instruct] [--rank 16] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from measure import Record, add_common_args, alternate, paired_ratio  # noqa: E402
+
+from rayrl.config import EngineConfig, LoraConfig, TrainerConfig  # noqa: E402
+from rayrl.engines.client import EngineClient  # noqa: E402
+from rayrl.engines.launcher import EngineProcess  # noqa: E402
+from rayrl.models import resolve_model_path  # noqa: E402
+from rayrl.types import Sample  # noqa: E402
+from rayrl.weights.adapter import AdapterSender  # noqa: E402
+from rayrl.weights.handles import HandleSender  # noqa: E402
+from rayrl.weights.transfer import EngineTarget  # noqa: E402
+
+GROUPS, GROUP_SIZE, PROMPT, RESPONSE = 4, 4, 400, 100
+
+
+def batch(seed: int) -> tuple[list[Sample], list[float]]:
+    rng = np.random.default_rng(seed)
+    samples, advantages = [], []
+    for _ in range(GROUPS):
+        prompt = rng.integers(10, 40000, size=PROMPT)
+        for k in range(GROUP_SIZE):
+            tokens = np.concatenate([prompt, rng.integers(10, 40000, size=RESPONSE)]).astype(np.int32)
+            samples.append(Sample(tokens=tokens, prompt_length=PROMPT, loss_mask=np.ones(RESPONSE),
+                                  policy_versions=np.zeros(RESPONSE),
+                                  rollout_logprobs=np.full(RESPONSE, -3.0, np.float32)))
+            advantages.append(1.0 if k % 2 else -1.0)
+    return samples, advantages
+
+
+def trainer_cfg(rank: int) -> TrainerConfig:
+    return TrainerConfig(lr=1e-5, micro_batch_tokens=4096, lora=LoraConfig(rank=rank))
+
+
+def child(args: argparse.Namespace) -> None:
+    """One side: build the trainer, run steps, report step seconds, peak RSS, checkpoint and update sizes."""
+    from rayrl.trainers.torch_backend import TorchTrainer
+
+    torch.set_num_threads(args.threads)
+    trainer = TorchTrainer(resolve_model_path(args.model), trainer_cfg(args.rank), seed=0, device="cpu")
+    seconds = []
+    for step in range(args.steps + 1):  # the first step warms up (allocations, AdamW state)
+        samples, advantages = batch(step)
+        started = time.perf_counter()
+        trainer.train_step(samples, advantages)
+        if step:
+            seconds.append(time.perf_counter() - started)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer.save_checkpoint(tmp)
+        checkpoint = sum(f.stat().st_size for f in Path(tmp).iterdir())
+    update = sum(t.numel() * t.element_size() for _, t in trainer.named_weights(torch.float32))
+    print(json.dumps({"step_s": float(np.median(seconds)), "peak_rss_mb": resource.getrusage(
+        resource.RUSAGE_SELF).ru_maxrss / 1024, "checkpoint_mb": checkpoint / 1e6, "update_mb": update / 1e6}))
+
+
+def run_side(args: argparse.Namespace, rank: int) -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--child", "--rank", str(rank), "--model", args.model,
+                          "--steps", str(args.steps), "--threads", str(args.threads)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def decode_overhead(model_path: Path, rank: int, batch_size: int, repeats: int) -> float:
+    """Seconds per decode step that LoRA applied at decode adds: x A^T then (.) B^T for every adapted
+    linear layer, float32, ``batch_size`` tokens."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_path)
+    head = c.hidden_size // c.num_attention_heads
+    kv = c.num_key_value_heads * head
+    shapes = [(c.hidden_size, c.hidden_size), (c.hidden_size, kv), (c.hidden_size, kv), (c.hidden_size, c.hidden_size),
+              (c.hidden_size, c.intermediate_size), (c.hidden_size, c.intermediate_size),
+              (c.intermediate_size, c.hidden_size)] * c.num_hidden_layers
+    mats = [(torch.randn(rank, i) * 0.01, torch.randn(o, rank) * 0.01, torch.randn(batch_size, i)) for i, o in shapes]
+    best = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for a, b, x in mats:
+            (x @ a.T) @ b.T
+        best.append(time.perf_counter() - started)
+    return float(np.median(best))
+
+
+def engine_side(args: argparse.Namespace, record: Record, rounds: dict) -> None:
+    from rayrl.trainers.torch_backend import TorchTrainer
+
+    path = resolve_model_path(args.model)
+    full = TorchTrainer(path, trainer_cfg(0), seed=0, device="cpu")
+    lora = TorchTrainer(path, trainer_cfg(args.rank), seed=0, device="cpu")
+    with torch.no_grad():  # a non-zero adapter, as after training
+        for p in lora.model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.01)
+    full_state = list(full.named_weights(torch.float32))
+    lora_state = list(lora.named_weights(torch.float32))
+    cfg = EngineConfig(dtype="float32", max_batch_size=8, context_length=1024, num_threads=args.threads,
+                       startup_timeout_s=300, max_lora_rank=args.rank)
+    loop = asyncio.new_event_loop()
+    versions = iter(range(1, 10**6))
+    with tempfile.TemporaryDirectory() as logs, EngineProcess(cfg, str(path), Path(logs) / "engine.log") as proc:
+        client = EngineClient(proc.url)
+        handles = HandleSender([EngineTarget(EngineClient(proc.url))], bucket_bytes=512 << 20, flattened=True)
+        adapter = AdapterSender([EngineTarget(EngineClient(proc.url))], lora.adapter_config())
+
+        async def full_update() -> float:
+            if await client.lora_adapters():  # full weights are refused under a merged adapter
+                await client.unload_lora_adapter(adapter.name)
+            version = next(versions)
+            started = time.perf_counter()
+            await handles.send(iter(full_state), version)
+            return time.perf_counter() - started
+
+        async def lora_update() -> float:
+            await adapter.connect()  # whether the full side left it loaded (it unloads it)
+            version = next(versions)
+            started = time.perf_counter()
+            await adapter.send(iter(lora_state), version)
+            return time.perf_counter() - started
+
+        async def decode_step() -> float:
+            prompts = [[5 + i, 17, 42, 99, 7, 3] for i in range(8)]
+            started = time.perf_counter()
+            await asyncio.gather(*(client.generate(p, {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True},
+                                                   lora_path=adapter.name) for p in prompts))
+            return (time.perf_counter() - started) / 64
+
+        loop.run_until_complete(handles.connect())
+        loop.run_until_complete(adapter.connect())
+        res = alternate({"full weights (shm handles)": lambda: loop.run_until_complete(full_update()),
+                         f"LoRA r{args.rank} (adapter routes, merged)": lambda: loop.run_until_complete(lora_update())},
+                        label="updates", **rounds)
+        res = {name: figs["value"] for name, figs in res.items()}
+        names = list(res)
+        record.table("Weight update into the CPU engine, seconds", ["side", "s per update", "bytes", "ratio to full"],
+                     [[names[0], res[names[0]].fmt(3), f"{sum(t.numel() * 4 for _, t in full_state) / 1e6:.1f} MB",
+                       "1"],
+                      [names[1], res[names[1]].fmt(3), f"{sum(t.numel() * 4 for _, t in lora_state) / 1e6:.1f} MB",
+                       paired_ratio(res[names[1]], res[names[0]]).fmt(3)]])
+        loop.run_until_complete(lora_update())  # the adapter merged: decode with it
+        step = [loop.run_until_complete(decode_step()) for _ in range(3)]
+        loop.run_until_complete(handles.close())
+        loop.run_until_complete(adapter.close())
+        loop.run_until_complete(client.close())
+    decode_s = float(np.median(step))
+    extra = decode_overhead(path, args.rank, 8, 5 if args.quick else 20)
+    merge_s = res[names[1]].median
+    tokens_per_step = GROUPS * GROUP_SIZE * 3 * 48  # the calculator run: 16 episodes, <= 3 turns x 48 tokens
+    steps_per_rollout = tokens_per_step / 8  # decode steps at batch 8
+    record.table("Merged at update vs applied at decode (CPU engine, batch 8)", ["figure", "value"], [
+        ["engine decode step (merged weights, batch 8)", f"{decode_s * 1e3:.2f} ms"],
+        [f"added per decode step if applied at decode (2 x {7} x layers small matmuls)", f"{extra * 1e3:.2f} ms"],
+        ["merge + repack per update (the LoRA update above)", f"{merge_s * 1e3:.1f} ms"],
+        [f"decode steps per calculator rollout (<= {tokens_per_step} tokens / 8)", f"{steps_per_rollout:.0f}"],
+        ["applied at decode, per rollout", f"{extra * steps_per_rollout * 1e3:.0f} ms"],
+    ])
+    record.figure("decode_overhead_ms", extra * 1e3)
+    record.figure("decode_step_ms", decode_s * 1e3)
+    record.figure("merge_update_ms", merge_s * 1e3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_common_args(parser)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    if args.quick:
+        args.steps = 1
+    rounds = dict(min_rounds=2, max_rounds=2) if args.quick else dict(min_rounds=3, max_rounds=5, budget_s=900)
+    record = Record("lora", f"Full weights vs LoRA rank {args.rank} (every linear layer), {args.model}",
+                    quick=args.quick, record_dir=args.record_dir)
+    res = alternate({"full": lambda: run_side(args, 0), f"LoRA r{args.rank}": lambda: run_side(args, args.rank)},
+                    label="trainer sides", warmup=0, **rounds)  # each side's process warms itself up
+    full, lora = res["full"], res[f"LoRA r{args.rank}"]
+    rows = []
+    for key, label, digits in (("step_s", "trainer step, s", 2), ("peak_rss_mb", "peak trainer RSS, MB", 0),
+                               ("checkpoint_mb", "checkpoint, MB", 1), ("update_mb", "bytes per weight update, MB", 1)):
+        rows.append([label, full[key].fmt(digits), lora[key].fmt(digits), paired_ratio(lora[key], full[key]).fmt(3)])
+    record.table(f"Trainer, {GROUPS}x{GROUP_SIZE} samples of {PROMPT}+{RESPONSE} tokens, {args.threads} threads, "
+                 f"{args.steps} steps per side per round", ["figure", "full", f"LoRA r{args.rank}", "LoRA / full"],
+                 rows)
+    engine_side(args, record, rounds)
+    print(record.save())
+
+
+if __name__ == "__main__":
+    main()
