@@ -64,7 +64,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from aiohttp import web
 
-from rayrl.engines.http_input import RequestError, error_response, read_body
+from rayrl.engines.http_input import RequestError, error_response, read_body, read_json
 from rayrl.engines.server import EngineServer
 from rayrl.engines.sglang_control import (
     SGLangRefusal,
