@@ -314,6 +314,7 @@ def check_recorded_requests(directory: str | Path) -> tuple[dict[str, int], list
                 parse_sglang_request(control, rec["method"], rec["path"], rec["body"])
             except SGLangRefusal as err:
                 problems.append(f"{where}: {err}")
+                continue
             if rec.get("refused") or rec.get("scheduler_died"):
                 problems.append(f"{where}: {rec.get('refused') or 'scheduler died: ' + rec['scheduler_died']}")
             elif rec["status"] >= 500 or (rec["status"] >= 400 and rec["path"] not in ALLOWED_4XX):

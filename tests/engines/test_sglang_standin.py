@@ -33,9 +33,14 @@ MEDIUM = {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True}  # one 
 
 
 @pytest.fixture(scope="module")
-def strict(tiny_model, tmp_path_factory):
+def recorded(tmp_path_factory):
+    return tmp_path_factory.mktemp("requests")
+
+
+@pytest.fixture(scope="module")
+def strict(tiny_model, tmp_path_factory, recorded):
     cfg = EngineConfig(dtype="float32", max_batch_size=4, context_length=4096, num_threads=1, startup_timeout_s=180,
-                       extra_args=["--strict-sglang"])
+                       extra_args=["--strict-sglang", "--record-requests", str(recorded)])
     proc = EngineProcess(cfg, str(tiny_model), tmp_path_factory.mktemp("strict") / "engine.log").start()
     yield proc
     proc.stop()
@@ -180,7 +185,7 @@ def _generate_status(url: str) -> tuple[int, dict]:
     return _post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}})
 
 
-@pytest.mark.parametrize("path, body, says", [
+REFUSED = [  # (path, body, what the refusal says): each a request SGLang 0.5.9 would refuse
     ("/update_weights_from_distributed", {"names": ["lm_head.weight"], "dtypes": ["torch.bfloat16"],
                                           "shapes": [[4, 4]]}, "getattr(torch, dtype)"),
     ("/release_memory_occupation", {"tags": ["cuda_graphs"]}, "memory tags ['cuda_graphs']"),
@@ -189,8 +194,12 @@ def _generate_status(url: str) -> tuple[int, dict]:
     ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "flush": False}, "['flush']"),
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_tokens": 2}}, "max_tokens"),
     ("/set_weight_format", {"weight_format": "float32"}, "not a route of SGLang"),
-], ids=["torch-dtype-name", "release-tag", "resume-tag", "pause-mode", "unknown-field", "sampling-key",
-        "cpu-engine-route"])
+]
+
+
+@pytest.mark.parametrize("path, body, says", REFUSED, ids=["torch-dtype-name", "release-tag", "resume-tag",
+                                                         "pause-mode", "unknown-field", "sampling-key",
+                                                         "cpu-engine-route"])
 def test_a_request_sglang_would_refuse_is_refused_by_its_own_classes_and_counted(strict, path, body, says):
     before = _contract(strict.url)["contract_violations"]
     status, answer = _post(strict.url, path, body)
@@ -385,3 +394,26 @@ def router_continued(metas: list[dict]) -> bool:
     """Two parts: the first ended by the pause's abort, the second finished on its length."""
     return (len(metas) == 2 and (metas[0].get("finish_reason") or {}).get("type") == "abort"
             and (metas[1].get("finish_reason") or {}).get("type") == "length")
+
+
+def test_the_record_holds_every_request_and_the_check_finds_exactly_the_refused_ones(strict, recorded, request):
+    """Last in the module: every request the tests above sent was recorded; held again to SGLang's classes,
+    the ones they sent on purpose to be refused are the problems found, and nothing else is."""
+    from rayrl.engines.sglang_control import check_recorded_requests
+
+    ran = {item.originalname for item in request.session.items if item.module is request.module}
+    if len(ran) < 9:  # the counts below are those of the whole module
+        pytest.skip("run with the whole module")
+
+    calls, problems = check_recorded_requests(recorded)
+    assert calls["POST /generate"] >= 5 and calls["POST /update_weights_from_tensor"] >= 3
+    assert calls["POST /update_weights_from_distributed"] >= 2 and calls["GET /model_info"] >= 3
+    assert calls["POST /release_memory_occupation"] >= 2 and calls["POST /pause_generation"] >= 1
+    said = "\n".join(problems)
+    for _, _, needle in REFUSED:
+        assert needle in said, (needle, said)
+    for needle in ("GET /get_weight_version: answered 404", "GET /weight_version: answered 404",
+                   "POST /update_weights_from_tensor: answered 400", "POST /generate: answered 500"):
+        assert needle in said, (needle, said)
+    # the two removed version routes, the refused bucket, the table, the two generations on lost weights
+    assert len(problems) == 2 + 1 + len(REFUSED) + 2, said

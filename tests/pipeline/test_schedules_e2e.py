@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from rayrl.config import load_config, resolve
+from rayrl.engines.sglang_control import check_recorded_requests
 from tests.ray_support import scrape_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +52,9 @@ def pipeline_config(tmp_path: Path, model_dir: Path, *overrides: str):
     )
 
 
-STRICT = "engine.extra_args=[--strict-sglang]"
+def strict(tmp_path: Path) -> str:
+    """The engines as the strict stand-in, recording every request they get under tmp_path/requests."""
+    return f"engine.extra_args=[--strict-sglang,--record-requests,'{tmp_path / 'requests'}']"
 
 
 def _engine_version(url: str) -> str:
@@ -59,14 +62,19 @@ def _engine_version(url: str) -> str:
         return json.load(resp)["weight_version"]
 
 
-def _assert_sglang_contract_kept(urls: list[str]) -> None:
-    """Nothing the stand-in refused, no generation on half-updated weights or across versions unseen."""
+def _assert_sglang_contract_kept(urls: list[str], tmp_path: Path, *sent: str) -> None:
+    """Nothing the stand-in refused, no generation on half-updated weights, on lost weights or across
+    versions unseen; and every request the pipeline sent, recorded, held again to SGLang 0.5.9's own route
+    table and request classes (``sent``: ``"METHOD /path"`` calls that must be among them)."""
     for url in urls:
         with urllib.request.urlopen(f"{url}/server_info", timeout=10) as resp:
             contract = json.load(resp)["sglang_contract"]
-        assert contract["version"] == "0.5.9"
+        assert contract["version"] == "0.5.9" and contract["scheduler_died"] is None, contract
         assert contract["contract_violations"] == contract["mixed_weight_generations"] == 0, contract
-        assert contract["unseen_version_spans"] == 0, contract
+        assert contract["unseen_version_spans"] == contract["lost_weight_generations"] == 0, contract
+    calls, problems = check_recorded_requests(tmp_path / "requests")
+    assert not problems, problems[:10]
+    assert {"POST /generate", *sent} <= set(calls), sorted(calls)
 
 
 def _episodes(cfg, step: int) -> list[dict]:
@@ -86,7 +94,7 @@ def _async_two_steps(tiny_model_dir, tmp_path, ray_local):
     # max_staleness 0 and 4 groups in flight for 2 per step: the groups started before the first weight
     # update hold version-0 tokens when step 2 (at version 1) takes them, so they must be dropped.
     cfg = pipeline_config(tmp_path, tiny_model_dir, "exp_id=async", "pipeline.schedule=async",
-                          "pipeline.max_staleness=0", "pipeline.groups_in_flight=4", STRICT,
+                          "pipeline.max_staleness=0", "pipeline.groups_in_flight=4", strict(tmp_path),
                           "trainer.weight_bucket_mb=4")  # several buckets per update
     assert resolve(cfg).algorithm.tis_cap == 2.0  # off-policy correction on by default in the async schedules
     pipeline = Pipeline(cfg)
@@ -94,7 +102,8 @@ def _async_two_steps(tiny_model_dir, tmp_path, ray_local):
         history = pipeline.run()
         assert len(history) == 2 and pipeline.version == 2
         assert all(_engine_version(u) == "2" for u in pipeline.engine_urls)
-        _assert_sglang_contract_kept(pipeline.engine_urls)
+        _assert_sglang_contract_kept(pipeline.engine_urls, tmp_path, "POST /update_weights_from_tensor",
+                                     "POST /pause_generation", "POST /continue_generation")
         # each update with nothing generating: SGLang would otherwise wait for running generations and let
         # requests in between buckets run on half-updated weights (main pushed under traffic)
         logged = ray.get(pipeline.engines.slots[0].actor.control_log.remote())
@@ -158,7 +167,7 @@ def test_colocated_async_two_steps_pauses_engines_in_order(ray_local, tiny_model
     from actors.pipeline import Pipeline
 
     cfg = pipeline_config(tmp_path, tiny_model_dir, "exp_id=colocated", "pipeline.schedule=colocated_async",
-                          "pipeline.max_staleness=1", "pipeline.partial_rollout=true", STRICT,
+                          "pipeline.max_staleness=1", "pipeline.partial_rollout=true", strict(tmp_path),
                           "trainer.memory_saver_standin=true")
     pipeline = Pipeline(cfg)
     try:
@@ -178,7 +187,8 @@ def test_colocated_async_two_steps_pauses_engines_in_order(ray_local, tiny_model
         phase = ["pause_generation", "flush_cache", "release_memory_occupation", "resume_memory_occupation",
                  "update_weights_from_tensor", "resume_memory_occupation", "continue_generation"]
         assert calls == start + phase * 3, calls
-        _assert_sglang_contract_kept(pipeline.engine_urls)
+        _assert_sglang_contract_kept(pipeline.engine_urls, tmp_path, "POST /release_memory_occupation",
+                                     "POST /resume_memory_occupation", "POST /update_weights_from_tensor")
         assert all(h["pipeline/staleness_max"] <= 1 for h in history)
         # episodes kept doing sandbox work during training; their LLM calls waited at the gateway
         assert history[-1]["gateway/queued"] >= 1
@@ -198,7 +208,7 @@ def test_colocated_async_releases_the_broadcast_group_before_the_trainer_lends_i
     from actors.pipeline import Pipeline
 
     cfg = pipeline_config(tmp_path, tiny_model_dir, "exp_id=colocated-bcast", "pipeline.schedule=colocated_async",
-                          "pipeline.max_staleness=1", "pipeline.weight_transfer=distributed", STRICT,
+                          "pipeline.max_staleness=1", "pipeline.weight_transfer=distributed", strict(tmp_path),
                           "trainer.memory_saver_standin=true")
     pipeline = Pipeline(cfg)
     try:
@@ -214,6 +224,26 @@ def test_colocated_async_releases_the_broadcast_group_before_the_trainer_lends_i
                  "init_weights_update_group", "update_weights_from_distributed", "destroy_weights_update_group",
                  "resume_memory_occupation", "continue_generation"]
         assert calls == start + phase * 3, calls  # two steps, then the checkpoint at the end
-        _assert_sglang_contract_kept(pipeline.engine_urls)
+        _assert_sglang_contract_kept(pipeline.engine_urls, tmp_path, "POST /init_weights_update_group",
+                                     "POST /update_weights_from_distributed", "POST /destroy_weights_update_group")
+    finally:
+        pipeline.shutdown()
+
+
+@pytest.mark.slow  # ~50 s; fast: tests/test_e2e_pipeline.py (the sync schedule on the lenient CPU engine)
+def test_sync_two_steps_on_the_strict_stand_in(ray_local, tiny_model_dir, tmp_path):
+    """The sync schedule, every request it sends held to SGLang 0.5.9's own classes (recorded)."""
+    from actors.pipeline import Pipeline
+
+    cfg = pipeline_config(tmp_path, tiny_model_dir, "exp_id=sync-strict", "pipeline.schedule=sync", strict(tmp_path))
+    pipeline = Pipeline(cfg)
+    try:
+        history = pipeline.run()
+        assert len(history) == 2 and pipeline.version == 2
+        assert all(_engine_version(u) == "2" for u in pipeline.engine_urls)
+        _assert_sglang_contract_kept(pipeline.engine_urls, tmp_path, "POST /update_weights_from_tensor",
+                                     "GET /model_info")
+        for step in (1, 2):
+            assert all(r["status"] == "ok" for r in _episodes(cfg, step))
     finally:
         pipeline.shutdown()
