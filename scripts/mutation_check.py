@@ -31,6 +31,7 @@ STANDIN = "tests/engines/test_sglang_standin.py"
 PHASES = "tests/test_schedule_phases.py"
 SCHEDULES = "tests/pipeline/test_schedules_e2e.py"
 CLIENT_CONTRACT = "tests/contracts/test_sglang_contract.py"
+COLOCATED = f"{SCHEDULES}::test_colocated_async_two_steps_pauses_engines_in_order"
 
 
 @dataclass(frozen=True)
@@ -57,23 +58,51 @@ PLANTS = (
           'resume_memory_occupation(["kv_cache", "cuda_graph"])',
           'resume_memory_occupation(["kv_cache", "cuda_graphs"])',
           'resume tag "cuda_graphs": a KeyError in SGLang\'s scheduler (offload_tags.remove)',
-          fast=(PHASES,), slow=(f"{SCHEDULES}::test_colocated_async_two_steps_pauses_engines_in_order",)),
+          fast=(PHASES,), slow=(COLOCATED,)),
     Plant("resume-not-released", "rayrl/pipeline/schedules.py",
-          "        parts.engines.pause_generation(mode)\n        parts.engines.release_memory_occupation()\n",
-          "        parts.engines.pause_generation(mode)\n",
-          "the engines' memory resumed without a release: a KeyError in SGLang's scheduler",
-          fast=(PHASES,), slow=(f"{SCHEDULES}::test_colocated_async_two_steps_pauses_engines_in_order",)),
+          "        parts.engines.wait_idle()  # SGLang asserts no request is running on release\n"
+          "        parts.engines.release_memory_occupation()\n",
+          "        parts.engines.wait_idle()  # SGLang asserts no request is running on release\n",
+          "the engines' weights resumed without a release: a KeyError in SGLang's scheduler",
+          fast=(PHASES,), slow=(COLOCATED,)),
+    Plant("no-push-at-setup", "rayrl/pipeline/schedules.py",  # issue 41 B
+          "        self.devices_with_trainer = True\n        self.engines_take_devices()\n",
+          "        self.devices_with_trainer = False\n        parts.weights.release_groups()\n"
+          "        parts.trainer.offload()\n        parts.engines.resume_memory_occupation()\n",
+          "colocated setup resumes the engines with no push (B): SGLang generates from garbage",
+          fast=(PHASES,), slow=(COLOCATED,)),
     Plant("no-push-after-resume", "rayrl/pipeline/schedules.py",
           '        parts.engines.resume_memory_occupation(["weights"])\n'
           "        self.membership.push_weights(self.state.version)",
           '        parts.engines.resume_memory_occupation(["weights"])\n        pass',
           "weights resumed without a push: SGLang (no CPU backup) generates from garbage",
-          fast=(PHASES,), slow=(f"{SCHEDULES}::test_colocated_async_two_steps_pauses_engines_in_order",)),
-    Plant("update-while-generating", "rayrl/pipeline/schedules.py",
-          '            parts.engines.pause_generation("abort")\n            self.membership.push_weights',
-          '            parts.engines.pause_generation("in_place")\n            self.membership.push_weights',
-          "an update with flush_cache while requests run (in_place pause): SGLang's idle assertion kills it",
+          fast=(PHASES,), slow=(COLOCATED,)),
+    Plant("save-while-offloaded", "rayrl/pipeline/schedules.py",  # issue 41 C, D
+          "        if self.devices_with_trainer:\n            return fn()\n        self.give_devices_to_trainer()\n",
+          "        if True:\n            return fn()\n        self.give_devices_to_trainer()\n",
+          "checkpoint save and resume load run on the offloaded trainer (C, D)",
+          fast=(f"{PHASES}::test_colocated_async_saves_and_loads_checkpoints_with_the_trainer_onloaded",),
+          slow=(COLOCATED,)),
+    Plant("replacement-from-offloaded", "rayrl/pipeline/schedules.py",  # issue 41 E
+          "        self.with_trainer_memory(lambda: None)\n",
+          "        self.membership.push_weights(self.state.version)\n",
+          "a replacement engine's weights read from the offloaded trainer (E)",
+          fast=(f"{PHASES}::test_colocated_async_a_replacement_engine_gets_weights_from_the_onloaded_trainer",)),
+    Plant("no-idle-wait-before-update", "rayrl/pipeline/schedules.py",  # issue 41 F
+          "            parts.engines.wait_idle()  # aborted requests leave the batch at the next scheduler step\n",
+          "",
+          "an update that flushes right after an abort pause (F): SGLang's idle assertion kills it",
           fast=(PHASES,), slow=(f"{SCHEDULES}::test_async_two_steps_drops_stale_groups",)),
+    Plant("no-idle-wait-before-release", "rayrl/pipeline/schedules.py",  # issue 41 F
+          "        parts.engines.wait_idle()  # SGLang asserts no request is running on release\n",
+          "",
+          "a release right after the pause (F): SGLang asserts no request runs, and its scheduler dies",
+          fast=(PHASES,), slow=(COLOCATED,)),
+    Plant("ld-preload-prepended", "rayrl/trainers/memory_saver.py",  # issue 41 G
+          '    return {"LD_PRELOAD": hook}',
+          '    return {"LD_PRELOAD": ":".join([hook, *others])}',
+          "the saver's hook prepended to an existing LD_PRELOAD (G): torch_memory_saver loads it as one library",
+          fast=("tests/test_memory_saver_cpu.py::test_preload_env_gives_torch_memory_saver_exactly_its_own_library",)),
     Plant("unknown-field", "rayrl/engines/client.py",
           '            "flush_cache": flush_cache,\n            "abort_all_requests": abort_all_requests,\n        }\n'
           "        if weight_version is not None:\n            payload[\"weight_version\"] = str(weight_version)\n"

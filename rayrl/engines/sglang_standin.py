@@ -148,7 +148,6 @@ class StrictSGLangServer(EngineServer):
         self.lock = ModelUpdateLock()
         self.counts: Counter = Counter()
         self.update_open = False  # a bucket without weight_version applied; the one that sets it closes it
-        self.pause_mode: Optional[str] = None
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._record = None  # one JSONL file per engine process under the --record-requests directory
@@ -194,10 +193,8 @@ class StrictSGLangServer(EngineServer):
         return response
 
     def _is_no_request(self) -> bool:
-        """The scheduler's ``_is_no_request``: nothing running (retracted requests wait outside the batch);
-        stricter, nothing waiting either."""
-        if self.engine.paused and self.pause_mode == "retract":
-            return True
+        """The scheduler's ``_is_no_request``: nothing running; stricter, nothing waiting either (the CPU
+        engine keeps a retracted request in its batch, where SGLang moves it to the waiting queue)."""
         stats = self.engine.stats()
         return not (stats["running"] or stats["waiting"] or self.lock.readers)
 
@@ -261,14 +258,12 @@ class StrictSGLangServer(EngineServer):
         mode = request["sglang_req"].mode
         self._unpaused.clear()
         response = await super().pause_generation(request)
-        self.pause_mode = mode
         if mode == "abort":  # 0.5.9 waits until no request holds the lock
             await self.lock.wait_unlocked()
         return response
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         response = await super().continue_generation(request)
-        self.pause_mode = None
         self._unpaused.set()
         return response
 
