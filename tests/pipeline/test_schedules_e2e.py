@@ -200,6 +200,34 @@ def test_colocated_async_two_steps_pauses_engines_in_order(ray_local, tiny_model
         pipeline.shutdown()
 
 
+@pytest.mark.slow  # ~2 min; fast: test_schedule_phases.py::test_colocated_async_saves_and_loads_checkpoints_...
+def test_colocated_async_resume_loads_into_the_onloaded_trainer(ray_local, tiny_model_dir, tmp_path):
+    """Issue 41 C and D on the real parts: the colocated checkpoint is saved and, on --resume, loaded with the
+    trainer onloaded (the memory stand-in makes every operation on offloaded trainer memory raise), and the
+    engines (the strict stand-in, which loses released weights) serve the loaded version from the first
+    rollout of the resumed run."""
+    from actors.pipeline import Pipeline
+
+    overrides = ["exp_id=colocated-resume", "pipeline.schedule=colocated_async", "pipeline.max_staleness=1",
+                 "pipeline.partial_rollout=true", STRICT, "trainer.memory_saver_standin=true"]
+    cfg = pipeline_config(tmp_path, tiny_model_dir, *overrides, "trainer.steps=1")
+    pipeline = Pipeline(cfg)
+    try:
+        assert len(pipeline.run()) == 1 and pipeline.checkpoints.latest()
+    finally:
+        pipeline.shutdown()
+    resumed = Pipeline(load_config(cfg.run_dir / "config.yaml", ["trainer.steps=2"]))
+    try:
+        assert resumed.resume() and (resumed.step, resumed.version) == (1, 1)
+        assert all(_engine_version(u) == "1" for u in resumed.engine_urls)  # pushed after the load
+        history = resumed.run()
+        assert len(history) == 1 and resumed.version == 2
+        assert all(r["status"] == "ok" for r in _episodes(cfg, 2))
+        _assert_sglang_contract_kept(resumed.engine_urls)
+    finally:
+        resumed.shutdown()
+
+
 @pytest.mark.slow  # ~60 s; tests/test_process_groups.py is the fast test of the release mechanism
 def test_colocated_async_releases_the_broadcast_group_before_the_trainer_lends_its_gpu(ray_local, tiny_model_dir,
                                                                                      tmp_path):
