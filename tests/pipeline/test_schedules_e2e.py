@@ -209,7 +209,7 @@ def test_colocated_async_resume_loads_into_the_onloaded_trainer(ray_local, tiny_
     from actors.pipeline import Pipeline
 
     overrides = ["exp_id=colocated-resume", "pipeline.schedule=colocated_async", "pipeline.max_staleness=1",
-                 "pipeline.partial_rollout=true", STRICT, "trainer.memory_saver_standin=true"]
+                 "pipeline.partial_rollout=true", strict(tmp_path), "trainer.memory_saver_standin=true"]
     cfg = pipeline_config(tmp_path, tiny_model_dir, *overrides, "trainer.steps=1")
     pipeline = Pipeline(cfg)
     try:
@@ -223,7 +223,8 @@ def test_colocated_async_resume_loads_into_the_onloaded_trainer(ray_local, tiny_
         history = resumed.run()
         assert len(history) == 1 and resumed.version == 2
         assert all(r["status"] == "ok" for r in _episodes(cfg, 2))
-        _assert_sglang_contract_kept(resumed.engine_urls)
+        _assert_sglang_contract_kept(resumed.engine_urls, tmp_path, "POST /update_weights_from_tensor",
+                                     "POST /release_memory_occupation", "POST /flush_cache")
     finally:
         resumed.shutdown()
 
