@@ -20,6 +20,7 @@ import torch
 
 from rayrl.config import AlgorithmConfig, RunConfig, TrainerConfig, load_config
 from rayrl.config.resolve import clip_range, default_tis_cap, loss_aggregation, resolve_algorithm
+from rayrl.rl.shaping import overlong_penalty
 from rayrl.rl.updates import UpdatePlan
 from rayrl.trainers.lr_schedule import lr_at, total_optimizer_steps
 from rayrl.trainers.objective import Objective, TokenBatch
@@ -71,6 +72,9 @@ def test_ppo_and_cispo_clamp_the_log_ratio_before_exp():
     assert w.per_token.item() == pytest.approx(-0.01 * 1.0 * -100.0, rel=1e-5)  # weight clamp(e^-20, 0.01, 5)
     big = cispo(_inp([0.0], [-100.0], [1.0], clip_low=1.0, clip_high=4.0))
     assert torch.isfinite(big.per_token).all()
+    # no lower bound (low 1.0): the clamped weight is e^-20, not exp(-100) = 0: -w * A * logp = 100 e^-20
+    tiny = cispo(_inp([-100.0], [0.0], [1.0], clip_low=1.0, clip_high=4.0))
+    assert tiny.per_token.item() == pytest.approx(100.0 * math.exp(-20.0), rel=1e-4)
 
 
 def test_gspo_clamps_the_sequence_log_ratio_at_10():
@@ -213,3 +217,8 @@ def test_trainer_defaults_that_shape_the_update():
     t = RunConfig().trainer
     assert (t.num_steps_per_rollout, t.epochs_per_rollout, t.lr_schedule, t.lr_warmup_steps, t.lr_min_ratio) == (
         1, 1, "constant", 0, 0.0)
+
+
+def test_the_overlong_penalty_past_the_limit_is_the_configured_penalty():
+    assert overlong_penalty(150, 100, 20, scale=0.5) == -0.5  # not -1: overlong_penalty scales the whole penalty
+    assert overlong_penalty(100, 100, 20, scale=0.5) == pytest.approx(-0.5)  # the linear part meets it at the limit
