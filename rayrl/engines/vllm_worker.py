@@ -19,7 +19,9 @@ own ``load_weights`` (checkpoint names: q/k/v and gate/up fused as vLLM fuses th
 and a layer is processed for its kernels (on CPU, repacked) once all its weights are in;
 ``finish_weight_update`` finalizes the rest. A version's buckets are therefore one session: a layer
 whose weights straddle two buckets is only complete after both (loading in place instead fails on CPU,
-where processing replaced the parameters: ``'Parameter' object has no attribute 'weight_loader'``).
+where processing replaced the parameters: ``'Parameter' object has no attribute 'weight_loader'``), and
+the tensors are copied out of the sender's buffer first, since the reload holds a straddling layer's
+tensors until its last weight arrives while the sender reuses one buffer for every bucket.
 
 The control plane is vLLM's own: ``/start_weight_update``, ``/update_weights`` with this engine's
 ``update_info``, ``/finish_weight_update`` with the weight version (rayrl/engines/vllm_adapter.py calls
@@ -85,6 +87,9 @@ class RayrlWeightTransferEngine(WeightTransferEngine[RayrlInitInfo, RayrlUpdateI
 
             # ValueError for anything not a weight payload; on GPU, CUDA IPC handles as SGLang's senders make them
             named, _gpu = deserialize_entry(update_info.payload, allow_cuda=self.device.type == "cuda")
+            # copied out of the sender's buffer: layerwise reload keeps the tensors of a layer whose other
+            # weights come in a later bucket, and the sender refills the same buffer with that bucket
+            named = [(name, tensor.clone()) for name, tensor in named]
         else:
             named = _read_safetensors_dir(update_info.safetensors_dir or "")
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check

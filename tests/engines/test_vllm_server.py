@@ -175,7 +175,7 @@ def test_weights_pushed_through_handles_land_in_vllm(vllm_engine, reference):
         sender = HandleSender([EngineTarget(EngineClient(vllm_engine.url), 1)], bucket_bytes=64 << 20)
         await sender.connect()
         try:
-            return await sender.send(named, version)
+            return await sender.send(list(named.items()), version)
         finally:
             await sender.close()
 
