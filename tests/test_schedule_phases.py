@@ -78,6 +78,7 @@ class FakeDispatcher(GroupsInFlight):
         self.engines: Optional[FakeEngines] = None  # (make_run) whose weights a group's episodes are served by
         self.gateway: Optional[FakeGateway] = None
         self.stalled = False
+        self.stalled_tasks: set[str] = set()  # groups of these tasks never complete
         self.submitted: list[tuple[str, str, bool, int]] = []  # (group id, task id, front, reruns)
 
     def submit(self, task: Task, group_id: str, front: bool = False, reruns: int = 0) -> None:
@@ -93,7 +94,7 @@ class FakeDispatcher(GroupsInFlight):
             self.active[group.group_id] = group
         if self.stalled:
             return 0
-        done = list(self.active.values())
+        done = [g for g in self.active.values() if g.task.task_id not in self.stalled_tasks]
         for group in done:
             group.episodes = {i: self.outcome(group, i) for i in range(group.size)}
             del self.active[group.group_id]
@@ -102,6 +103,8 @@ class FakeDispatcher(GroupsInFlight):
 
     def fail_unfinished(self, reason: str) -> list[Group]:
         groups = list(self.active.values())
+        if groups and self.engines is not None:  # cancelled episodes' LLM calls may still run at the engines
+            self.engines.batch_may_hold_requests = True
         for group in groups:
             group.episodes = {i: fail(Episode("", group.task.task_id, group.group_id), "step_deadline",
                                       reason) for i in range(group.size)}
@@ -255,7 +258,8 @@ class FakeEngines:
 
     def needs_idle(self, what: str) -> None:
         if self.batch_may_hold_requests:
-            raise Unmapped(f"{what} right after pause_generation: SGLang asserts no request is running")
+            raise Unmapped(f"{what} while requests may still run (after a pause, or episodes a deadline cut): "
+                           "SGLang asserts no request is running")
 
     def continue_generation(self) -> None:
         self.log.append("engines.continue_generation")
@@ -586,6 +590,24 @@ def test_sync_step_deadline_fails_the_unfinished_groups_and_goes_on():
     assert len(groups) == 2 and train is None  # every episode failed: nothing trains, nothing is pushed
     assert all(e.failure == "step_deadline" for g in groups for e in g.ordered())
     assert "weights.push(1 -> 2)" not in run.log
+
+
+def test_sync_after_a_step_deadline_updates_the_engines_with_nothing_generating():
+    """Issue 41 F in sync: groups the deadline cut are failed, but their episodes' LLM calls may still run
+    at the engines, and SGLang asserts after an update that flushes the cache with a request running; so
+    that step's update goes the async way (calls held, abort, idle, update, continue)."""
+    run = make_run("pipeline.schedule=sync", "rollout.step_deadline_s=0.05")
+    run.dispatcher.stalled_tasks = {"t1"}
+    mark = len(run.log)
+    groups, train = run.step()
+    assert [g.task.task_id for g in groups] == ["t0", "t1"] and train is not None
+    assert run.log.since(mark) == [
+        "trainer.train(2)", "gateway.hold_llm_calls", "engines.pause_generation(abort)", "engines.wait_idle",
+        "weights.push(1 -> 2)", "engines.continue_generation", "gateway.release_llm_calls"]
+    run.dispatcher.stalled_tasks = set()
+    mark = len(run.log)
+    run.step()
+    assert run.log.since(mark) == ["trainer.train(4)", "weights.push(2 -> 2)"]  # nothing cut: as before
 
 
 # -- engine membership ---------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ picks the class once from ``pipeline.schedule`` and then only calls :meth:`Sched
     2. (pipeline) advantages (``algorithm.advantage_estimator``, GRPO by default) over each group's scored
        episodes (rayrl/rl/batch.py);
     3. one trainer step (nothing else runs);
-    4. new weights to every engine with the next policy version.
+    4. new weights to every engine with the next policy version (after a step deadline cut groups, whose
+       episodes' LLM calls may still run at the engines, with nothing generating, as async does).
 
 ``async`` (disaggregated)
     1. keep ``groups_in_flight`` groups queued or running; take the first ``prompts_per_step`` groups
@@ -100,6 +101,7 @@ class Schedule:
         self.state = parts.state
         self.dropped: list[Group] = []  # this step's groups dynamic sampling dropped (recorded, not trained)
         self.rerun_refused: set[str] = set()  # groups the budget refused a rerun: each is counted once
+        self.generations_cut = False  # sync: the step deadline failed groups whose LLM calls may still run
         self.membership = EngineMembership(parts.engines, parts.weights, parts.gateway, parts.state.failures)
 
     # -- the dispatch loop ---------------------------------------------------------------------------
@@ -189,7 +191,9 @@ class Schedule:
                 if deadline is not None and time.monotonic() > deadline and self.deadline_ends_step(len(taken), enough):
                     break
         if len(taken) < need and not self.runs_ahead:
-            taken += dispatcher.fail_unfinished("step deadline reached")
+            cut = dispatcher.fail_unfinished("step deadline reached")
+            self.generations_cut = self.generations_cut or bool(cut)
+            taken += cut
         return taken
 
     def rerun(self, group: Group) -> None:
@@ -279,8 +283,27 @@ class Schedule:
         return metrics
 
     def update_engines(self) -> None:
-        """The new weights to every engine (sync: nothing is generating now)."""
-        self.membership.push_weights(self.state.version)
+        """The new weights to every engine (sync: nothing is generating now, unless the step deadline cut
+        episodes whose LLM calls may still run at the engines: then as async does)."""
+        if self.generations_cut:
+            self.generations_cut = False
+            self.update_with_nothing_generating()
+        else:
+            self.membership.push_weights(self.state.version)
+
+    def update_with_nothing_generating(self) -> None:
+        """The gateway holds new calls, the engines abort what runs (the gateway continues it after) and are
+        polled until idle, update, continue: SGLang asserts after an update that flushes the cache that no
+        request is running."""
+        parts = self.parts
+        parts.gateway.hold_llm_calls()
+        try:
+            parts.engines.pause_generation("abort")
+            parts.engines.wait_idle()  # aborted requests leave the batch at the next scheduler step
+            self.membership.push_weights(self.state.version)
+            parts.engines.continue_generation()
+        finally:
+            parts.gateway.release_llm_calls()
 
     def with_trainer_memory(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` (a checkpoint save or load) where the trainer's memory is live (sync, async: always)."""
@@ -340,17 +363,8 @@ class AsyncSchedule(Schedule):
         return self.while_dispatching(lambda: self.parts.trainer.train(batch.samples, batch.train_advantages()))
 
     def update_engines(self) -> None:
-        """The new weights with nothing generating (step 4 in the module docstring): the gateway holds
-        new calls, the engines abort what runs (the gateway continues it after), update, continue."""
-        parts = self.parts
-        parts.gateway.hold_llm_calls()
-        try:
-            parts.engines.pause_generation("abort")
-            parts.engines.wait_idle()  # aborted requests leave the batch at the next scheduler step
-            self.membership.push_weights(self.state.version)
-            parts.engines.continue_generation()
-        finally:
-            parts.gateway.release_llm_calls()
+        """The new weights with nothing generating (step 4 in the module docstring)."""
+        self.update_with_nothing_generating()
 
 
 class ColocatedAsyncSchedule(AsyncSchedule):
