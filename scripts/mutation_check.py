@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+LAST_OUTPUT = ""  # the last pytest run's output, shown when the unplanted run fails
 STANDIN = "tests/engines/test_sglang_standin.py"
 PHASES = "tests/test_schedule_phases.py"
 SCHEDULES = "tests/pipeline/test_schedules_e2e.py"
@@ -158,6 +159,8 @@ def run_tests(copy: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[str
     except subprocess.TimeoutExpired:
         return "timed out", time.monotonic() - started
     seconds = time.monotonic() - started
+    global LAST_OUTPUT
+    LAST_OUTPUT = out.stdout + out.stderr
     if out.returncode == 0:
         return "passed", seconds
     if out.returncode in (4, 5):  # usage error, nothing collected: not a failure the plant caused
@@ -197,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unplanted: {result} in {seconds:.0f} s", flush=True)
             if result != "passed":
                 print("the tests fail without a plant: fix that first (nothing is counted)")
+                print(LAST_OUTPUT[-3000:])
                 return 1
         shutil.rmtree(clean, ignore_errors=True)
         for p in chosen:
