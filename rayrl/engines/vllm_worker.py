@@ -80,6 +80,23 @@ class RayrlWeightTransferEngine(WeightTransferEngine[RayrlInitInfo, RayrlUpdateI
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        self._reprocess_tied_head()
+
+    def _reprocess_tied_head(self) -> None:
+        """A head tied to the embedding gets no weights of its own (the checkpoint has none), so the
+        reload never processes it again; on CPU its processing packed the old weights into the GEMM it
+        runs (vllm/model_executor/layers/utils.py ``dispatch_cpu_unquantized_gemm``), which would go on
+        computing logits with them. It is processed again over the embedding's new weights."""
+        head = getattr(self.model, "lm_head", None)
+        embed = getattr(getattr(self.model, "model", None), "embed_tokens", None)
+        weight, shared = getattr(head, "weight", None), getattr(embed, "weight", None)
+        if not isinstance(weight, torch.Tensor) or not isinstance(shared, torch.Tensor):
+            return
+        if weight.device.type == "meta" or weight.data_ptr() != shared.data_ptr():
+            return  # not tied: the head had its own weights in the checkpoint and was processed with them
+        method = getattr(head, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(head)
 
     def receive_weights(self, update_info: RayrlUpdateInfo) -> None:
         if update_info.payload is not None:
