@@ -100,6 +100,7 @@ bench: $(TDEPS) model
 	$(BIN)/python bench/gateway_overhead.py
 	$(BIN)/python bench/trajectory_scaling.py
 	$(BIN)/python bench/weight_transfer.py
+	$(BIN)/python bench/lora.py
 	$(BIN)/python bench/sandbox_pool.py
 	$(if $(BASE),$(BIN)/python bench/pipeline_before_after.py --base $(BASE))
 	$(BIN)/python bench/report.py

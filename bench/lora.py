@@ -167,7 +167,7 @@ def engine_side(args: argparse.Namespace, record: Record, rounds: dict) -> None:
         record.table("Weight update into the CPU engine, seconds", ["side", "s per update", "bytes", "ratio to full"],
                      [[names[0], res[names[0]].fmt(3), f"{sum(t.numel() * 4 for _, t in full_state) / 1e6:.1f} MB",
                        "1"],
-                      [names[1], res[names[1]].fmt(3), f"{sum(t.numel() * 4 for _, t in lora_state) / 1e6:.1f} MB",
+                      [names[1], res[names[1]].fmt(3), f"{sum(t.numel() * 4 for _, t in lora_state) / 1e6:.2f} MB",
                        paired_ratio(res[names[1]], res[names[0]]).fmt(3)]])
         loop.run_until_complete(lora_update())  # the adapter merged: decode with it
         step = [loop.run_until_complete(decode_step()) for _ in range(3)]
