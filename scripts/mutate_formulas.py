@@ -3,6 +3,7 @@
     python scripts/mutate_formulas.py            # every plant (about 3 minutes on 2 cores: one pytest each)
     python scripts/mutate_formulas.py -k gspo    # the plants whose name contains "gspo"
     python scripts/mutate_formulas.py --list     # the plants, without running anything
+    python scripts/mutate_formulas.py --skip 58  # all but the first 58 (a run cut short goes on)
 
 Why: a formula test that asserts hand-computed values can still pass with a wrong formula (a clamp that
 the example never reaches, a term the example sets to zero, a default the test passes explicitly). Each
@@ -237,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-k", default="", help="only the plants whose name contains this")
     parser.add_argument("--list", action="store_true", help="list the plants and exit")
+    parser.add_argument("--skip", type=int, default=0, help="leave out the first N plants (to finish a cut run)")
     args = parser.parse_args(argv)
-    plants = [p for p in PLANTS if args.k in p.name]
+    plants = [p for p in PLANTS[args.skip:] if args.k in p.name]
     if args.list:
         for p in plants:
             print(f"{p.name:36s} {p.path}")
