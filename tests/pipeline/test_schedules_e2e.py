@@ -259,7 +259,7 @@ def test_colocated_async_releases_the_broadcast_group_before_the_trainer_lends_i
         pipeline.shutdown()
 
 
-@pytest.mark.slow  # ~50 s; fast: tests/test_e2e_pipeline.py (the sync schedule on the lenient CPU engine)
+@pytest.mark.slow  # ~3 min; fast: tests/test_e2e_pipeline.py (the sync schedule on the lenient CPU engine)
 def test_sync_two_steps_on_the_strict_stand_in(ray_local, tiny_model_dir, tmp_path):
     """The sync schedule, every request it sends held to SGLang 0.5.9's own classes (recorded)."""
     from actors.pipeline import Pipeline
