@@ -152,6 +152,10 @@ class EngineAPI(Protocol):
         """``/flush_cache``."""
         ...
 
+    async def wait_idle(self, timeout_s: float, poll_s: float = 0.2) -> float:
+        """``/flush_cache`` polled until it answers 200 (the engine holds no request); the seconds waited."""
+        ...
+
     async def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
         """``/release_memory_occupation``."""
         ...
