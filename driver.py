@@ -1,6 +1,7 @@
 """rayrl entry point.
 
     python driver.py                                  # the embedded default: examples/calculator on CPU
+    python driver.py --dry-run                        # one episode of one task first: does the agent work?
     python driver.py --config examples/calculator/config.yaml trainer.steps=3 rollout.group_size=4
     ray job submit --working-dir . -- python driver.py --config examples/calculator/config.yaml
 """
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train an LLM agent with RL on Ray.")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML run config (default: the calculator example)")
     parser.add_argument("--resume", action="store_true", help="continue from the run's newest checkpoint")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="instead of the run: one episode of the first task against the real engine, its outcome "
+                             "printed; exit 1 if it failed (actors/dry_run.py)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=3")
     args = parser.parse_args(argv)
 
@@ -68,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     if context.dashboard_url:
         print(f"[rayrl] Ray dashboard: http://{context.dashboard_url} (token: `ray get-auth-token`; "
               "docs/operations.md says how to reach it)", flush=True)
+    if args.dry_run:
+        from actors.dry_run import dry_run
+
+        try:
+            return 0 if dry_run(cfg) else 1
+        finally:
+            ray.shutdown()
     pipeline = None
     try:
         pipeline = Pipeline(cfg)

@@ -118,13 +118,21 @@ def _ranges(values: list[int]) -> str:
 
 def episode_view(reader: RunReader, step: int, index: int, color: bool = False, prompt_chars: int = 400,
                  text_chars: int = 300) -> str:
-    """One episode: summary, turns and tool calls, then each sample's token view (module docstring)."""
+    """One episode of a run: summary, turns and tool calls, then each sample's token view (module docstring)."""
     detail = reader.episode(step, index)
     if detail is None:
         raise KeyError(f"no episode {index} in step {step}")
-    row = detail["row"]
-    out = [f"episode {row['key']}  session {row.get('session_id', '')}  task {row.get('task_id', '')}  "
-           f"group {row.get('group_id', '')}",
+    return "\n".join(episode_lines(detail["row"], detail.get("tree"), detail.get("samples"), detail.get("vocab") or {},
+                                   detail.get("problem"), color, prompt_chars, text_chars)).rstrip() + "\n"
+
+
+def episode_lines(row: dict[str, Any], tree: dict[str, Any] | None, samples: list[dict[str, Any]] | None,
+                  vocab: dict[str, str], problem: str | None = None, color: bool = False, prompt_chars: int = 400,
+                  text_chars: int = 300) -> list[str]:
+    """An episode from its record (rayrl/records.py: the row, the tree, the samples' detail and their vocab):
+    what ``--episode`` prints, and what ``driver.py --dry-run`` prints of its one episode."""
+    key = f"episode {row['key']}  " if "key" in row else ""
+    out = [f"{key}session {row.get('session_id', '')}  task {row.get('task_id', '')}  group {row.get('group_id', '')}",
            f"status {_status(row)}  agent status {row.get('agent_status', '?')}  reward "
            f"{_fmt(row.get('reward'), '{:g}')}  advantage {_fmt(row.get('advantage'), '{:.4f}')}  turns "
            f"{_fmt(row.get('turns'), '{:d}')}  tool calls {_fmt(row.get('tool_calls'), '{:d}')}  tool errors "
@@ -132,21 +140,23 @@ def episode_view(reader: RunReader, step: int, index: int, color: bool = False, 
            f"prompt: {_short(row.get('prompt'), text_chars)}",
            f"final answer: {_short(row.get('final_answer'), text_chars)}"]
     if row.get("error"):
-        out.append(f"error: {_short(row['error'], 4 * text_chars)}")
+        out += ["error: " + "\n  ".join(map(_visible, str(row["error"]).splitlines()))]  # a traceback keeps its lines
+    stderr = str(row.get("stderr") or "").strip()
+    if stderr and stderr[-200:] not in str(row.get("error") or ""):  # a failed program's error is its stderr's end
+        out += ["stderr (its end):", *("  " + _visible(line) for line in stderr.splitlines())]
     timings = row.get("timings") or {}
     if timings:
         out.append("timings: " + "  ".join(f"{k} {v:.2f}" for k, v in timings.items() if isinstance(v, (int, float))))
-    if detail.get("problem"):
-        out.append(f"problem: {detail['problem']}")
-    out += ["", "turns:"] + (_tree_lines(detail["tree"], text_chars) if detail.get("tree") else ["  no tree recorded"])
+    if problem:
+        out.append(f"problem: {problem}")
+    out += ["", "turns:"] + (_tree_lines(tree, text_chars) if tree else ["  no tree recorded"])
     out += [""]
-    samples = detail.get("samples")
     if samples is None:
         out.append("token view: not kept for this episode (only the first logging.inspect_episodes_per_step "
                    "episodes of a step keep it)")
     for k, sample in enumerate(samples or []):
-        out += sample_lines(k, sample, detail.get("vocab") or {}, detail.get("tree"), color, prompt_chars) + [""]
-    return "\n".join(out).rstrip() + "\n"
+        out += sample_lines(k, sample, vocab, tree, color, prompt_chars) + [""]
+    return out
 
 
 def _tree_lines(tree: dict[str, Any], text_chars: int) -> list[str]:
