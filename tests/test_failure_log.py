@@ -3,7 +3,7 @@ the same 12-line traceback 16 times per step."""
 
 from __future__ import annotations
 
-from rayrl.rl.failure_log import FailureLog, error_signature
+from rayrl.rl.failure_log import FailureLog, dominant_cause, error_signature
 from rayrl.types import Episode
 
 TRACEBACK = """agent_crashed: exited with 1: Traceback (most recent call last):
@@ -42,3 +42,15 @@ def test_different_causes_are_apart_most_frequent_first():
         "step 3: 2 episodes failed (agent_crashed; scored 0)", "step 3: 1 episode failed (timed_out; left out of "
         "training)", "step 3: 1 episode failed (agent_crashed; scored 0)"]
     assert error_signature(_crashed(4)) == error_signature(_crashed(5)) != error_signature(other)
+
+
+def test_the_dominant_cause_of_a_step():
+    every = dominant_cause([_crashed(n) for n in range(16)])
+    assert every.share == 1.0 and every.count == 16 and every.example.task_id == "task-0"
+    assert every.cause == ("agent_crashed: TypeError: Messages.create() got an unexpected keyword argument "
+                           "'temperature' (object at 0x7f3a0c0)")
+    one_line = _crashed(1, "agent_crashed: KeyError: 'answer'")
+    mixed = dominant_cause([_crashed(2), _crashed(3), one_line, Episode("s", "t", "g", reward=1.0)])
+    assert mixed.share == 0.5 and mixed.count == 4 and mixed.example.task_id == "task-2"
+    assert dominant_cause([one_line]).cause == "agent_crashed: KeyError: 'answer'"  # the kind is said once
+    assert dominant_cause([Episode("s", "t", "g")]).share == 0.0

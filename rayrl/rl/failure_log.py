@@ -13,8 +13,9 @@ what the log says.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 from rayrl.rl.failures import failure_kind, is_infra
 from rayrl.types import Episode
@@ -66,3 +67,27 @@ class FailureLog:
                 out.append(f"step {step}: {count} {where}, the same error as at step {seen}: "
                            f"{last_line(first.error)}")
         return out
+
+
+@dataclass(frozen=True)
+class OneCause:
+    """The step's most common failure cause: the share of all the step's episodes that failed with it, out
+    of ``count`` episodes, its first episode and the cause in words (kind and the error's last line)."""
+
+    share: float
+    count: int
+    example: Optional[Episode]
+    cause: str
+
+
+def dominant_cause(episodes: Sequence[Episode]) -> OneCause:
+    """Which single cause failed the most of ``episodes`` (a share of 1.0: every episode, one cause: a run that
+    would train on nothing, which the ``one_cause_failures`` guard stops)."""
+    signatures = Counter(error_signature(e) for e in episodes if not e.ok)
+    if not signatures:
+        return OneCause(0.0, len(episodes), None, "")
+    signature, n = signatures.most_common(1)[0]
+    example = next(e for e in episodes if not e.ok and error_signature(e) == signature)
+    kind, last = signature[0], last_line(example.error)
+    return OneCause(n / len(episodes), len(episodes), example,
+                    last if last.startswith(f"{kind}: ") else f"{kind}: {last}")
