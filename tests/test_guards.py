@@ -175,7 +175,8 @@ def test_crossings_are_written_for_the_inspector(tmp_path):
     write_crossings(tmp_path, [])
     (tmp_path / "guards.jsonl").open("a").write('{"half": ')  # a line cut by a crash is skipped
     rows = read_crossings(tmp_path)
-    assert [(r["guard"], r["step"], r["session_id"], r["index"]) for r in rows] == [("infra_failures", 5, "s0", 0)]
+    assert [(r["guard"], r["step"], r["session_id"], r["index"]) for r in rows] == [
+        ("infra_failures", 5, "s0", 0), ("one_cause_failures", 5, "s0", 0)]  # all four failed the same way, too
     assert read_crossings(tmp_path / "missing") == []
 
 
@@ -192,6 +193,6 @@ def test_patience_a_model_learning_its_tool_format_is_not_broken():
     assert "above its threshold 0.5 for 5 steps in a row" in line
     infra = [ep(i, failure=SANDBOX_FAILED) for i in range(4)]
     assert [c.guard for c in GuardMonitor(GuardsConfig()).check(StepView(infra, 4), step=1).crossings] == [
-        "infra_failures"]
+        "infra_failures", "one_cause_failures"]  # one cause failed every episode: that guard has patience 1 too
     off = GuardMonitor(GuardsConfig(tool_parse_errors="off"))
     assert all(not off.check(StepView(bad, 4), step=s).crossings for s in range(1, 5))

@@ -47,6 +47,9 @@ class GuardsConfig:
     zero_variance_groups: GuardAction = "warn"  # groups whose rewards are all equal, which train nothing: warn / stop
     # / off
     zero_variance_groups_max: float = 0.95  # fires above this share of the step's groups (at least 2 groups)
+    one_cause_failures: GuardAction = "stop"  # episodes failed for the same cause (kind and error): a step where every
+    # one did trains nothing, so the run stops by default: warn / stop / off
+    one_cause_failures_max: float = 0.99  # fires above this share of the step's episodes (at least 4)
 
     def __post_init__(self) -> None:
         for f in fields(self):

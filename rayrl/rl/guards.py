@@ -3,7 +3,8 @@
 The commonest way an agentic RL run fails is silently: tool calls that never parse while the reward
 still looks fine, a chat template that drops earlier reasoning (the turns stop extending each other
 token for token), truncation that turns every long episode into a 0, infrastructure or judge failures
-scored as the agent's, groups whose equal rewards train nothing. Each guard is one :class:`Guard`
+scored as the agent's, groups whose equal rewards train nothing, a step whose every episode failed the
+same way (which then trains nothing at all). Each guard is one :class:`Guard`
 record in :data:`GUARDS`: the figure it measures (logged every step as ``guards/<metric>``: step line,
 metrics.jsonl, TensorBoard/W&B, the Ray dashboard), which way is bad, how many observations a verdict
 needs, and how to measure it from the step's episodes. Its action and threshold are config
@@ -37,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from rayrl.config.guards import GuardsConfig
 from rayrl.rl.advantages import REWARD_TOLERANCE
+from rayrl.rl.failure_log import dominant_cause
 from rayrl.rl.failures import JUDGE_FAILED, REWARD_FAILED, is_infra, is_scored
 from rayrl.types import Episode
 
@@ -52,12 +54,14 @@ class StepView:
 @dataclass(frozen=True)
 class Figure:
     """A guard's measurement: ``value`` (a share) over ``count`` observations, an example episode (the
-    first that counts against the guard), and any further figures worth logging (already named)."""
+    first that counts against the guard), any further figures worth logging (already named) and, where a
+    number does not say it, a ``detail`` in words."""
 
     value: float
     count: int
     example: Optional[Episode] = None
     extra: dict[str, float] = field(default_factory=dict)
+    detail: str = ""  # what the figure is about, in words, for the crossing's line (the failure's cause)
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,15 @@ def reward_failures(view: StepView) -> Figure:
     return _share(bad, len(bad), len(view.episodes))
 
 
+def one_cause_failures(view: StepView) -> Figure:
+    """Share of the step's episodes that failed with its most common cause (the same kind and error once ids
+    and numbers are left aside: rayrl/rl/failure_log.py). 1.0 is a step where every episode failed the same
+    way (an SDK argument the installed version refuses, a missing key): the run would train on nothing,
+    so this guard stops it by default; ``detail`` is the cause."""
+    cause = dominant_cause(view.episodes)
+    return Figure(cause.share, cause.count, cause.example, detail=cause.cause)
+
+
 def zero_variance_groups(view: StepView) -> Figure:
     """Share of the step's groups (scored episodes by group) whose rewards are all equal within the
     tolerance the estimators use (such a group's advantages are exactly 0: it trains nothing);
@@ -232,6 +245,8 @@ GUARDS: tuple[Guard, ...] = (
           reward_failures),
     Guard("zero_variance_groups", "zero_variance_group_rate", True, 2, "groups had all-equal rewards (train nothing)",
           zero_variance_groups, patience=5),
+    Guard("one_cause_failures", "one_cause_failure_rate", True, 4, "episodes failed for one cause",
+          one_cause_failures),
 )
 GUARDS_BY_NAME = {g.name: g for g in GUARDS}
 
@@ -255,6 +270,7 @@ class Crossing:
     episodes_file: Optional[str]  # the step's episodes file (runs/<exp_id>/episodes/stepNNNNNN.jsonl)
     index: Optional[int] = None  # the example's position among the step's episodes: its line in that file
     steps: int = 1  # steps in a row the figure has been past the threshold
+    detail: str = ""  # the figure's detail in words (Figure.detail), e.g. the cause of the failures
 
     def line(self) -> str:
         """The one line a crossing prints."""
@@ -266,8 +282,9 @@ class Crossing:
             where = f"e.g. episode {name} (task {self.task_id}, {file}line {self.index + 1})"
         then = "stopping the run" if self.action == "stop" else f"set guards.{self.guard}: stop to stop on it"
         streak = f" for {self.steps} steps in a row" if self.steps > 1 else ""
-        return (f"[rayrl] guard {self.guard} at step {self.step}: {self.value:.2f} of {self.count} {self.what}, "
-                f"{side} its threshold {self.threshold:g}{streak}; {where}; {then}")
+        detail = f" ({self.detail})" if self.detail else ""
+        return (f"[rayrl] guard {self.guard} at step {self.step}: {self.value:.2f} of {self.count} {self.what}"
+                f"{detail}, {side} its threshold {self.threshold:g}{streak}; {where}; {then}")
 
 
 @dataclass
@@ -314,7 +331,7 @@ class GuardMonitor:
             index = next((i for i, e in enumerate(view.episodes) if e is ex), None)
             crossings.append(Crossing(guard.name, action, figure.value, figure.count, threshold, guard.above,
                                       guard.what, step, ex.session_id if ex else None, ex.task_id if ex else None,
-                                      episodes_file, index, self.streaks[guard.name]))
+                                      episodes_file, index, self.streaks[guard.name], figure.detail))
         metrics["guards/fired"] = float(len(crossings))
         return GuardReport(metrics, crossings)
 
