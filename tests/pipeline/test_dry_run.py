@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from rayrl.config import load_config
+from rayrl.types import Episode
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,6 +26,7 @@ def _cfg(model_dir: Path, tmp_path: Path, exp_id: str, command: str):
         "rollout.episode_timeout_s=60", "engine.dtype=float32", "pipeline.eval_interval=0"])
 
 
+@pytest.mark.slow  # ~1.5 min on a loaded 2-core machine: two real engines; fast twin below
 def test_the_dry_run_says_what_fails_before_the_run_and_passes_once_fixed(ray_local, tiny_model_dir, tmp_path,
                                                                           capsys):
     from actors.dry_run import dry_run
@@ -46,3 +50,24 @@ def test_the_dry_run_says_what_fails_before_the_run_and_passes_once_fixed(ray_lo
     assert "stderr (its end):\n  task q0: asking" in out  # a success's stderr is shown too
     assert "[train v0" in out  # the token view of what this episode would train
     assert out.strip().splitlines()[-1].startswith("[rayrl] dry run ok: reward 0, 1 LLM call(s), 0 tool call(s)")
+
+
+def test_the_outcome_names_the_failure_once_and_says_how_to_go_on(tiny_model_dir, tmp_path):
+    """The fast twin: what the dry run prints of an episode (actors/dry_run.py ``outcome``), without Ray."""
+    from actors.dry_run import outcome
+
+    cfg = _cfg(tiny_model_dir, tmp_path, "dry-outcome", "tests/anthropic_agent.py")
+    error = ("agent_crashed: exited with 1: task q0: asking\nTraceback (most recent call last):\n  File \"a.py\", "
+             "line 3\nTypeError: create() got an unexpected keyword argument 'temperature'")
+    crashed = Episode("s0-1", "q0", "dry-run", reward=0.0, status="failed", failure="agent_crashed", error=error,
+                      info={"turns": 0, "tool_calls": 0, "stderr": error.split("exited with 1: ")[1]})
+    text = outcome(cfg, crashed, 2.5)
+    assert text.count("Traceback (most recent call last)") == 1 and "stderr (its end)" not in text
+    assert text.splitlines()[-1] == ("[rayrl] dry run FAILED (agent_crashed): TypeError: create() got an unexpected "
+                                     "keyword argument 'temperature' (reward 0, 0 LLM call(s), 0 tool call(s), 2.5 s); "
+                                     "every episode of the run would likely fail the same way")
+    ok = Episode("s0-2", "q0", "dry-run", reward=1.0, info={"turns": 2, "tool_calls": 1, "stderr": "warning: x"})
+    text = outcome(cfg, ok, 1.0)
+    assert "stderr (its end):\n  warning: x" in text and "token view: not kept" not in text
+    assert text.splitlines()[-1] == ("[rayrl] dry run ok: reward 1, 2 LLM call(s), 1 tool call(s), 1.0 s; the full "
+                                     "run is the same command without --dry-run")
