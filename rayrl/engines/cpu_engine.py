@@ -52,6 +52,7 @@ from rayrl.engines.engine_adapter import AdapterMixin
 from rayrl.engines.engine_weights import DTYPES, WeightsMixin
 from rayrl.engines.kv_cache import ATTENTION_NAME, BatchKV
 from rayrl.engines.lean_decode import LeanDecoder
+from rayrl.engines.memory_occupation import MemoryOccupationMixin
 from rayrl.engines.prefill import PrefillMixin
 from rayrl.engines.prefix_cache import PrefixCache
 from rayrl.engines.requests import (
@@ -68,11 +69,6 @@ logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "in_place", "retract")
 
-
-class EngineBusy(ValueError):
-    """A call that needs an idle engine (memory release) came with requests running or waiting."""
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
 _RUNNING: "weakref.WeakSet[CPUEngine]" = weakref.WeakSet()
 
 
@@ -84,7 +80,7 @@ def _shut_down_running_engines() -> None:
         engine.shutdown(timeout=10.0)
 
 
-class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin, AdapterMixin):
+class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin, AdapterMixin, MemoryOccupationMixin):
     """Continuous-batching generation over a transformers causal LM on CPU (thread-safe API)."""
 
     def __init__(
@@ -324,34 +320,6 @@ class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin, AdapterMixin):
     def _flush_prefix_cache(self) -> None:
         self._prefix.clear()
         self._cache_epoch += 1
-
-    def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
-        """Records the state (on GPU this frees weights/KV memory for the trainer); releasing
-        ``kv_cache`` also empties the prefix cache, as it does in SGLang."""
-        tags = self._check_tags(tags)
-        if not self.idle():  # SGLang 0.5.9 asserts this in its scheduler, which then dies
-            stats = self.stats()
-            raise EngineBusy(f"release_memory_occupation should be called only when no ongoing request: "
-                             f"{stats['running']} running, {stats['waiting']} waiting (wait until /flush_cache "
-                             "succeeds first)")
-        self._released.update(tags)
-        if "kv_cache" in tags:
-            self._call_in_loop(self._flush_prefix_cache)
-
-    def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
-        """CPU no-op counterpart of :meth:`release_memory_occupation` (weights stay valid on CPU)."""
-        self._released.difference_update(self._check_tags(tags))
-
-    @staticmethod
-    def _check_tags(tags: Optional[Sequence[str]]) -> list[str]:
-        if tags is None:
-            return list(MEMORY_TAGS)
-        if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
-            raise ValueError("tags must be null or a list of strings")
-        unknown = [t for t in tags if t not in MEMORY_TAGS]
-        if unknown:
-            raise ValueError(f"unknown memory tag(s) {unknown}; valid: {', '.join(MEMORY_TAGS)}")
-        return list(tags)
 
     def stats(self) -> dict[str, Any]:
         """Counters for /get_server_info and load balancing."""

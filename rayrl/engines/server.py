@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 from aiohttp import web
 
 from rayrl import __version__
-from rayrl.engines.cpu_engine import PAUSE_MODES, CPUEngine, EngineBusy, GenerationResult, RequestHandle
+from rayrl.engines.cpu_engine import PAUSE_MODES, CPUEngine, GenerationResult, RequestHandle
 from rayrl.engines.generate_request import GenerateBatch, GenerateItem, parse_generate
 from rayrl.engines.http_input import (
     OFF_LOOP_BYTES,
@@ -38,6 +38,7 @@ from rayrl.engines.http_input import (
     read_json,
     request_charset,
 )
+from rayrl.engines.memory_occupation import EngineBusy
 from rayrl.engines.weight_routes import WeightEndpoints
 from rayrl.weights.group import WeightGroups
 from rayrl.weights.shm import WEIGHT_BUFFERS

@@ -51,6 +51,7 @@ from aiohttp import web
 
 from rayrl.engines import wire_json
 from rayrl.engines.http_input import RequestError, bool_flag, error_response, read_json
+from rayrl.engines.memory_occupation import check_memory_tags
 from rayrl.engines.vllm_process import (
     REQUIRED_ROUTES,
     VLLMOutput,
@@ -76,7 +77,6 @@ CONTROL_PATHS = frozenset({
     "/release_memory_occupation", "/resume_memory_occupation", "/flush_cache", "/pause_generation",
     "/continue_generation",
 })  # fmt: skip
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
 SESSION_WAIT_S = 600.0  # how long a generation waits for an open weight-update session to finish
 
@@ -265,7 +265,7 @@ class VLLMAdapter:
         return web.Response(text="Cache flushed.")
 
     async def release_memory(self, request: web.Request) -> web.Response:
-        tags = _memory_tags((await read_json(request, allow_empty=True)).get("tags"))
+        tags = check_memory_tags((await read_json(request, allow_empty=True)).get("tags"), RequestError)
         if self.device == "cuda":
             await self.call("POST", "/sleep", params={"level": "1", "mode": "abort"})
         elif "kv_cache" in tags:
@@ -274,7 +274,7 @@ class VLLMAdapter:
         return web.json_response(None)
 
     async def resume_memory(self, request: web.Request) -> web.Response:
-        tags = _memory_tags((await read_json(request, allow_empty=True)).get("tags"))
+        tags = check_memory_tags((await read_json(request, allow_empty=True)).get("tags"), RequestError)
         if self.device == "cuda":
             await self.call("POST", "/wake_up", params=[("tags", t) for t in tags if t != "cuda_graph"])
         self.released.difference_update(tags)
@@ -365,17 +365,6 @@ class VLLMAdapter:
                 pass
         self._session_open = False
         self._ready_event().set()
-
-
-def _memory_tags(tags: Any) -> list[str]:
-    if tags is None:
-        return list(MEMORY_TAGS)
-    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise RequestError("tags must be null or a list of strings")
-    unknown = [t for t in tags if t not in MEMORY_TAGS]
-    if unknown:
-        raise RequestError(f"unknown memory tag(s) {unknown}; valid: {', '.join(MEMORY_TAGS)}")
-    return tags
 
 
 def _check_payloads(entries: list[str]) -> None:
