@@ -1,12 +1,12 @@
 """Pins for the formulas and defaults a hand-computed value alone did not catch (issue 42, part 3).
 
-Each test here was written against a planted error that the other formula tests let through (the list is
-in scripts/mutate_formulas.py, which plants them and more, one at a time, and requires these tests to
-fail for each): dual-clip reaching positive advantages, a missing log-ratio clamp, a gradient through the
-KL penalty in the reward, the KL loss weighted by TIS, every default of the algorithm section (loss
-aggregation auto, the clip bands, the Dr.GRPO constant, TIS by schedule), and the learning-rate
-schedule's total with several epochs per rollout. REINFORCE++-baseline's whitening, GRPO's epsilon and
-the exact zeros are pinned in tests/test_advantages.py.
+Each test here was written against a planted error that the other formula tests let through (the list is in
+scripts/plants_formulas.py; `scripts/mutation_check.py --set formulas` plants them and more, one at a time,
+and requires these tests to fail for each): dual-clip reaching positive advantages, a missing log-ratio
+clamp, a gradient through the KL penalty in the reward, the KL loss weighted by TIS, every default of the
+algorithm section (loss aggregation auto, the clip bands, the Dr.GRPO constant, TIS by schedule), and the
+learning-rate schedule's total with several epochs per rollout. REINFORCE++-baseline's whitening, GRPO's
+epsilon and the exact zeros are pinned in tests/test_advantages.py.
 """
 
 from __future__ import annotations
