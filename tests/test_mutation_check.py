@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.mutation_check import SETS, Plant, plant_sets
+from scripts.mutation_check import SETS, Plant, plant_sets, run_planted
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "mutation_check.py"
@@ -40,6 +40,22 @@ def test_every_plant_of_every_set_is_in_the_source_once_and_names_tests_that_exi
                 problems.append(f"{set_name}/{p.name}: its old text occurs {count} times in {p.path}")
             problems += [f"{set_name}/{p.name}: no test {t}" for t in (*p.fast, *p.slow) if not _test_exists(t)]
     assert not problems, "\n".join(problems)
+
+
+def test_a_plant_is_restored_even_when_its_tests_time_out(tmp_path):
+    """One copy serves every plant, so a plant must not outlive its run (a hung test included)."""
+    (tmp_path / "mod.py").write_text("VALUE = 1\n")
+    (tmp_path / "test_mod.py").write_text("import time\n\nimport mod\n\n\ndef test_value():\n"
+                                          "    time.sleep(0 if mod.VALUE == 1 else 120)\n")
+    hang = Plant("hang", "mod.py", "VALUE = 1", "VALUE = 2", "the test hangs", fast=("test_mod.py",))
+    outcome = run_planted(tmp_path, hang, hang.fast, timeout_s=4)
+    assert outcome is not None and outcome.result == "timed out", outcome
+    assert (tmp_path / "mod.py").read_text() == "VALUE = 1\n" and not list(tmp_path.rglob("__pycache__"))
+    passed = run_planted(tmp_path, Plant("same", "mod.py", "VALUE = 1", "VALUE  = 1", "", ("test_mod.py",)),
+                         ("test_mod.py",), timeout_s=60)
+    assert passed is not None and passed.result == "passed", passed  # an equivalent plant is not a catch
+    gone = Plant("gone", "mod.py", "VALUE = 3", "VALUE = 4", "", ("test_mod.py",))
+    assert run_planted(tmp_path, gone, gone.fast, timeout_s=60) is None  # not planted, nothing run
 
 
 @pytest.mark.slow  # ~10 min: every GPU-path plant's fast tests in a copy of the checkout
