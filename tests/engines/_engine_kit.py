@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Awaitable
 
@@ -69,3 +72,20 @@ def forward_logprobs(model: torch.nn.Module, prompt: list[int], output: list[int
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(output).view(-1, 1)).view(-1)
+
+
+def post_json(url: str, path: str, body: Any) -> tuple[int, Any]:
+    """POST ``body`` (JSON-encoded; bytes go as they are) to a server on loopback, bypassing any proxy: the
+    status and the answer's JSON ({} for a success whose body is empty or not JSON, ``{"message": text}``
+    for an error whose body is not JSON). HTTP errors are answers here, not exceptions."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=60) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, ({"message": raw.decode(errors="replace")} if status >= 400 else {})

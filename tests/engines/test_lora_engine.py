@@ -17,7 +17,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from _engine_kit import forward_logprobs
+from _engine_kit import forward_logprobs, post_json
 
 from rayrl.config import EngineConfig, LoraConfig, TrainerConfig
 from rayrl.engines.api import LORA_ADAPTER
@@ -66,15 +66,6 @@ async def _engine_vs_trainer(client: EngineClient, trainer: TorchTrainer) -> tup
     return out.weight_version, float(np.abs(out.output_logprobs - expect).max())
 
 
-def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.load(resp)
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
 def test_the_adapter_alone_reaches_the_engine_and_it_generates_as_the_trainer(engine_proc, tiny_model):
     tol = 1e-4 if "float32" in engine_proc.cfg.weight_format else 2e-2  # fp16-packed: half-precision weights
 
@@ -115,14 +106,14 @@ def test_requests_must_name_the_adapter_and_bad_adapter_calls_are_400(engine_pro
     config = trainer.adapter_config()
     load = {"lora_name": LORA_ADAPTER, "config_dict": config, "serialized_tensors": serialize_adapter(tensors)}
     if LORA_ADAPTER in [c["id"] for c in json.load(urllib.request.urlopen(url + "/v1/models"))["data"]]:
-        assert _post(url, "/unload_lora_adapter", {"lora_name": LORA_ADAPTER})[0] == 200  # the other test's
-    assert _post(url, "/load_lora_adapter_from_tensors", load)[0] == 200
+        assert post_json(url, "/unload_lora_adapter", {"lora_name": LORA_ADAPTER})[0] == 200  # the other test's
+    assert post_json(url, "/load_lora_adapter_from_tensors", load)[0] == 200
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
-    status, err = _post(url, "/generate", body)
+    status, err = post_json(url, "/generate", body)
     assert status == 400 and "must name it in lora_path" in err["message"]
-    status, err = _post(url, "/generate", {**body, "lora_path": "other"})
+    status, err = post_json(url, "/generate", {**body, "lora_path": "other"})
     assert status == 400 and "lora_path 'other': no such adapter is loaded" in err["message"]
-    assert _post(url, "/generate", {**body, "lora_path": LORA_ADAPTER})[0] == 200
+    assert post_json(url, "/generate", {**body, "lora_path": LORA_ADAPTER})[0] == 200
 
     payload = serialize_adapter(tensors)
     cases = [
@@ -133,29 +124,29 @@ def test_requests_must_name_the_adapter_and_bad_adapter_calls_are_400(engine_pro
         ({"lora_name": "x", "config_dict": config, "serialized_tensors": "@@"}, 400, "not valid base64"),
     ]
     for body_, code, text in cases:
-        status, answer = _post(url, "/load_lora_adapter_from_tensors", body_)
+        status, answer = post_json(url, "/load_lora_adapter_from_tensors", body_)
         message = answer.get("error_message") or answer.get("message", "")
         assert status == code and text in message, (body_.keys(), status, answer)
     # full weights cannot land under a merged adapter
-    status, answer = _post(url, "/update_weights_from_disk", {"model_path": str(tiny_model)})
+    status, answer = post_json(url, "/update_weights_from_disk", {"model_path": str(tiny_model)})
     assert status == 400 and "unload it before loading full weights" in answer["message"]
 
-    status, answer = _post(url, "/unload_lora_adapter", {"lora_name": LORA_ADAPTER})
+    status, answer = post_json(url, "/unload_lora_adapter", {"lora_name": LORA_ADAPTER})
     assert status == 200 and answer["success"] and answer["loaded_adapters"] == {}
-    status, answer = _post(url, "/unload_lora_adapter", {"lora_name": LORA_ADAPTER})
+    status, answer = post_json(url, "/unload_lora_adapter", {"lora_name": LORA_ADAPTER})
     assert status == 400 and "is not loaded" in answer["error_message"]
     # rank above --max-lora-rank, and names that are not PEFT's
     wide = TorchTrainer(tiny_model, TrainerConfig(compute_dtype="float32", lora=LoraConfig(rank=16)), device="cpu")
-    status, answer = _post(url, "/load_lora_adapter_from_tensors", {
+    status, answer = post_json(url, "/load_lora_adapter_from_tensors", {
         "lora_name": "wide", "config_dict": wide.adapter_config(),
         "serialized_tensors": serialize_adapter(dict(wide.named_weights()))})
     assert status == 400 and "above --max-lora-rank 8" in answer["error_message"]
-    status, answer = _post(url, "/load_lora_adapter_from_tensors", {
+    status, answer = post_json(url, "/load_lora_adapter_from_tensors", {
         "lora_name": "odd", "config_dict": config,
         "serialized_tensors": serialize_adapter({"model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)})})
     assert status == 400 and "is not a LoRA weight under PEFT's names" in answer["error_message"]
     # the base model is back: requests without an adapter are served again
-    assert _post(url, "/generate", body)[0] == 200
+    assert post_json(url, "/generate", body)[0] == 200
 
 
 def test_an_engine_without_a_trainer_rank_on_its_node_is_refused_naming_trainer_lora():

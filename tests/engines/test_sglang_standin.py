@@ -13,6 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
+from _engine_kit import post_json
 
 from rayrl.config import EngineConfig
 from rayrl.engines.client import EngineClient, EngineError
@@ -166,23 +167,9 @@ def test_the_broadcast_sender_sends_what_sglang_resolves(strict, weights, flatte
     assert _contract(strict.url)["contract_violations"] == before
 
 
-def _post(url: str, path: str, body: object) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            raw = resp.read()
-            return resp.status, json.loads(raw) if raw.strip() else {}
-    except urllib.error.HTTPError as err:
-        raw = err.read()
-        try:
-            return err.code, json.loads(raw)
-        except ValueError:
-            return err.code, {"message": raw.decode()}
-
-
 def _generate_status(url: str) -> tuple[int, dict]:
-    return _post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}})
+    return post_json(url, "/generate",
+                     {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}})
 
 
 REFUSED = [  # (path, body, what the refusal says): each a request SGLang 0.5.9 would refuse
@@ -202,7 +189,7 @@ REFUSED = [  # (path, body, what the refusal says): each a request SGLang 0.5.9 
                                                          "cpu-engine-route"])
 def test_a_request_sglang_would_refuse_is_refused_by_its_own_classes_and_counted(strict, path, body, says):
     before = _contract(strict.url)["contract_violations"]
-    status, answer = _post(strict.url, path, body)
+    status, answer = post_json(strict.url, path, body)
     assert 400 <= status < 500 and says in answer["message"], (status, answer)
     assert _contract(strict.url)["contract_violations"] == before + 1
     assert _contract(strict.url)["scheduler_died"] is None
@@ -218,7 +205,7 @@ def test_weights_released_without_a_cpu_backup_come_back_unusable_until_all_are_
     before = _contract(strict.url)["lost_weight_generations"]
     assert _generate_status(strict.url)[0] == 200
     for path in ("/release_memory_occupation", "/resume_memory_occupation"):
-        assert _post(strict.url, path, {"tags": None})[0] == 200
+        assert post_json(strict.url, path, {"tags": None})[0] == 200
     status, answer = _generate_status(strict.url)
     assert status == 500 and "without a CPU backup" in answer["message"]
 
@@ -272,7 +259,7 @@ def test_what_kills_sglangs_scheduler_fails_this_and_every_later_request(tiny_mo
             if mode is not None:
                 await client.pause_generation(mode)
             loop = asyncio.get_running_loop()
-            statuses = [await loop.run_in_executor(None, _post, proc.url, path,
+            statuses = [await loop.run_in_executor(None, post_json, proc.url, path,
                                                    {k: str(tiny_model) if v == "MODEL" else v for k, v in body.items()})
                         for path, body in calls]
             running.cancel()
@@ -296,7 +283,7 @@ def test_with_the_cpu_backup_flag_released_weights_come_back_whole(tiny_model, t
     try:
         first = _generate_status(proc.url)
         for path in ("/release_memory_occupation", "/resume_memory_occupation"):
-            assert _post(proc.url, path, {})[0] == 200
+            assert post_json(proc.url, path, {})[0] == 200
         again = _generate_status(proc.url)
         assert first[0] == again[0] == 200 and again[1]["output_ids"] == first[1]["output_ids"]
         assert _contract(proc.url)["lost_weights"] == 0

@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 import torch
+from _engine_kit import post_json
 
 from rayrl.config import EngineConfig, LoraConfig, TrainerConfig
 from rayrl.engines.api import LORA_ADAPTER
@@ -31,15 +32,6 @@ def strict_lora(tiny_model, tmp_path_factory):
     proc = EngineProcess(cfg, str(tiny_model), tmp_path_factory.mktemp("strict-lora") / "engine.log").start()
     yield proc
     proc.stop()
-
-
-def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.load(resp)
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def _contract(url: str) -> dict:
@@ -66,13 +58,13 @@ def test_the_adapter_sender_passes_the_strict_stand_in_and_bad_payloads_are_coun
     assert _contract(url)["contract_violations"] == 0
 
     # a list of pairs (what /update_weights_from_tensor takes) is not what 0.5.9's LoRAAdapter iterates
-    status, body = _post(url, "/load_lora_adapter_from_tensors", {
+    status, body = post_json(url, "/load_lora_adapter_from_tensors", {
         "lora_name": "other", "config_dict": trainer.adapter_config(),
         "serialized_tensors": serialize_for_engine(list(tensors.items()))})
     assert status == 400 and "iterates a dict of name -> tensor" in body["message"]
     assert _contract(url)["contract_violations"] == 1
     # SGLang's own LoRAConfig needs target_modules
     config = {k: v for k, v in trainer.adapter_config().items() if k != "target_modules"}
-    status, body = _post(url, "/load_lora_adapter_from_tensors", {
+    status, body = post_json(url, "/load_lora_adapter_from_tensors", {
         "lora_name": "other", "config_dict": config, "serialized_tensors": serialize_adapter(tensors)})
     assert status == 400 and "target_modules" in body["error_message"]

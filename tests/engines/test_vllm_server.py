@@ -22,6 +22,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
+from _engine_kit import post_json
 
 from tests.vllm_support import needs_vllm
 
@@ -57,17 +58,6 @@ async def _generate(url: str, ids: list[int], **params):
         return await client.generate(ids, {"temperature": 0.0, **params})
     finally:
         await client.close()
-
-
-def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            raw = resp.read()
-            return resp.status, json.loads(raw) if raw.strip().startswith(b"{") else {}
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def test_greedy_tokens_and_raw_logprobs_match_transformers(vllm_engine, reference):
@@ -204,10 +194,10 @@ def test_weights_pushed_through_handles_land_in_vllm(vllm_engine, reference):
 
 def test_control_routes_and_what_it_refuses(vllm_engine):
     url = vllm_engine.url
-    assert _post(url, "/flush_cache", {})[0] == 200
-    assert _post(url, "/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
-    assert _post(url, "/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
-    assert _post(url, "/update_weight_version", {"new_version": "7"})[0] == 200
+    assert post_json(url, "/flush_cache", {})[0] == 200
+    assert post_json(url, "/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+    assert post_json(url, "/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+    assert post_json(url, "/update_weight_version", {"new_version": "7"})[0] == 200
     with urllib.request.urlopen(url + "/model_info", timeout=30) as resp:
         assert json.load(resp)["weight_version"] == "7"
     for path, body, says in [
@@ -220,6 +210,6 @@ def test_control_routes_and_what_it_refuses(vllm_engine):
         ("/pause_generation", {"mode": "sideways"}, "mode"),
         ("/release_memory_occupation", {"tags": ["brain"]}, "unknown memory tag"),
     ]:
-        status, answer = _post(url, path, body)
+        status, answer = post_json(url, path, body)
         assert 400 <= status < 500, (path, status, answer)
         assert says in answer["message"], (path, answer)

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import os
 import pickle
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
 import torch
-from _engine_kit import forward_logprobs
+from _engine_kit import forward_logprobs, post_json
 
 from rayrl.config import EngineConfig, TrainerConfig
 from rayrl.engines.client import EngineClient, EngineError
@@ -171,17 +168,6 @@ def test_disk_transport_then_engine_matches_trainer(engine_proc, trainer, tmp_pa
     asyncio.run(run())
 
 
-def _post(url: str, path: str, payload) -> tuple[int, dict]:
-    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
 class _RunsCode:
     """A pickle that would run a shell command when loaded (the allow-list must refuse it)."""
 
@@ -217,23 +203,23 @@ def test_bad_weight_transfer_requests(engine_proc, tmp_path):
          "load_format"),
     ]  # fmt: skip
     for path, payload, needle in cases:
-        status, body = _post(url, path, payload)
+        status, body = post_json(url, path, payload)
         assert status == 400, (path, payload, body)
         assert body["object"] == "error" and body["code"] == 400 and needle in body["message"], (path, body)
     assert not marker.exists()  # the refused pickle ran nothing
 
     # a well-formed payload naming a tensor the model does not have: the endpoint's failure shape
     payload = serialize_for_engine([("model.no_such.weight", torch.zeros(3))])
-    status, body = _post(url, "/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+    status, body = post_json(url, "/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
     assert status == 400 and body["success"] is False and "model.no_such.weight" in body["message"]
     metadata_cls = bucket_classes()[1]  # SGLang's own class (the pinned wheel is installed for the tests)
     bucket = {"flattened_tensor": torch.zeros(6, dtype=torch.uint8),  # metadata that does not fit its slice
               "metadata": [metadata_cls("model.norm.weight", torch.Size([4]), torch.float32, 0, 6, 6)]}  # fmt: skip
-    status, body = _post(url, "/update_weights_from_tensor",
+    status, body = post_json(url, "/update_weights_from_tensor",
                          {"serialized_named_tensors": [serialize_for_engine(bucket)],
                           "load_format": "flattened_bucket"})  # fmt: skip
     assert status == 400 and body["object"] == "error" and "bad bucket metadata" in body["message"]
-    status, body = _post(url, "/destroy_weights_update_group", {"group_name": "never-made"})
+    status, body = post_json(url, "/destroy_weights_update_group", {"group_name": "never-made"})
     assert status == 400 and body["success"] is False
 
     async def still_serving() -> None:
