@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rayrl.config import load_config
+from rayrl.rl.guards import GUARDS_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 RG = ROOT / "examples" / "reasoning_gym" / "config.yaml"
@@ -61,6 +62,7 @@ def test_reasoning_gym_example_three_steps_on_smollm2(ray_local, smollm2_dir, tm
     eps = [e for step in (1, 2, 3) for e in episodes(run_dir, step)]
     assert len(eps) == 3 * 8 * 4 and sum(e["status"] == "ok" for e in eps) >= 0.9 * len(eps)
     assert sum(e["reward"] for e in eps) > 0  # the real model answers some sums right
+    assert not (run_dir / GUARDS_FILE).exists()  # the shipped example trips no guard (issue 42)
 
 
 @pytest.mark.slow  # ~1 min; fast twin: tests/environments/test_verifiers_adapter.py
@@ -89,7 +91,8 @@ def test_verifiers_example_three_steps_on_smollm2(ray_local, smollm2_dir, tmp_pa
     assert len(history) == 3
     eps = [e for step in (1, 2, 3) for e in episodes(run_dir, step)]
     assert len(eps) == 3 * 8 * 4 and sum(e["status"] == "ok" for e in eps) >= 0.9 * len(eps)
-    assert sum(e["reward_breakdown"]["answer_format"] for e in eps if e["status"] == "ok") > 0
+    assert sum(e["reward_breakdown"]["correct_answer"] for e in eps if e["status"] == "ok") > 0  # some right
+    assert not (run_dir / GUARDS_FILE).exists()  # the shipped example trips no guard (issue 42)
 
 
 @pytest.mark.slow  # ~1 min; fast twin: tests/environments/test_judge_reward.py (an episode with a failing judge)
