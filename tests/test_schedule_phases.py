@@ -504,6 +504,27 @@ def test_colocated_async_saves_and_loads_checkpoints_with_the_trainer_onloaded(t
     assert train["train/policy_version"] == 2
 
 
+def test_colocated_async_a_save_that_fails_keeps_the_devices_with_the_trainer_and_names_its_phase(tmp_path, capsys):
+    """A rank lost while a checkpoint is written between steps: the failure is the save's (the run stops
+    naming "checkpoint"), nothing is pushed from a trainer missing a rank (a push's own failure would hide the
+    save's), and the survivor's checkpoint is written from live memory without another release/onload."""
+    run = make_run("pipeline.schedule=colocated_async", "pipeline.max_staleness=1")
+    checkpoints = make_checkpoints(run, tmp_path)
+    run_steps(run, checkpoints, 1, save_every=10)
+    run.trainer.fail_in, run.trainer.survivors = "checkpoint", {1: 1}
+    mark = len(run.log)
+    with pytest.raises(TrainerFailure) as failure:
+        checkpoints.save(announce=False)
+    assert failure.value.phase == "checkpoint"
+    steps = run.log.since(mark)
+    assert steps[-2:] == ["trainer.onload", "trainer.save_checkpoint"] and run.schedule.devices_with_trainer
+    run.trainer.fail_in = None
+    mark = len(run.log)
+    checkpoints.after_trainer_failure(failure.value)
+    assert run.log.since(mark) == ["trainer.save_checkpoint"] and run.trainer.saved_from == [1]
+    assert "trainer rank failure in checkpoint" in capsys.readouterr().out
+
+
 def test_colocated_async_a_replacement_engine_gets_weights_from_the_onloaded_trainer():
     """Issue 41 E: an engine that joins between steps needs the current weights, which only the trainer's
     live memory holds: the devices go to the trainer and back, every engine (the new one too) pushed to."""

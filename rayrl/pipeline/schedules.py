@@ -408,10 +408,9 @@ class ColocatedAsyncSchedule(AsyncSchedule):
         if self.devices_with_trainer:
             return fn()
         self.give_devices_to_trainer()
-        try:
-            return fn()
-        finally:
-            self.give_devices_to_engines()
+        result = fn()  # if it raises, the run stops: the devices stay with the trainer, whose failure path saves
+        self.give_devices_to_engines()  # from its live memory, and no push masks the failure with its own
+        return result
 
     def weights_loaded(self) -> None:
         """A resume loaded the trainer inside :meth:`with_trainer_memory`, which pushed its weights."""
