@@ -23,6 +23,7 @@ without AVX2/FMA/F16C, not x86-64, a failed build or self-check; logged once wit
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
@@ -45,7 +46,6 @@ CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' -m flags assume
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # -fopenmp: at::parallel_for on torch's libgomp
 ENV = "RAYRL_DECODE_KERNELS"
 NAME = "rayrl_decode_kernels"
-STALE_LOCK_SECONDS = 600  # a build takes well under a minute; a lock this old was left by a killed build
 SCHEMAS = (
     "decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor",
     "rope_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) new_col, int heads) -> ()",
@@ -81,22 +81,31 @@ def unavailable_reason() -> Optional[str]:
 
 def build_directory() -> Path:
     """Where the kernels are built and cached: one folder per torch and Python version under torch's
-    extension root. A lock file left there by a build that was killed is removed (torch's loader would
-    otherwise wait for it forever, and the engine with it)."""
+    extension root."""
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}".replace("+", "_")
     path = Path(root) / f"{NAME}-{tag}"
     path.mkdir(parents=True, exist_ok=True)
-    lock = path / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-            lock.unlink()
-            logger.warning("removed a stale build lock (%s)", lock)
-    except FileNotFoundError:
-        pass
     return path
+
+
+def _build_or_load(path: Path) -> None:
+    """torch's loader marks a build in progress with a plain ``lock`` file, and any other process waits
+    while it exists, for ever: a build killed midway (a timed-out test, a killed actor) hangs every later
+    engine on the machine. So processes take turns here under an OS lock, which the kernel frees when its
+    holder dies; whoever holds it is the only builder, so a ``lock`` file found then is a dead build's."""
+    from torch.utils.cpp_extension import load
+
+    with open(path / "rayrl-build.flock", "a") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        dead = path / "lock"
+        if dead.exists():
+            dead.unlink()
+            logger.warning("removed the build lock of a build that did not finish (%s)", dead)
+        load(NAME, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+             build_directory=str(path), is_python_module=False, verbose=False)
 
 
 def _self_check() -> float:
@@ -131,10 +140,7 @@ def decode_kernels_available() -> bool:
     if reason is None:
         started = time.perf_counter()
         try:
-            from torch.utils.cpp_extension import load
-
-            load(NAME, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                 build_directory=str(build_directory()), is_python_module=False, verbose=False)
+            _build_or_load(build_directory())
             gap = _self_check()
             reason = None if gap < 1e-4 else f"their self-check is off torch's ops by {gap:.1e}"
         except Exception as err:  # no compiler that works, a build error, a kernel that raises
