@@ -32,4 +32,5 @@ def test_an_episode_of_the_chat_agent_is_scored_by_the_dataset(scripted):
     episode = runner.run(task, "g")
     assert episode.ok and episode.reward == 1.0, episode.error
     assert "Answer with the number only, inside <answer></answer>." in stack.engine.prompts[0]  # rollout.system_prompt
-    assert task.prompt in stack.engine.prompts[0] and stack.engine.sampling[0]["max_new_tokens"] == cfg.rollout.max_tokens == 64
+    assert task.prompt in stack.engine.prompts[0]
+    assert stack.engine.sampling[0]["max_new_tokens"] == cfg.rollout.max_tokens == 64
