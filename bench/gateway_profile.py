@@ -1,7 +1,7 @@
 """Where the gateway's time goes: its hot path under py-spy or cProfile, with the overhead bench's stub
 and load.
 
-    python bench/gateway_profile.py [--sampler py-spy|cprofile] [--clients 64] [--seconds 10] [--top 30]
+    python bench/gateway_profile.py [--sampler py-spy|cprofile] [--native] [--clients 64] [--seconds 10] [--top 30]
 
 bench/gateway_overhead.py says how much the gateway adds; this says where. The stub engine is the one
 gateway_overhead.py uses (instant fixed answers, streaming too), in its own process; the load (Chat
@@ -9,9 +9,14 @@ Completions at ``--clients`` concurrent clients, one gateway session each) comes
 the gateway runs in this process, so the profile holds the gateway's work and nothing else.
 
 ``--sampler py-spy`` (the default; the py-spy tool must be on PATH or beside this Python) samples this
-process 1,000 times a second from outside without slowing it, and prints the share of samples in which
-each function was running (self) and was on the stack (total), the event loop's idle wait included as
-``select``. ``--sampler cprofile`` counts every call (slowing Python code several times, most for small
+process 1,000 times a second from outside without slowing it, and prints, for the thread that runs the
+gateway's event loop, the share of samples waiting in the selector (idle), then of the busy samples the share
+in which each function was running (self) and was on the stack (total), and the self shares grouped by
+where the running code lives (a package, a standard-library module, rayrl's module, C, a shared library).
+``--native`` adds the C frames (libc's system calls, CPython's and the extensions' C functions: llhttp,
+orjson, numpy); py-spy then pauses the process for each sample, which slows it several times, so read
+its shares, not its rate.
+``--sampler cprofile`` counts every call (slowing Python code several times, most for small
 calls) and prints pstats' tottime and cumtime lists; the profile is saved for ``python -m pstats``.
 Either way these are shares of the time, not latencies: the added latency is gateway_overhead.py's to
 measure.
@@ -92,8 +97,9 @@ async def profile(args: argparse.Namespace) -> tuple[pstats.Stats, dict]:
         if profiler is not None:
             profiler.enable()
         else:
+            mode = ["--native"] if args.native else ["--nonblocking"]  # py-spy reads C stacks only while paused
             sampler = subprocess.Popen([py_spy(), "record", "--pid", str(os.getpid()), "--rate", "1000",
-                                        "--duration", str(int(args.seconds)), "--format", "raw", "--nonblocking",
+                                        "--duration", str(int(args.seconds)), "--format", "raw", *mode,
                                         "--output", str(args.out)], stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL)
         cpu_before = resource.getrusage(resource.RUSAGE_SELF)
@@ -123,27 +129,67 @@ def py_spy() -> str:
     return str(beside) if beside.exists() else "py-spy"
 
 
+def _group(frame: str) -> str:
+    """Where a frame's code lives: a site package, a standard-library module, rayrl's module, CPython's or an
+    extension's C source, a shared library (``libc.so.6``)."""
+    if " (" not in frame:
+        return frame
+    where = frame.rsplit(" (", 1)[1].rstrip(")").rsplit(":", 1)[0]
+    if "site-packages/" in where:
+        return where.split("site-packages/", 1)[1].split("/", 1)[0]
+    if "rayrl/" in where:
+        return "rayrl/" + where.split("rayrl/", 1)[1]
+    if "/lib/python3" in where:
+        where = where.split("/lib/python3", 1)[1].split("/", 1)[-1]
+    if "/" in where:
+        return where.split("/", 1)[0]  # a package (py-spy --native names files from their package)
+    if where.endswith((".c", ".h")):
+        return "C (CPython, extensions)"
+    return where
+
+
+def _is_loop_thread(frames: list[str]) -> bool:
+    """A stack of this process's main thread, which runs the gateway's event loop (the front door's thread
+    and the executor threads are left out)."""
+    return any(f.startswith("main (") and "gateway_profile.py" in f for f in frames)
+
+
 def summarize_raw(path: Path, top: int) -> str:
-    """Self and total shares per function from py-spy's raw (collapsed) stacks."""
+    """From py-spy's raw (collapsed) stacks of the event loop's thread: the share of samples waiting in the
+    selector (idle), then, of the busy samples, self and total shares per function and self shares per
+    :func:`_group`."""
     own: dict[str, int] = {}
     total: dict[str, int] = {}
-    samples = 0
+    groups: dict[str, int] = {}
+    samples = idle = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
+        raw = stack.split(";")
+        if not _is_loop_thread(raw):
+            continue
         n = int(count)
         samples += n
         frames = [f.split(" (", 1)[0] + " (" + f.split(" (", 1)[1].rsplit(":", 1)[0].rsplit("/", 1)[-1] + ")"
-                  if " (" in f else f for f in stack.split(";")]
+                  if " (" in f else f for f in raw]
+        if any(f.startswith("EpollSelector.select (") for f in frames) and not any(
+                f.startswith(("Handle._run (", "_run_once_handle")) for f in frames):
+            idle += n  # the loop waiting for sockets
+            continue
         own[frames[-1]] = own.get(frames[-1], 0) + n
+        leaf = _group(raw[-1])
+        groups[leaf] = groups.get(leaf, 0) + n
         for name in set(frames):
             total[name] = total.get(name, 0) + n
-    lines = [f"{samples} samples"]
-    for title, table in (("self (running in the function itself)", own), ("total (on the stack)", total)):
+    busy = max(samples - idle, 1)
+    lines = [f"{samples} samples of the event loop's thread, {100 * idle / max(samples, 1):.1f}% waiting in the "
+             f"selector; shares below are of the {samples - idle} busy ones"]
+    for title, table in (("self (running in the function itself)", own), ("total (on the stack)", total),
+                         ("self, by where the code lives", groups)):
         lines.append(f"\n{title}:")
         for name, n in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
-            lines.append(f"  {100 * n / samples:5.1f}%  {name}")
+            lines.append(f"  {100 * n / busy:5.1f}%  {name}")
     return "\n".join(lines)
 
 
@@ -153,6 +199,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--native", action="store_true", help="py-spy: C frames too (the process paused per sample)")
     ap.add_argument("--out", type=Path, default=None, help="the profile (default runs/bench/gateway.<sampler>)")
     args = ap.parse_args()
     args.out = args.out or REPO / "runs" / "bench" / f"gateway.{args.sampler}"
