@@ -16,6 +16,7 @@ import ray
 from actors.runtime import on_driver_node
 from rayrl.config import RunConfig
 from rayrl.engines.api import LORA_ADAPTER
+from rayrl.gateway.admin_stats import gateway_stats
 from rayrl.gateway.admin_trees import describe_session
 from rayrl.gateway.app import Gateway, settle_heap
 from rayrl.gateway.sessions import SessionInfo
@@ -90,7 +91,7 @@ class TrajectoryManager:
 
     async def stats(self) -> dict[str, Any]:
         router = {f"router_{k}": v for k, v in self.router.stats().items()}
-        return {**self.gateway.counters, **self.totals, **router, "open_sessions": self.gateway.sessions.open_sessions}
+        return {**gateway_stats(self.gateway), **self.totals, **router}
 
     async def set_engines(self, urls: list[str]) -> None:
         """Route LLM calls to exactly these engines (rayrl/pipeline/membership.py calls this as engines die

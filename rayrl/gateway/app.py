@@ -43,7 +43,7 @@ from aiohttp import web
 from rayrl.config import GatewayConfig, TrajectoryConfig
 from rayrl.engines import http_input
 from rayrl.engines.client import GenerateOutput
-from rayrl.gateway import admin_trees, anthropic_messages, front_door, openai_chat, openai_responses
+from rayrl.gateway import admin_stats, admin_trees, anthropic_messages, front_door, openai_chat, openai_responses
 from rayrl.gateway.errors import RequestError
 from rayrl.gateway.openapi import openapi_spec
 from rayrl.gateway.params import TurnSpec, lone_surrogate_path, number
@@ -185,6 +185,7 @@ class Gateway:
         self.cpu = WorkLock()  # one piece of request work at a time (module docstring, work_lock.py)
         self.turns = TurnPipeline(cfg, self.renderer, self.tool_parser, self.reasoning_parser, router,
                                   self.upstream, context_length, self.counters, self.cpu)
+        self.durations = {"record_turn": self.turns.record_times, "finish_session": self.sessions.finish_times}
         self.base_url = ""
         self._runner: web.AppRunner | None = None
         self.front: front_door.FrontDoor | None = None  # the listener; answers /health in its own thread
@@ -206,6 +207,7 @@ class Gateway:
         app.router.add_get("/health", self._health)
         app.router.add_get("/", self._health)  # HEAD / too: Claude Code's connectivity check
         app.router.add_get("/openapi.json", self._openapi)
+        app.router.add_get("/rayrl/stats", admin_stats.stats_handler(self))
         app.router.add_post("/rayrl/sessions", self._http_open_session)
         app.router.add_get("/rayrl/sessions/{session_id}", self._http_session_stats)
         app.router.add_post("/rayrl/sessions/{session_id}/finish", self._http_finish_session)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from rayrl.config import TrajectoryConfig
+from rayrl.gateway.durations import DurationHistogram
 from rayrl.gateway.errors import RequestError
 from rayrl.trajectory import TrajectoryTree
 from rayrl.trajectory.events import TreeCallback, load_callback
@@ -107,6 +108,7 @@ class SessionRegistry:
         self._finished_tokens: set[str] = set()
         self.opened = 0
         self.finished = 0
+        self.finish_times = DurationHistogram()  # each session's fold into samples (durations.py)
 
     def open(self, metadata: dict[str, Any] | None = None, session_id: str | None = None) -> Session:
         sid = session_id or f"s{self.shard}-{uuid.uuid4().hex}"
@@ -141,6 +143,12 @@ class SessionRegistry:
 
     def finish(self, session_id: str, reward: float, metadata: dict[str, Any] | None = None) -> list[Sample]:
         """Close a session and fold its turns into samples; the session's memory is freed."""
+        started = time.perf_counter()
+        samples = self._finish(session_id, reward, metadata)
+        self.finish_times.add(time.perf_counter() - started)
+        return samples
+
+    def _finish(self, session_id: str, reward: float, metadata: dict[str, Any] | None) -> list[Sample]:
         session = self.get(session_id)
         session.finished = True
         self._by_id.pop(session_id, None)

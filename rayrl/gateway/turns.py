@@ -22,6 +22,7 @@ dialect (``turn_limit_exceeded``), before any byte is streamed, counted in ``tur
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -30,6 +31,7 @@ import numpy as np
 
 from rayrl.config import GatewayConfig
 from rayrl.engines.client import GenerateOutput
+from rayrl.gateway.durations import DurationHistogram
 from rayrl.gateway.errors import ContextLengthError, RequestError
 from rayrl.gateway.params import TurnSpec
 from rayrl.gateway.parsers import ParsedOutput, ThinkReasoningParser, ToolParser, parse_completion
@@ -118,6 +120,7 @@ class TurnPipeline:
         self.context_length = context_length
         self.counters = counters
         counters.setdefault("turn_cap_refusals", 0)
+        self.record_times = DurationHistogram()  # each turn's record into its session's tree (durations.py)
 
     # -- prompt ------------------------------------------------------------------------------------
 
@@ -324,8 +327,10 @@ class TurnPipeline:
         )
         finish = "tool_calls" if parsed.tool_calls else ("length" if kind == "length" else "stop")
         if not session.finished:
+            started = time.perf_counter()
             session.tree.record_turn(turn)
             session.remember(turn)
+            self.record_times.add(time.perf_counter() - started)
             session.tool_turns += 1 if spec.tools else 0
             session.tool_parse_errors += 1 if parsed.errors else 0
             session.length_turns += 1 if kind == "length" else 0
