@@ -11,6 +11,12 @@ anything else, including a request line that has not fully arrived, is handed to
 start as if it had accepted the connection itself. The thread holds the GIL only for a peek and a short
 write, so it needs no more than a few switch intervals (5 ms each) of the busy loop's time.
 
+Each agent holds a keep-alive connection of its own, so a gateway with N sessions holds N descriptors
+(plus one per LLM call at an engine). A soft ``RLIMIT_NOFILE`` of 1,024, a common default, would stop
+accepting at about a thousand sessions (bench/session_capacity.py), so :meth:`FrontDoor.start` raises the
+soft limit to ``min(hard, WANTED_FDS)`` as ``ray.init`` does for its own driver (a raylet started by ``ray
+start``, and the standalone gateway, get no such raise), and says once when the hard limit is lower.
+
 The answer stays meaningful: the event loop beats every ``BEAT_S`` (a timer on the loop); when the
 last beat is older than ``stalled_s`` the loop is not serving and ``/health`` answers 503 with the
 reason, as it does once the gateway is stopping. Otherwise 200 with the gateway's own status body and
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import resource
 import selectors
 import socket
 import threading
@@ -36,6 +43,8 @@ ACCEPT_RETRY_S = 1.0  # accepting failed (out of descriptors, say): pause accept
 IDLE_S = 75.0  # a keep-alive connection that asks nothing for this long is closed (aiohttp's default)
 BACKLOG = 1024  # pending connections; a burst of agents connecting at once must not overflow it
 _PEEK = 4096
+WANTED_FDS = 65536  # open descriptors a gateway may hold: one per agent connection, one per call at an engine
+LOW_FDS = 8192  # fewer than this after raising: said once, with what it caps
 _HEALTH_PATHS = (b"/health", b"/")
 
 
@@ -91,6 +100,7 @@ class FrontDoor:
 
     def start(self) -> None:
         """Start beating (on the loop: call from it) and accepting."""
+        raise_fd_limit()
         self.sock.setblocking(False)
         self._wake_r.setblocking(False)
         self._selector.register(self.sock, selectors.EVENT_READ, "accept")
@@ -233,6 +243,23 @@ class FrontDoor:
         cutoff = time.monotonic() - IDLE_S
         for conn in [c for c, since in self._idle_since.items() if since < cutoff]:
             self._drop(conn)
+
+
+def raise_fd_limit(wanted: int = WANTED_FDS) -> int:
+    """Raise this process's soft limit on open descriptors to ``min(hard, wanted)`` (never lowers it);
+    returns the soft limit now. A limit still below ``LOW_FDS`` is logged: it caps the connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as err:
+            logger.warning("gateway: could not raise the open-file limit from %d to %d: %s", soft, target, err)
+    if soft != resource.RLIM_INFINITY and soft < min(wanted, LOW_FDS):
+        logger.warning("gateway: at most %d open files (hard limit %s): about that many agent connections at "
+                       "once; raise it with ulimit -n (docs/operations.md)", soft, hard)
+    return soft
 
 
 def bind(host: str, port: int) -> socket.socket:
