@@ -8,7 +8,7 @@ import pytest
 
 from rayrl.rl.batch import build_batch
 from rayrl.rl.failures import failure_kind
-from rayrl.rl.step_metrics import EngineWork, step_metrics
+from rayrl.rl.step_metrics import EngineWork, gateway_metrics, step_metrics
 from rayrl.types import Episode, Sample
 
 
@@ -142,3 +142,13 @@ def test_excluded_episodes_count_apart_and_the_agents_own_failures_count_in():
                      pipeline_counts={}, groups_in_flight=0, failures={}, engines=_engines(), extra={},
                      rollout_s=1.0, step_s=1.0, run_episodes=2, run_s=1.0)
     assert "rollout/reward_mean" not in m and m["rollout/excluded_timed_out"] == 2
+
+
+def test_gateway_metrics_sum_counters_and_take_the_slowest_shards_record_time():
+    shard = lambda requests, p50, p99: {"requests": requests, "open_sessions": 3,  # noqa: E731
+                                        "durations": {"record_turn": {"count": 9, "p50_ms": p50, "p99_ms": p99},
+                                                      "finish_session": {"p99_ms": 50.0}}}
+    out = gateway_metrics([shard(5, 0.2, 1.5), shard(7, 0.3, 0.9)])
+    assert out["gateway/requests"] == 12
+    assert out["trajectory/record_turn_p50_ms"] == 0.3 and out["trajectory/record_turn_p99_ms"] == 1.5
+    assert "trajectory/record_turn_p99_ms" not in gateway_metrics([{"requests": 1}])  # an older shard's stats

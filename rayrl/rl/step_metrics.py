@@ -174,7 +174,7 @@ def gateway_metrics(shard_stats: Sequence[Mapping[str, Any]]) -> dict[str, float
     """Gateway, router and trajectory totals summed over the trajectory-manager shards (cumulative since
     the run started): ``gateway/<counter>`` (router counters without their ``router_`` prefix: calls held
     while generation was paused, continued after an abort or a lost engine, timed out, retried) and
-    ``trajectory/drift_<kind>``."""
+    ``trajectory/drift_<kind>``; ``trajectory/record_turn_p50_ms``/``_p99_ms``, the slowest shard's."""
     totals: dict[str, float] = {}
     for shard in shard_stats:
         for key, value in shard.items():
@@ -183,4 +183,11 @@ def gateway_metrics(shard_stats: Sequence[Mapping[str, Any]]) -> dict[str, float
     out = {f"gateway/{k}": totals[k] for k in GATEWAY_TOTALS if k in totals}
     out.update({f"gateway/{k}": totals[f"router_{k}"] for k in ROUTER_TOTALS if f"router_{k}" in totals})
     out.update({f"trajectory/{k}": v for k, v in totals.items() if k.startswith("drift_")})
+    # the manager's own time per recorded turn (rayrl/gateway/durations.py), since the run started: the
+    # slowest shard's percentiles, since percentiles do not add up
+    for key in ("p50_ms", "p99_ms"):
+        values = [s["durations"]["record_turn"][key] for s in shard_stats
+                  if isinstance(s.get("durations"), Mapping) and "record_turn" in s["durations"]]
+        if values:
+            out[f"trajectory/record_turn_{key}"] = float(max(values))
     return out
