@@ -57,7 +57,7 @@ def table(runs: dict[str, list[dict]]) -> str:
         if samples:
             lines.append(f"{name}: {sum(r['time/train_s'] for r in trained) / samples:.2f} s of train step per trained "
                          f"sample ({samples:.0f} samples in {len(trained)} steps that trained); "
-                         f"{sum(r['time/step_s'] for r in rows):.0f} s of steps in all")
+                         f"{sum(r.get('time/step_s', 0.0) for r in rows):.0f} s of steps in all")
     return "\n".join(lines)
 
 
