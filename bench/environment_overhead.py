@@ -51,7 +51,8 @@ def main() -> None:
     from tests.gateway.episode_kit import InProcessSessions
 
     sums = importlib.import_module("examples.verifiers.sums_env")
-    record = Record("environment_overhead", "verifiers adapter overhead per episode", quick=args.quick)
+    record = Record("environment_overhead", "verifiers adapter overhead per episode", quick=args.quick,
+                    record_dir=args.record_dir)
     model = str(resolve_model_path(args.model))
     loop = LoopThread()
     engine = CPUEngine(model, dtype="float32", max_batch_size=8, context_length=2048).start()
