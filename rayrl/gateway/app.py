@@ -18,10 +18,13 @@ prompt early, so ``/health`` and other sessions' calls keep being answered meanw
 
 ``/health`` is answered ahead of generation work: the listening socket belongs to a thread of its own
 (front_door.FrontDoor), which answers health checks itself and hands every other connection, unread,
-to the event loop. There, the CPU work for LLM calls (decoding and rendering a request, parsing and
-recording its answer) and for finishing sessions runs one piece at a time under :attr:`Gateway.cpu`, a
-fair lock (work_lock.py); under contention each piece waits its turn in a later turn of the event loop,
-after the sockets are polled again, so the calls of a thousand sessions are taken in turn.
+to the event loop. There the lean front (lean_front.py) reads it: LLM calls go to their handlers without
+aiohttp's web layer, through the same error handling (:meth:`Gateway.answer`), and the first request of
+any other kind hands the connection to aiohttp's server. The CPU work for LLM calls (decoding and
+rendering a request, parsing and recording its answer) and for finishing sessions runs one piece at a
+time under :attr:`Gateway.cpu`, a fair lock (work_lock.py); under contention each piece waits its turn
+in a later turn of the event loop, after the sockets are polled again, so the calls of a thousand
+sessions are taken in turn.
 """
 
 from __future__ import annotations
@@ -43,7 +46,15 @@ from aiohttp import web
 from rayrl.config import GatewayConfig, TrajectoryConfig
 from rayrl.engines import http_input
 from rayrl.engines.client import GenerateOutput
-from rayrl.gateway import admin_stats, admin_trees, anthropic_messages, front_door, openai_chat, openai_responses
+from rayrl.gateway import (
+    admin_stats,
+    admin_trees,
+    anthropic_messages,
+    front_door,
+    lean_front,
+    openai_chat,
+    openai_responses,
+)
 from rayrl.gateway.errors import RequestError
 from rayrl.gateway.openapi import openapi_spec
 from rayrl.gateway.params import TurnSpec, lone_surrogate_path, number
@@ -72,6 +83,7 @@ _SESSION = _request_key("rayrl_session", Session)
 _BIG = _request_key("rayrl_big", bool)
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 PREP_THREADS = 2  # worker threads for large requests (decode, render, tokenize)
+SHUTDOWN_S = 60.0  # how long stop() lets calls in progress finish (aiohttp's AppRunner's shutdown_timeout)
 T = TypeVar("T")
 
 
@@ -190,19 +202,23 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self.front: front_door.FrontDoor | None = None  # the listener; answers /health in its own thread
         self._adopting: set[asyncio.Task] = set()
+        self._lean: set[lean_front.LeanFront] = set()  # connections served by the lean front (lean_front.py)
+        self.max_body = int(cfg.max_body_mb * 1024 * 1024)
         self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="gateway-prep")
+        self.llm_routes = {  # the LLM calls: through aiohttp's app, or the lean front for most connections
+            "/v1/chat/completions": self._api(openai_chat.handle),
+            "/v1/responses": self._api(openai_responses.handle),
+            "/v1/messages": self._api(anthropic_messages.handle),
+            "/v1/messages/count_tokens": self._api(anthropic_messages.count_tokens),
+        }
         self.app = self._build_app()
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def _build_app(self) -> web.Application:
-        app = web.Application(
-            client_max_size=int(self.cfg.max_body_mb * 1024 * 1024), middlewares=[self._error_middleware]
-        )
-        app.router.add_post("/v1/chat/completions", self._api(openai_chat.handle))
-        app.router.add_post("/v1/responses", self._api(openai_responses.handle))
-        app.router.add_post("/v1/messages", self._api(anthropic_messages.handle))
-        app.router.add_post("/v1/messages/count_tokens", self._api(anthropic_messages.count_tokens))
+        app = web.Application(client_max_size=self.max_body, middlewares=[self._error_middleware])
+        for path, handler in self.llm_routes.items():
+            app.router.add_post(path, handler)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/", self._health)  # HEAD / too: Claude Code's connectivity check
@@ -244,13 +260,19 @@ class Gateway:
         return self.base_url
 
     def _adopt(self, sock: socket.socket) -> None:
-        """A connection the front door hands over: served by aiohttp from its first byte."""
+        """A connection the front door hands over: served from its first byte by the lean front, which
+        answers the LLM calls and hands anything else to aiohttp's server (lean_front.py)."""
         runner = self._runner
         if runner is None or runner.server is None:
             sock.close()
             return
+        server, max_body = runner.server, self.max_body
+
+        def protocol() -> lean_front.LeanFront:
+            return lean_front.LeanFront(self.llm_routes, self.answer, server, max_body, self._lean)
+
         loop = asyncio.get_running_loop()
-        task = loop.create_task(loop.connect_accepted_socket(runner.server, sock))
+        task = loop.create_task(loop.connect_accepted_socket(protocol, sock))
         self._adopting.add(task)
         task.add_done_callback(lambda done: self._adopted(done, sock))
 
@@ -265,6 +287,8 @@ class Gateway:
         if self.front is not None:
             self.front.stop()
             self.front = None
+        if self._lean:
+            await asyncio.gather(*(c.shutdown(SHUTDOWN_S) for c in list(self._lean)))
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -298,7 +322,12 @@ class Gateway:
     async def _error_middleware(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        """Every failure becomes a JSON error in the route's dialect, logged in one line."""
+        return await self.answer(request, handler)
+
+    async def answer(self, request: web.BaseRequest, handler: Callable[[Any], Awaitable[web.StreamResponse]]
+                     ) -> web.StreamResponse:
+        """``handler(request)``, every failure a JSON error in the route's dialect, logged in one line (the
+        app's middleware, and the lean front's way to a handler)."""
         started = time.monotonic()
         anthropic = request.path.startswith(_ANTHROPIC_PATHS)
         try:

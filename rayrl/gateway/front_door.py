@@ -7,8 +7,8 @@ front door owns the listener: it accepts every connection and peeks (``MSG_PEEK`
 at its first request line. A ``GET``/``HEAD`` of ``/health`` (or ``/``, Claude Code's connectivity check)
 with no body is answered here, in this thread, and the connection stays here while it asks only that;
 anything else, including a request line that has not fully arrived, is handed to the event loop
-(``loop.connect_accepted_socket`` with the aiohttp server's protocol), which reads the request from the
-start as if it had accepted the connection itself. The thread holds the GIL only for a peek and a short
+(``loop.connect_accepted_socket`` with the lean front's protocol, lean_front.py), which reads the
+request from the start as if it had accepted the connection itself. The thread holds the GIL only for a peek and a short
 write, so it needs no more than a few switch intervals (5 ms each) of the busy loop's time.
 
 Each agent holds a keep-alive connection of its own, so a gateway with N sessions holds N descriptors
