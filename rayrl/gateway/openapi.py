@@ -237,6 +237,8 @@ def openapi_spec() -> dict[str, Any]:
             "/health": {"get": _get("liveness and open sessions")},
             "/": {"get": _get("liveness (HEAD / is Claude Code's connectivity check)")},
             "/openapi.json": {"get": _get("this document")},
+            "/rayrl/stats": {"get": _get("the gateway's counters, sessions and duration summaries "
+                                         "(rayrl/gateway/admin_stats.py)", "admin")},
             "/rayrl/sessions": {"post": _post("open a session: {session_id, token, base_url}",
                                               {"type": "object", "properties": {"metadata": {"type": "object"}}},
                                               ("post", "/rayrl/sessions"), "the session", security="admin")},
