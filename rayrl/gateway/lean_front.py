@@ -74,7 +74,8 @@ class LeanFront(BaseProtocol):
         self._aiohttp_server = aiohttp_server
         self._max_body = max_body
         self._connections = connections
-        self._raw = bytearray()  # the bytes from the first byte of the request being answered (or next) on
+        self._raw = bytearray()  # the bytes from the first byte of the next request not taken on (a hand-over's)
+        self._skip = 0  # bytes still to come of a taken request's body (not kept: its payload holds them)
         self._queue: deque[tuple[Any, Any]] = deque()  # parsed requests not answered yet, in order
         self._task: Optional[asyncio.Task[None]] = None
         self._refused = False  # the parser refused the bytes: aiohttp's server answers from the next request on
@@ -100,7 +101,11 @@ class LeanFront(BaseProtocol):
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
-        if data:
+        if self._skip:
+            cut = min(self._skip, len(data))
+            self._skip -= cut
+            self._raw += data[cut:]
+        elif data:
             self._raw += data
         if self._refused:
             return
@@ -148,7 +153,11 @@ class LeanFront(BaseProtocol):
         if end is None:
             self._hand_over()
             return
-        self._task = self._loop.create_task(self._serve(message, payload, end))
+        # taken on: its bytes are not needed again (a hand-over starts after it), so a large body is not
+        # held twice (here and in the request's payload)
+        self._skip = max(0, end - len(self._raw))
+        del self._raw[:end]
+        self._task = self._loop.create_task(self._serve(message, payload))
 
     def _extent(self, message: Any) -> Optional[int]:
         """Where in ``_raw`` the request ``message`` (the first one there) ends, when it is one this front
@@ -167,7 +176,7 @@ class LeanFront(BaseProtocol):
             return None
         return head + 4 + int(length)
 
-    async def _serve(self, message: Any, payload: Any, end: int) -> None:
+    async def _serve(self, message: Any, payload: Any) -> None:
         loop = self._loop
         keep_alive = False
         try:
@@ -193,7 +202,6 @@ class LeanFront(BaseProtocol):
             self._closing = True
             self.transport.close()
             return
-        del self._raw[:end]  # the next request starts here (the body was read to its end: its bytes are all in)
         self._idle_since = loop.time()
         self._next()
 

@@ -99,6 +99,13 @@ def test_a_body_in_pieces_and_a_request_to_close(scripted):
         (status, body), = _answers(sock, 1)
         assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == "Noted."
         assert sock.recv(1) == b""  # closed after the answer, as asked
+    request = _chat_request(info.token)
+    with _conn(stack) as sock:  # the rest of a body and the next request in one read: both answered
+        sock.sendall(request[:-10])
+        time.sleep(0.05)
+        sock.sendall(request[-10:] + request)
+        assert [status for status, _ in _answers(sock, 2)] == [200, 200]
+        assert len(stack.gateway._lean) == 1  # not handed over: the second request was read from its first byte
 
 
 def test_calls_aiohttps_server_must_read_are_handed_over(scripted):
