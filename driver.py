@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # everything that can be checked is checked before Ray starts: one line, exit 2
         cfg = absolute_outputs(load_config(args.config, args.overrides))  # outputs: rayrl/config/paths.py
-        preflight(cfg)  # your agent, reward and callback import with the right signatures; the data parses
+        preflight(cfg)  # the names the plug-in tables hold; your agent, reward and callback import; the data parses
         print(f"[rayrl] run directory: {cfg.run_dir}", flush=True)
         resolve_model_path(cfg.model.path)  # provisions the built-in model once
         for field, path in model_paths(cfg):

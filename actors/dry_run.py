@@ -22,12 +22,13 @@ from actors.rollout_worker import RolloutWorker
 from actors.runtime import on_driver_node
 from actors.sandbox_pool import SandboxPoolActor
 from actors.trajectory_manager import start_trajectory_managers
-from rayrl.config import RunConfig, resolve
+from rayrl.config import RunConfig
 from rayrl.config.paths import absolute_outputs
 from rayrl.data import FileDataset
 from rayrl.inspect.text import episode_lines
 from rayrl.models import resolve_model_path
 from rayrl.records import episode_row, sample_detail, task_text, tokenizer_text
+from rayrl.resolve import resolve
 from rayrl.types import Episode, Task
 
 

@@ -44,8 +44,9 @@ from actors.sandbox_pool import SandboxPoolActor
 from actors.trainer import TrainerFailure, TrainerGroup
 from actors.trajectory_manager import start_trajectory_managers
 from actors.weight_sync import WeightSync
+from rayrl.agents import harness_row
 from rayrl.checkpoint import CheckpointStore
-from rayrl.config import RunConfig, capacity_warnings, resolve, to_yaml
+from rayrl.config import RunConfig, to_yaml
 from rayrl.config.paths import absolute_outputs
 from rayrl.data import TaskSampler
 from rayrl.data.load import load_tasks
@@ -55,9 +56,10 @@ from rayrl.models import resolve_model_path
 from rayrl.pipeline.failures import WeightSyncError
 from rayrl.pipeline.parts import RunParts, RunState
 from rayrl.pipeline.run_checkpoint import RunCheckpoints
-from rayrl.pipeline.schedules import make_schedule
+from rayrl.pipeline.schedules import make_schedule, schedule_kind
 from rayrl.preflight import preflight
 from rayrl.records import tokenizer_text, write_episodes, write_inspection
+from rayrl.resolve import capacity_warnings, resolve
 from rayrl.rl.batch import Batch, build_batch
 from rayrl.rl.distill import TeacherScorer, distill_batch
 from rayrl.rl.failure_log import FailureLog
@@ -108,8 +110,7 @@ class Pipeline:
         # 3. the trainer, and the weight routes from its ranks to the engines (colocated: the engines release
         #    their memory while the trainer is built; the schedule gives it back once the trainer is offloaded)
         print("[rayrl] starting trainer, trajectory managers, sandbox pool and rollout workers...", flush=True)
-        if cfg.pipeline.schedule == "colocated_async":
-            self.engines.release_memory_occupation()
+        schedule_kind(cfg.pipeline.schedule).before_trainer(self.engines)  # colocated: the engines release memory
         self.trainer = TrainerGroup(cfg.trainer, self.model_path, seed=cfg.seed, name_prefix=name,
                                     placement=self.placement, algorithm=cfg.algorithm)
         self.weights = WeightSync(cfg, self.trainer)
@@ -363,7 +364,8 @@ class Pipeline:
 
     def _agentcore_launcher(self) -> Any:
         """The run's AgentCore launcher actor (created by the first rollout worker that needs it), if any."""
-        if self.cfg.rollout.agent != "agentcore":
+        row = harness_row(self.cfg.rollout.agent)
+        if row is None or not row.run_launcher:
             return None
         try:
             return ray.get_actor(f"rayrl-{self.cfg.exp_id}-agentcore-launcher")

@@ -9,7 +9,7 @@ import ray
 
 from actors.runtime import on_driver_node
 from actors.trajectory_manager import TrajectoryManagers
-from rayrl.agents import agent_factory
+from rayrl.agents import agent_factory, harness_row
 from rayrl.agents.episode import EpisodeRunner
 from rayrl.config import RunConfig
 from rayrl.rewards import reward_fn_for
@@ -53,7 +53,7 @@ class RolloutWorker:
     """Runs episodes concurrently, one per Ray actor thread.
 
     A threaded actor (``max_concurrency`` = ``rollout.max_concurrent_episodes``, resolved by
-    ``rayrl.config.resolve`` and set by ``start_workers``)
+    ``rayrl.resolve`` and set by ``start_workers``)
     rather than an async one: agents are blocking code (the openai SDK, subprocesses), so each episode
     owns a thread and Ray bounds how many run at once.
     """
@@ -62,7 +62,8 @@ class RolloutWorker:
         logging.basicConfig(level=cfg.logging.log_level)
         quiet_http_loggers()
         owner = ray.get_runtime_context().get_actor_id()
-        if cfg.rollout.agent == "agentcore":  # wired to the run's one launcher (actors/agentcore_launcher.py)
+        row = harness_row(cfg.rollout.agent)
+        if row is not None and row.run_launcher:  # wired to the run's one launcher (actors/agentcore_launcher.py)
             from actors.agentcore_launcher import agentcore_harness
 
             harness = agentcore_harness(cfg)

@@ -24,8 +24,7 @@ import ray
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from rayrl.config import SandboxConfig, SandboxPoolConfig
-from rayrl.sandboxes.factory import create_sandbox
-from rayrl.sandboxes.local import remove_orphans
+from rayrl.sandboxes.factory import create_sandbox, sandbox_provider
 from rayrl.sandboxes.pool import LATENCY_BUCKETS_S, Lease, SandboxPool
 
 logger = logging.getLogger(__name__)
@@ -67,8 +66,9 @@ class SandboxPoolActor:
                  tick_s: float = 1.0, root: str | None = None) -> None:
         # ``root``: where local sandboxes live (default: the node-wide rayrl-sandboxes dir). Tests and
         # benchmarks pass their own so they never share a directory with a running job's pool.
-        if sandbox_config.backend == "local":
-            remove_orphans(root)  # sandboxes left on this node by a pool that crashed
+        provider = sandbox_provider(sandbox_config.backend)
+        if provider.sweep_orphans is not None:
+            provider.sweep_orphans(root)  # sandboxes left on this node by a pool that crashed
         self.pool = SandboxPool(sandbox_config, pool_config,
                                 factory=lambda: create_sandbox(sandbox_config, root=root))
         self.config = pool_config

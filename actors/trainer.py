@@ -39,7 +39,7 @@ from rayrl.pipeline.failures import TrainerFailure
 from rayrl.ports import free_port
 from rayrl.rl.shard import replica_leads
 from rayrl.rl.updates import UpdatePlan, plan_updates
-from rayrl.trainers.backend import TrainerBackend
+from rayrl.trainers.backend import TrainerBackend, trainer_backend
 from rayrl.trainers.memory_saver import preload_env
 from rayrl.types import Sample
 from rayrl.weights.routes import RankPlace, WeightRoutes, make_sender
@@ -82,27 +82,20 @@ class TrainerRank:
         import torch
 
         from rayrl.trainers.process_groups import TrainerWorld
-        from rayrl.trainers.torch_backend import TorchTrainer
         from rayrl.weights.group import NCCL_ENV
 
         model_path, cfg, rank, world_size, seed = self.args
+        kind = trainer_backend(cfg.backend)
         os.environ.update(NCCL_ENV)  # as SGLang's engines have it (rayrl/weights/group.py), before any NCCL use
-        if world_size > 1 or cfg.backend == "megatron":
+        if world_size > 1 or kind.model_parallel:
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
             # logical GPUs (ray.init(num_gpus=...) on a CPU machine) have ids but no CUDA: gloo then. On NCCL
             # the groups are released while the trainer is offloaded (rayrl/trainers/process_groups.py)
             backend = "nccl" if ray.get_gpu_ids() and torch.cuda.is_available() else "gloo"
             self.world = TrainerWorld(rank, world_size, backend, master_addr, master_port).start()
-        if cfg.backend == "megatron":  # raises MegatronUnavailable naming what is missing (packages, CUDA)
-            from rayrl.trainers.megatron_backend import MegatronTrainer
-
-            os.environ.setdefault("MASTER_ADDR", master_addr)
-            os.environ.setdefault("MASTER_PORT", str(master_port))
-            self.trainer = MegatronTrainer(model_path, cfg, algorithm=self.algorithm, rank=rank, world_size=world_size,
-                                           seed=seed, local_rank=0)
-            return rank
-        self.trainer = TorchTrainer(model_path, cfg, algorithm=self.algorithm, rank=rank, world_size=world_size,
-                                    seed=seed)
+        # Megatron's raises MegatronUnavailable naming what is missing (packages, CUDA)
+        self.trainer = kind.backend_class()(model_path, cfg, algorithm=self.algorithm, rank=rank,
+                                            world_size=world_size, seed=seed, **dict(kind.extra_kwargs))
         return rank
 
     def train_step(self, samples: list[Sample], advantages: list[Any], plan: UpdatePlan) -> dict[str, Any]:
@@ -174,7 +167,7 @@ class TrainerRank:
 
         weights = self.trainer.named_weights(getattr(torch, dtype))
         if self.sender is None:
-            if self.args[1].backend == "megatron":
+            if trainer_backend(self.args[1].backend).model_parallel:  # every rank takes part in the gather
                 for _ in weights:
                     pass
             return None
@@ -362,7 +355,7 @@ class TrainerGroup:
     def full_state_on_every_rank(self) -> bool:
         """Whether one rank's files are a whole checkpoint: the torch backend is data parallel only (every
         rank holds the weights and the optimizer state); Megatron shards them over its ranks."""
-        return self.cfg.backend == "torch"
+        return trainer_backend(self.cfg.backend).full_state_on_every_rank
 
     # -- the phases ------------------------------------------------------------------------------
 
@@ -393,7 +386,7 @@ class TrainerGroup:
         return metrics
 
     def export_weights(self, root: str, version: int, dtype: str) -> str:
-        ranks = range(len(self.ranks)) if self.cfg.backend == "megatron" else [0]  # Megatron: all ranks gather
+        ranks = range(len(self.ranks)) if trainer_backend(self.cfg.backend).model_parallel else [0]  # all gather
         return self._call("weight export", "export_weights", root, version, dtype, ranks=ranks)[0]
 
     def export_lora(self, directory: str, merged: bool) -> list[str]:

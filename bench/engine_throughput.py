@@ -28,8 +28,8 @@ from typing import Sequence
 import torch
 from measure import Record, add_common_args, alternate, paired_ratio
 
-from rayrl.config.resolve import compute_dtype, cpu_has_native_bf16
 from rayrl.engines.cpu_engine import DTYPES, CPUEngine
+from rayrl.machine import compute_dtype, cpu_has_native_bf16
 from rayrl.models import resolve_model_path
 
 _WORDS = (
@@ -184,7 +184,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
-                    help="auto: as engine.dtype auto resolves on this machine (rayrl/config/resolve.py)")
+                    help="auto: as engine.dtype auto resolves on this machine (rayrl/machine.py)")
     ap.add_argument("--weight-format", default="auto", choices=["auto", "float32", "fp16-packed"],
                     help="the engine's engine.weight_format")
     ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per row in (a)")

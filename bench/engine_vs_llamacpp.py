@@ -7,7 +7,7 @@ worker process (two OpenMP runtimes in one process would fight over the cores) a
 other one runs; bench/measure.py alternates them round by round.
 
 - ours: rayrl/engines/cpu_engine.py in process, as bench/engine_throughput.py starts it, with
-  ``engine.dtype: auto`` resolved as rayrl/config/resolve.py does (float32 on a CPU without native
+  ``engine.dtype: auto`` resolved as rayrl/machine.py compute_dtype does (float32 on a CPU without native
   bf16) and ``engine.weight_format`` as configured (``--weight-format``, default auto: fp16-packed on
   x86). Its weights are the GGUF dequantised to float32 (rayrl/models.py converts it), then packed.
   Its prefix cache is flushed before every run and every run gets fresh prompts, so no prefill is
@@ -67,8 +67,8 @@ class OursWorker:
     """rayrl's CPUEngine in this process."""
 
     def __init__(self, threads: int, weight_format: str, dtype: str) -> None:
-        from rayrl.config.resolve import compute_dtype, cpu_has_native_bf16
         from rayrl.engines.cpu_engine import CPUEngine
+        from rayrl.machine import compute_dtype, cpu_has_native_bf16
         from rayrl.models import resolve_model_path
 
         self.dtype = compute_dtype(dtype, cuda=False, native_bf16=cpu_has_native_bf16())

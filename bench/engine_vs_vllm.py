@@ -96,8 +96,8 @@ async def _run(url: str, prompts: Sequence[list[int]], new_tokens: int) -> dict[
 
 def start_engines(threads: int, log_dir: Path) -> dict[str, Any]:
     from rayrl.config import load_config
-    from rayrl.config.resolve import compute_dtype, cpu_has_native_bf16
     from rayrl.engines.launcher import EngineProcess
+    from rayrl.machine import compute_dtype, cpu_has_native_bf16
     from rayrl.models import resolve_model_path
 
     model = str(resolve_model_path("smollm2-135m-instruct"))

@@ -33,8 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.runner import Runner, YamlDataclass
-from rayrl.config import RunConfig, load_config
+from rayrl.config import RunConfig
 from rayrl.gateway.families import DEFAULT_FAMILY, family_of
+from rayrl.resolve import load_checked
+from rayrl.trainers.backend import trainer_backend
 
 _REQUIRED = ("exp_id", "agent_runtime_arn", "s3_bucket", "model_dir", "data_path", "model_type")
 
@@ -166,7 +168,7 @@ class AgentCoreRunner(YamlDataclass):
         tp = self.tensor_parallel_size
         out = ["placement.mode=colocated", f"placement.num_gpus={self.num_gpus}", f"trainer.num_ranks={self.num_gpus}",
                f"engine.num_engines={max(1, self.num_gpus // tp)}", f"engine.tp_size={tp}", "engine.backend=sglang"]
-        if self.trainer_backend == "megatron":
+        if trainer_backend(self.trainer_backend).model_parallel:  # its ranks split the model as the engines do
             out.append(f"trainer.tp_size={tp}")
         return out
 
@@ -198,7 +200,7 @@ class AgentCoreRunner(YamlDataclass):
         naming the field for anything invalid, here, before a job is submitted."""
         args = self.to_runner(num_rollout).driver_args()
         dotted = [a for a in args[2:] if not a.startswith("--")]
-        return load_config(Path(self.working_dir) / self.config, dotted)
+        return load_checked(Path(self.working_dir) / self.config, dotted)
 
     # -- submission ---------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import inspect
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from rayrl.config import ConfigError
 
@@ -111,3 +111,22 @@ def did_you_mean(name: str, choices: list[str] | tuple[str, ...]) -> str:
     """`` (did you mean 'x'?)`` for a close match among ``choices``, else ""."""
     close = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def named_callable(field_name: str, value: str, names: Mapping[str, Any]) -> Any:
+    """``names[value]``, or the callable a ``package.module:function`` names; else a ConfigError naming
+    ``field_name``. The algorithm's tables (rayrl/rl/advantages.py, rayrl/trainers/policy_losses.py) look
+    their names up with it; the resolve step (rayrl/resolve.py) checks the config's names through them."""
+    if value in names:
+        return names[value]
+    module, sep, attr = value.partition(":")
+    if not sep:
+        raise ConfigError(f"{field_name}: unknown {value!r}; registered: {', '.join(sorted(names))}, "
+                          "or package.module:function")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"{field_name}: cannot load {value!r}: {type(err).__name__}: {err}") from None
+    if not callable(fn):
+        raise ConfigError(f"{field_name}: {value!r} is not callable")
+    return fn

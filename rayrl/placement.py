@@ -3,7 +3,7 @@
 actors/ turns a plan into a Ray placement group. :func:`plan_placement` is the one home of the layout:
 it checks that the numbers fit and lays out the bundles, and the config runs it at load (RunConfig), so a
 layout that cannot fit fails, naming the field, before anything starts; CPU thread counts are resolved
-with the rest of the config (rayrl.config.resolve).
+with the rest of the config (rayrl.resolve).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from rayrl.config.checks import ConfigError  # not the package: the config calls plan_placement at load
+from rayrl.config import ConfigError
 
 LAYOUT_MODES = ("colocated", "split")  # the placement modes that lay out a shared placement group
 

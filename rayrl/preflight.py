@@ -1,7 +1,8 @@
 """What driver.py checks before Ray starts, so a mistake costs a second and one line, not a cluster start.
 
 The schema (types, ranges, choices) is checked by ``load_config``. This adds what needs more than the
-YAML: every ``package.module:name`` the config names is imported and its signature checked
+YAML: the names the plug-in tables must hold and their traits against the other sections
+(rayrl/resolve.py ``check``), every ``package.module:name`` the config names is imported and its signature checked
 (``rollout.agent``, ``rollout.reward``, ``trajectory.debug_callback``; rayrl/extensions.py), the
 python agent's tools exist, an agent command is there, and the data files are read and their fields
 mapped row by row (``file:line`` for the first bad rows). Every failure is a
@@ -11,6 +12,7 @@ mapped row by row (``file:line`` for the first bad rows). Every failure is a
 from __future__ import annotations
 
 from rayrl.config import ConfigError, DataConfig, RunConfig
+from rayrl.resolve import check
 
 
 def check_data(field: str, path: str, data: DataConfig) -> int:
@@ -30,6 +32,7 @@ def preflight(cfg: RunConfig, data: bool = True) -> None:
     from rayrl.rewards import reward_fn_for
     from rayrl.trajectory.events import load_callback
 
+    check(cfg)
     check_agent(cfg.rollout)
     reward_fn_for(cfg.rollout)
     load_callback(cfg.trajectory.debug_callback)

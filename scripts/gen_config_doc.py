@@ -20,17 +20,20 @@ SECTION_MODULES = ("schema.py", "data_sources.py", "serving.py", "rollout.py", "
 INTRO = """\
 One YAML file maps onto `rayrl.config.RunConfig` (typed dataclasses, OmegaConf structured config).
 Unknown keys, wrong types and invalid values fail at load with the dotted name of the field.
-Fields with a fixed set of values (written `a / b / c` below) are `Literal` types, or for `engine.backend`
-the names of its registry's table, so any other value fails at load too; ranges are checked by each
-section, rules across sections by `RunConfig`. A backend's own options are a nested section
-(`engine.sglang`).
+Fields with a fixed set of values (written `a / b / c` below) are `Literal` types, so any other value fails
+at load too; ranges are checked by each section, rules across sections by `RunConfig`. The names the
+plug-in tables hold (`engine.backend`, `algorithm.policy_loss`, `algorithm.advantage_estimator`,
+`data.format`) and their traits against the other sections (a grouped estimator and `rollout.group_size`,
+a whole-sequence loss and `trainer.cp_size`, ...) are checked a step above the config, by
+`rayrl.resolve.check`, which driver.py runs before Ray starts (docs/contributing.md). A backend's own
+options are a nested section (`engine.sglang`).
 Override any field on the command line: `python driver.py --config FILE trainer.steps=3 rollout.group_size=8`.
 This page is generated from the comments in rayrl/config/ (schema.py, serving.py, rollout.py, training.py,
 algorithm.py, guards.py) by scripts/gen_config_doc.py. Keys removed or moved since an older rayrl (`trainer.loss`,
 `trainer.kl_coef`, `engine.mem_fraction_static`, ...) fail at load with what to write instead.
 
 **Resolve.** Values that mean "auto" (`0`, unset, `auto`) stay that way in the loaded config;
-`rayrl.config.resolve(cfg, machine)` turns all of them into concrete values in one place, for the
+`rayrl.resolve(cfg, machine)` turns all of them into concrete values in one place, for the
 machine's cores (its CPU affinity) and whether it has CUDA: `engine.backend`, `engine.num_threads`,
 `trainer.num_threads`, `pipeline.groups_in_flight` (in `sync` always `rollout.prompts_per_step`),
 `rollout.max_concurrent_episodes`, `model.tokenizer_path` and, in `algorithm`, `tis_cap`, the clip

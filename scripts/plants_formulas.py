@@ -1,5 +1,6 @@
 """The RL-formula plants for scripts/mutation_check.py (``--set formulas``): single-line errors in the
-advantage estimators, the policy losses, the loss helper, the defaults in rayrl/config/resolve.py, the
+advantage estimators, the policy losses and the traits of their rows, the loss helper, the defaults in
+rayrl/resolve.py and rayrl/trainers/objective.py, the schedules' TIS default, the
 learning-rate schedule, reward shaping, which samples train, and the guards.
 
 Why: a formula test that asserts hand-computed values can still pass with a wrong formula (a clamp the
@@ -15,9 +16,9 @@ from scripts.mutation_check import Plant
 FORMULA_TESTS = ("tests/test_advantages.py", "tests/test_policy_losses.py", "tests/test_objective.py",
                  "tests/test_formula_pins.py", "tests/test_rl_groups.py", "tests/test_guards.py")
 ADV, LOSS, OBJ = "rayrl/rl/advantages.py", "rayrl/trainers/policy_losses.py", "rayrl/trainers/objective.py"
-RES, LR, SHAPE, UPD = ("rayrl/config/resolve.py", "rayrl/trainers/lr_schedule.py", "rayrl/rl/shaping.py",
+RES, LR, SHAPE, UPD = ("rayrl/resolve.py", "rayrl/trainers/lr_schedule.py", "rayrl/rl/shaping.py",
                        "rayrl/rl/updates.py")
-GROUPS, GUARDS = "rayrl/rl/groups.py", "rayrl/rl/guards.py"
+GROUPS, GUARDS, SCHED = "rayrl/rl/groups.py", "rayrl/rl/guards.py", "rayrl/pipeline/schedules.py"
 
 
 def formula(name: str, path: str, old: str, new: str, why: str) -> Plant:
@@ -155,7 +156,7 @@ PLANTS: tuple[Plant, ...] = (
             "tis = torch.clamp(torch.exp(torch.clamp(proximal - tb.rollout_logp, max=20.0)), max=self.tis_cap)",
             "tis = torch.exp(torch.clamp(proximal - tb.rollout_logp, max=20.0))",
             "the TIS weight not capped at tis_cap"),
-    formula("sft-loss-tis-weighted", OBJ, "if self.tis_cap > 0 and algo.policy_loss not in UNWEIGHTED_LOSSES:",
+    formula("sft-loss-tis-weighted", OBJ, "if self.tis_cap > 0 and not self.loss_kind.supervised:",
             "if self.tis_cap > 0:",
             "losses that take no importance weight weighted by TIS anyway"),
     formula("ratio-always-rollout", OBJ, "old = proximal if self.tis_cap > 0 else tb.rollout_logp",
@@ -176,21 +177,27 @@ PLANTS: tuple[Plant, ...] = (
     formula("token-mean-per-sequence", OBJ, "return 1.0 / mb.tokens\n", "return 1.0 / (mb.tokens * mb.sequences)\n",
             "token_mean also divided by the number of sequences"),
     # defaults
-    formula("loss-agg-auto-gspo", RES, 'if algo.policy_loss == "gspo":\n        return "seq_mean_token_mean"',
-            'if algo.policy_loss == "gspo":\n        return "token_mean"',
+    formula("loss-agg-auto-gspo", LOSS, 'aggregation="seq_mean_token_mean", whole_sequence=True',
+            'aggregation="token_mean", whole_sequence=True',
             "loss_agg auto gives GSPO token_mean"),
-    formula("loss-agg-auto-dr-grpo", RES, 'return "seq_mean_token_sum_norm"', 'return "seq_mean_token_sum"',
+    formula("loss-agg-auto-dr-grpo", ADV, 'aggregation="seq_mean_token_sum_norm"', 'aggregation="seq_mean_token_sum"',
             "loss_agg auto gives Dr.GRPO seq_mean_token_sum without the norm"),
-    formula("loss-agg-auto-order", RES, 'if algo.policy_loss == "gspo":\n        return "seq_mean_token_mean"',
-            'if algo.policy_loss == "gspo" and algo.advantage_estimator != "dr_grpo":\n'
-            '        return "seq_mean_token_mean"',
+    formula("loss-agg-auto-order", OBJ,
+            "return (policy_loss(algo.policy_loss).aggregation or advantage_estimator(algo.advantage_estimator)"
+            ".aggregation",
+            "return (advantage_estimator(algo.advantage_estimator).aggregation or policy_loss(algo.policy_loss)"
+            ".aggregation",
             "loss_agg auto: Dr.GRPO no longer wins over GSPO"),
-    formula("gspo-band", RES, '"gspo": (3e-4, 4e-4)', '"gspo": (3e-3, 4e-3)',
+    formula("gspo-band", LOSS, "clip=(3e-4, 4e-4)", "clip=(3e-3, 4e-3)",
             "GSPO's default clip band ten times too wide"),
-    formula("cispo-band", RES, '"cispo": (1.0, 4.0)', '"cispo": (0.2, 4.0)',
+    formula("cispo-band", LOSS, 'PolicyLoss("cispo", cispo, clip=(1.0, 4.0))',
+            'PolicyLoss("cispo", cispo, clip=(0.2, 4.0))',
             "CISPO's default lower band wrong"),
-    formula("ppo-band", RES, '"ppo_clip": (0.2, 0.28)', '"ppo_clip": (0.2, 0.2)',
+    formula("ppo-band", LOSS, "PPO_BAND = (0.2, 0.28)", "PPO_BAND = (0.2, 0.2)",
             "PPO's default clip_high equal to clip_low (no clip-higher)"),
+    formula("user-loss-ppo-band", OBJ, "band = policy_loss(algo.policy_loss).clip\n",
+            "band = policy_loss(algo.policy_loss).clip or (0.2, 0.28)\n",
+            "a loss of one's own that declared no band silently gets ppo_clip's"),
     formula("dr-grpo-constant", RES,
             "loss_agg_norm=algo.loss_agg_norm or cfg.rollout.max_turns * cfg.rollout.max_tokens",
             "loss_agg_norm=algo.loss_agg_norm or cfg.rollout.max_tokens",
@@ -198,12 +205,11 @@ PLANTS: tuple[Plant, ...] = (
     formula("dynamic-sampling-bound", RES, "DYNAMIC_SAMPLING_DRAWS * cfg.rollout.prompts_per_step",
             "2 * cfg.rollout.prompts_per_step",
             "dynamic sampling's draw bound hard-coded to 2 rounds"),
-    formula("tis-default-sync-on", RES, 'on = schedule != "sync" or algo.policy_loss in NARROW_BAND_LOSSES',
-            "on = True",
+    formula("tis-default-sync-on", SCHED, "    tis_cap = 0.0  #", "    tis_cap = 2.0  #",
             "TIS on by default for every schedule"),
-    formula("tis-default-gspo-off", RES, 'on = schedule != "sync" or algo.policy_loss in NARROW_BAND_LOSSES',
-            'on = schedule != "sync"',
-            "TIS off by default for sync GSPO/CISPO"),
+    formula("tis-default-gspo-off", OBJ,
+            "narrow = NARROW_BAND_TIS_CAP if policy_loss(algo.policy_loss).narrow_band else 0.0", "narrow = 0.0",
+            "TIS off by default for sync GSPO"),
     formula("lr-total-no-epochs", LR, "return cfg.steps * cfg.num_steps_per_rollout * cfg.epochs_per_rollout",
             "return cfg.steps * cfg.num_steps_per_rollout",
             "the learning-rate schedule's total ignores epochs_per_rollout"),

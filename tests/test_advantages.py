@@ -10,10 +10,20 @@ import numpy as np
 import pytest
 
 from rayrl.config import AlgorithmConfig, ConfigError, load_config
-from rayrl.rl.advantages import ESTIMATORS, GROUP_ESTIMATORS, EstimatorInput, EstimatorOptions, estimate
+from rayrl.resolve import load_checked
+from rayrl.rl.advantages import (
+    ESTIMATORS,
+    EstimatorInput,
+    EstimatorOptions,
+    advantage_estimator,
+    estimate,
+    estimator_traits,
+)
 from rayrl.rl.batch import build_batch
 from rayrl.rl.shaping import overlong_penalty
 from rayrl.types import Episode, Sample
+
+GROUP_ESTIMATORS = sorted(name for name, row in ESTIMATORS.items() if row.grouped)  # need >= 2 episodes per task
 
 # two groups: a = [1, 0, 0, 1] (mean 0.5, population std 0.5), b = [0.5, 0.5, 0.5, 1] (mean 0.625)
 REWARDS = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 1.0]
@@ -71,6 +81,31 @@ def leave_best(x: EstimatorInput) -> np.ndarray:
     return out
 
 
+@estimator_traits(grouped=True, aggregation="seq_mean_token_sum")
+def grouped_best(x: EstimatorInput) -> np.ndarray:
+    """An estimator of one's own that declares its traits: it needs groups, and sums each sequence's tokens."""
+    return leave_best(x)
+
+
+def test_an_estimator_of_ones_own_declares_its_traits():
+    """Undeclared: ungrouped, loss_agg left to the loss (as before). Declared: the check and resolve read its row."""
+    from rayrl.machine import Machine
+    from rayrl.resolve import resolve
+
+    mine = "algorithm.advantage_estimator=tests.test_advantages:"
+    plain = advantage_estimator("tests.test_advantages:leave_best")
+    assert not plain.grouped and plain.aggregation is None
+    load_checked(None, [mine + "leave_best", "rollout.group_size=1"])  # no group needed
+    with pytest.raises(ConfigError, match="^rollout.group_size: tests.test_advantages:grouped_best measures each "
+                                          "episode against its group"):
+        load_checked(None, [mine + "grouped_best", "rollout.group_size=1"])
+    algo = resolve(load_checked(None, [mine + "grouped_best"]), Machine(cores=2, cuda=False)).algorithm
+    assert algo.loss_agg == "seq_mean_token_sum"
+    gspo = resolve(load_checked(None, [mine + "grouped_best", "algorithm.policy_loss=gspo"]),
+                   Machine(cores=2, cuda=False)).algorithm
+    assert gspo.loss_agg == "seq_mean_token_mean"  # the loss's own aggregation wins, as over dr_grpo's
+
+
 def bad_shape(x: EstimatorInput) -> np.ndarray:
     return np.zeros(len(x.rewards) + 1)
 
@@ -81,11 +116,11 @@ def test_an_estimator_of_ones_own_by_module_path():
     with pytest.raises(ValueError, match="returned shape"):
         _run("tests.test_advantages:bad_shape")
     with pytest.raises(ConfigError, match="^algorithm.advantage_estimator: cannot load"):
-        load_config(None, ["algorithm.advantage_estimator=tests.test_advantages:missing"])
+        load_checked(None, ["algorithm.advantage_estimator=tests.test_advantages:missing"])
     with pytest.raises(ConfigError, match="^algorithm.advantage_estimator: unknown 'grp0'; registered: dr_grpo"):
-        load_config(None, ["algorithm.advantage_estimator=grp0"])
+        load_checked(None, ["algorithm.advantage_estimator=grp0"])
     with pytest.raises(ConfigError, match="^algorithm.advantage_estimator: gae needs a critic"):
-        load_config(None, ["algorithm.advantage_estimator=gae"])
+        load_checked(None, ["algorithm.advantage_estimator=gae"])
 
 
 def test_overlong_penalty_by_hand():

@@ -1,10 +1,14 @@
-"""Config: YAML -> typed dataclasses; unknown keys, wrong types and bad values fail naming the field."""
+"""Config: YAML -> typed dataclasses; unknown keys, wrong types and bad values fail naming the field.
+
+``load_config`` checks the schema (types, choices, ranges, rules across sections); ``load_checked``
+(rayrl/resolve.py, what driver.py runs before Ray) adds what the plug-in tables say: names and traits."""
 
 from pathlib import Path
 
 import pytest
 
 from rayrl.config import ConfigError, RunConfig, SGLangConfig, TrainerConfig, load_config, to_yaml
+from rayrl.resolve import check, load_checked
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "calculator" / "config.yaml"
@@ -39,7 +43,7 @@ def test_dotted_overrides_apply_with_types():
 )
 def test_bad_values_name_the_field(override, field):
     with pytest.raises(ConfigError) as err:
-        load_config(EXAMPLE, override)
+        load_checked(EXAMPLE, override)
     assert str(err.value).startswith(field), str(err.value)
 
 
@@ -169,9 +173,10 @@ def test_a_value_outside_a_literal_names_the_field(field):
     ],
 )
 def test_out_of_range_values_name_the_field(override, message):
-    """Raised by the dataclasses while OmegaConf builds them: a plain ConfigError, not an OmegaConf one."""
+    """Raised by the dataclasses while OmegaConf builds them, or by the check against the tables: a plain
+    ConfigError, not an OmegaConf one."""
     with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
+        load_checked(None, [override])
     assert type(err.value) is ConfigError and str(err.value).startswith(message), str(err.value)
     assert err.value.__cause__ is None
 
@@ -195,7 +200,7 @@ def test_out_of_range_values_name_the_field(override, message):
 )
 def test_cross_section_rules_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(")):
-        load_config(None, overrides)
+        load_checked(None, overrides)
 
 
 def test_sections_check_themselves_wherever_they_are_built():
@@ -203,8 +208,8 @@ def test_sections_check_themselves_wherever_they_are_built():
 
     with pytest.raises(ConfigError, match="^trainer.lr: must be > 0"):
         TrainerConfig(lr=0.0)
-    with pytest.raises(ConfigError, match="^trainer.tp_size: tp/pp/cp sizes above 1 need trainer.backend"):
-        dataclasses.replace(TrainerConfig(), tp_size=2)
+    with pytest.raises(ConfigError, match="^trainer.tp_size: tp/pp/cp sizes above 1 need trainer.backend megatron"):
+        check(RunConfig(trainer=TrainerConfig(tp_size=2, num_ranks=2)))  # the trainer backend's trait
     with pytest.raises(ConfigError, match="^exp_id: must be a plain name"):
         dataclasses.replace(RunConfig(), exp_id="..")
 
@@ -220,7 +225,7 @@ def test_the_local_megatron_layer_spec_has_no_packed_sequences():
 
 
 def test_layout_has_one_home_the_config_runs_at_load():
-    """plan_placement checks the layout and lays it out; the config runs that same function at load."""
+    """plan_placement checks the layout and lays it out; the check before Ray runs that same function."""
     import dataclasses
 
     from rayrl.config import PlacementConfig
@@ -232,4 +237,32 @@ def test_layout_has_one_home_the_config_runs_at_load():
     with pytest.raises(ConfigError, match="^placement.trainer_gpus: split needs 1..1, got 2"):
         plan_placement("split", 2, trainer_ranks=2, num_engines=0, tp_size=1, trainer_gpus=2)
     with pytest.raises(ConfigError, match="^placement.num_gpus: colocated needs trainer.num_ranks"):
-        dataclasses.replace(RunConfig(), placement=PlacementConfig(mode="colocated", num_gpus=2))
+        check(dataclasses.replace(RunConfig(), placement=PlacementConfig(mode="colocated", num_gpus=2)))
+
+
+def test_literal_choices_are_the_tables_rows():
+    """Where a Literal type lists a plug-in table's names (for OmegaConf's error and docs/config.md), it holds the
+    table's rows exactly: a row added without its name, or a name without its row, fails here."""
+    from rayrl.pipeline.schedules import SCHEDULES
+    from rayrl.sandboxes.factory import PROVIDERS
+    from rayrl.trainers.backend import TRAINER_BACKENDS
+
+    assert set(LITERAL_FIELDS["pipeline.schedule"]) == set(SCHEDULES)
+    assert set(LITERAL_FIELDS["trainer.backend"]) == set(TRAINER_BACKENDS)
+    assert set(LITERAL_FIELDS["sandbox.backend"]) == set(PROVIDERS)
+
+
+def test_the_config_imports_no_table():
+    """rayrl/config is pure data: importing it imports no other rayrl module (the resolve step does)."""
+    import subprocess
+    import sys
+
+    code = "import sys, rayrl.config; print(sorted(m for m in sys.modules if m.startswith('rayrl.') " \
+           "and not m.startswith('rayrl.config')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout
+    # nor do the modules a rollout worker's agent and the inspector load reach the loss table (and torch)
+    code = ("import sys, rayrl.config, rayrl.agents, rayrl.rl.failures, rayrl.inspect.reader; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False"

@@ -1,4 +1,4 @@
-"""rayrl.config.resolve: every auto value made concrete for a machine, once, without touching the input."""
+"""rayrl.resolve: every auto value made concrete for a machine, once, without touching the input."""
 
 import copy
 import os
@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rayrl.config import ConfigError, Machine, capacity_warnings, load_config, resolve, to_yaml
+from rayrl.config import ConfigError, load_config, to_yaml
+from rayrl.machine import Machine
+from rayrl.resolve import capacity_warnings, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "calculator" / "config.yaml"
@@ -151,7 +153,7 @@ def test_native_bf16_is_avx512_bf16_or_amx_on_x86(monkeypatch, arch, avx512_bf16
 
     import torch
 
-    from rayrl.config.resolve import cpu_has_native_bf16
+    from rayrl.machine import cpu_has_native_bf16
 
     monkeypatch.setattr(platform, "machine", lambda: arch)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
@@ -164,7 +166,7 @@ def test_native_bf16_agrees_with_the_cpu_flags_on_this_machine():
     """No stand-in: on an x86 Linux machine the answer is the kernel's avx512_bf16/amx_bf16 flags."""
     import platform
 
-    from rayrl.config.resolve import cpu_flags, cpu_has_native_bf16
+    from rayrl.machine import cpu_flags, cpu_has_native_bf16
 
     flags = cpu_flags()
     if platform.machine().lower() not in ("x86_64", "amd64") or not flags:

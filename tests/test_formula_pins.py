@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from rayrl.config import AlgorithmConfig, RunConfig, TrainerConfig, load_config
-from rayrl.config.resolve import clip_range, default_tis_cap, loss_aggregation, resolve_algorithm
+from rayrl.pipeline.schedules import schedule_kind
+from rayrl.resolve import resolve_algorithm
 from rayrl.rl.shaping import overlong_penalty
 from rayrl.rl.updates import UpdatePlan
 from rayrl.trainers.lr_schedule import lr_at, total_optimizer_steps
-from rayrl.trainers.objective import Objective, TokenBatch
+from rayrl.trainers.objective import Objective, TokenBatch, clip_range, default_tis_cap, loss_aggregation
 from rayrl.trainers.policy_losses import MAX_LOG_RATIO, PolicyLossInput, cispo, gspo, kl_estimate, ppo_clip
 from rayrl.types import Sample
 
@@ -179,12 +180,17 @@ def test_clip_bands(loss, band):
     assert clip_range(AlgorithmConfig(policy_loss=loss, clip_eps_high=0.5)) == (band[0], 0.5)
 
 
+def _tis(algo: AlgorithmConfig, schedule: str) -> float:
+    return default_tis_cap(algo, schedule_kind(schedule).tis_cap)
+
+
 def test_tis_cap_by_schedule_and_loss():
-    assert default_tis_cap(AlgorithmConfig(), "sync") == 0.0
-    assert default_tis_cap(AlgorithmConfig(), "async") == 2.0
-    assert default_tis_cap(AlgorithmConfig(), "colocated_async") == 2.0
-    assert default_tis_cap(AlgorithmConfig(policy_loss="gspo"), "sync") == 2.0  # its band is narrower than the gap
-    assert default_tis_cap(AlgorithmConfig(policy_loss="cispo"), "sync") == 0.0
+    assert _tis(AlgorithmConfig(), "sync") == 0.0
+    assert _tis(AlgorithmConfig(), "async") == 2.0
+    assert _tis(AlgorithmConfig(), "colocated_async") == 2.0
+    assert _tis(AlgorithmConfig(policy_loss="gspo"), "sync") == 2.0  # its band is narrower than the gap
+    assert _tis(AlgorithmConfig(policy_loss="gspo"), "async") == 2.0
+    assert _tis(AlgorithmConfig(policy_loss="cispo"), "sync") == 0.0
 
 
 def test_resolved_algorithm_defaults_the_dr_grpo_constant_and_dynamic_sampling_bound():

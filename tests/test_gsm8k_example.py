@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from rayrl.agents.base import AgentResult
-from rayrl.config import ConfigError, Machine, load_config, resolve
+from rayrl.config import ConfigError, load_config
 from rayrl.data.dataset import FileDataset
+from rayrl.machine import Machine
 from rayrl.placement import plan_placement
+from rayrl.resolve import load_checked, resolve
 from rayrl.rewards import get_reward_fn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +32,7 @@ def test_config_loads_and_fits_8_gpus():
     resolved = resolve(cfg, Machine(cores=16, cuda=True))
     assert resolved.algorithm.tis_cap == 2.0  # colocated_async: off-policy correction on by default
     with pytest.raises(ConfigError, match="placement.num_gpus"):
-        load_config(EXAMPLE / "config.yaml", ["engine.num_engines=4"])  # 4 engines cannot share 8 GPUs
+        load_checked(EXAMPLE / "config.yaml", ["engine.num_engines=4"])  # 4 engines cannot share 8 GPUs
 
 
 def test_rows_score_with_the_gsm8k_reward():

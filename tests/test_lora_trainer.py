@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rayrl.config import AlgorithmConfig, ConfigError, LoraConfig, TrainerConfig, load_config
+from rayrl.resolve import load_checked
 from rayrl.rl.updates import plan_updates
 from rayrl.trainers import lora
 from rayrl.types import Sample
@@ -63,7 +64,7 @@ def test_config_names_the_field_and_megatron_refuses():
         with pytest.raises(ConfigError, match=f"^{field}:"):
             load_config(None, [override])
     with pytest.raises(ConfigError, match="^trainer.lora: the megatron backend trains full weights only"):
-        load_config(None, ["trainer.lora.rank=8", "trainer.backend=megatron"])
+        load_checked(None, ["trainer.lora.rank=8", "trainer.backend=megatron"])
 
 
 def test_only_the_adapter_trains_and_the_reference_is_the_base_with_it_off(tiny_model_dir):
@@ -193,8 +194,8 @@ def test_an_engine_backend_that_cannot_serve_adapters_is_refused_at_load(monkeyp
     from rayrl.engines.backends.cpu import CPU
 
     monkeypatch.setitem(backends.BACKENDS, "plain", dataclasses.replace(CPU, name="plain", serves_lora=False))
-    load_config(None, ["engine.backend=plain"])  # full weights: fine
+    load_checked(None, ["engine.backend=plain"])  # full weights: fine
     with pytest.raises(ConfigError, match="^trainer.lora: engine.backend plain cannot serve LoRA adapters; use one of "
                                           "cpu, sglang"):
-        load_config(None, ["engine.backend=plain", "trainer.lora.rank=8"])
-    assert load_config(None, ["engine.backend=sglang", "trainer.lora.rank=8"]).trainer.lora.rank == 8
+        load_checked(None, ["engine.backend=plain", "trainer.lora.rank=8"])
+    assert load_checked(None, ["engine.backend=sglang", "trainer.lora.rank=8"]).trainer.lora.rank == 8

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rayrl.config import ConfigError, TrainerConfig
+from rayrl.config import ConfigError, RunConfig, TrainerConfig
+from rayrl.resolve import check
 from rayrl.trainers.memory_standin import OffloadedMemoryError, UnmappedStandIn
 from rayrl.trainers.torch_backend import TorchTrainer
 
@@ -26,7 +27,7 @@ def test_offloaded_weights_are_unreadable_until_onload(tiny_model_dir):
 
 def test_the_standin_is_for_the_torch_backend_only():
     with pytest.raises(ConfigError, match="trainer.memory_saver_standin"):
-        TrainerConfig(backend="megatron", memory_saver_standin=True)
+        check(RunConfig(trainer=TrainerConfig(backend="megatron", memory_saver_standin=True)))
 
 
 def test_training_goes_on_after_an_offload_cycle(tiny_model_dir):

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from rayrl.config import AlgorithmConfig, ConfigError, TrainerConfig, load_config
+from rayrl.config import AlgorithmConfig, ConfigError, RunConfig, TrainerConfig, load_config
+from rayrl.resolve import check
 from rayrl.rl.updates import MiniBatch, UpdatePlan, plan_updates, sample_trains
 from rayrl.trainers.lr_schedule import lr_at
 from rayrl.trainers.objective import Objective, TokenBatch
-from rayrl.trainers.policy_losses import PolicyLossInput, PolicyLossOutput, ppo_clip
+from rayrl.trainers.policy_losses import PPO_BAND, PolicyLossInput, PolicyLossOutput, loss_traits, ppo_clip
 from rayrl.types import Sample
 
 
@@ -204,6 +205,7 @@ def test_removed_keys_say_what_to_write(key, hint, tmp_path):
 RECORDED: list[PolicyLossInput] = []
 
 
+@loss_traits(clip=PPO_BAND, dual_clip=True)
 def recording_ppo(x: PolicyLossInput) -> PolicyLossOutput:
     """ppo_clip that keeps what it saw (module:function seam), for the test below."""
     RECORDED.append(PolicyLossInput(x.logp.detach().clone(), x.old_logp.clone(), x.advantages, x.seq_index,
@@ -256,5 +258,5 @@ def test_the_sft_loss_is_not_weighted_by_tis_and_dual_clip_is_ppo_clips_only():
     assert stats["tis"].item() == pytest.approx(2.0)  # weight 1 per token
     for loss_name in ("gspo", "cispo", "sft"):
         with pytest.raises(ConfigError, match="^algorithm.dual_clip_c: applies to ppo_clip only"):
-            AlgorithmConfig(policy_loss=loss_name, dual_clip_c=3.0)
-    assert AlgorithmConfig(policy_loss="ppo_clip", dual_clip_c=3.0).dual_clip_c == 3.0
+            check(RunConfig(algorithm=AlgorithmConfig(policy_loss=loss_name, dual_clip_c=3.0)))
+    assert check(RunConfig(algorithm=AlgorithmConfig(policy_loss="ppo_clip", dual_clip_c=3.0))).algorithm.dual_clip_c

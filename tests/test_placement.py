@@ -14,6 +14,7 @@ import ray
 from actors.placement_group import SharedPlacement
 from rayrl.config import ConfigError, TrainerConfig, load_config
 from rayrl.placement import plan_placement
+from rayrl.resolve import load_checked
 
 
 def test_colocated_plan_shares_every_bundle():
@@ -52,13 +53,13 @@ def test_plans_that_do_not_fit_name_the_field(kwargs, field):
 def test_config_checks_the_layout_at_load():
     base = ["placement.mode=colocated", "placement.num_gpus=8", "engine.num_engines=8"]
     with pytest.raises(ConfigError, match="placement.num_gpus"):
-        load_config(None, base + ["trainer.num_ranks=4"])
-    cfg = load_config(None, base + ["trainer.num_ranks=8", "trainer.backend=megatron", "trainer.tp_size=2"])
+        load_checked(None, base + ["trainer.num_ranks=4"])
+    cfg = load_checked(None, base + ["trainer.num_ranks=8", "trainer.backend=megatron", "trainer.tp_size=2"])
     assert cfg.placement.mode == "colocated" and cfg.trainer.tp_size == 2
     with pytest.raises(ConfigError, match="trainer.num_ranks"):
         load_config(None, base + ["trainer.num_ranks=8", "trainer.backend=megatron", "trainer.tp_size=3"])
     with pytest.raises(ConfigError, match="trainer.tp_size"):
-        load_config(None, ["trainer.tp_size=2"])  # the torch backend has no tensor parallelism
+        load_checked(None, ["trainer.tp_size=2", "trainer.num_ranks=2"])  # the torch backend: no tensor parallel
 
 
 @ray.remote(num_cpus=0)

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from rayrl.config import ConfigError, load_config
+from rayrl.config import ConfigError
+from rayrl.machine import Machine
+from rayrl.resolve import load_checked, resolve
 from rayrl.trainers.megatron_packing import sharded_entropy
 from rayrl.trainers.policy_losses import (
     POLICY_LOSSES,
@@ -18,6 +20,8 @@ from rayrl.trainers.policy_losses import (
     entropy_from_logits,
     gspo,
     kl_estimate,
+    loss_traits,
+    policy_loss,
     ppo_clip,
     sft,
 )
@@ -126,10 +130,73 @@ def my_loss(x: PolicyLossInput) -> PolicyLossOutput:
     return PolicyLossOutput(-x.advantages * x.logp, (x.logp * 0).detach())
 
 
+@loss_traits(clip=(0.1, 0.15), aggregation="seq_mean_token_mean", whole_sequence=True, narrow_band=True)
+def my_sequence_loss(x: PolicyLossInput) -> PolicyLossOutput:
+    """A loss of one's own that declares its traits: GSPO's formula with a band of its own."""
+    return gspo(x)
+
+
+MINE = "algorithm.policy_loss=tests.test_policy_losses:"
+MACHINE = Machine(cores=2, cuda=False)
+
+
 def test_a_loss_of_ones_own_and_unknown_names():
     assert set(POLICY_LOSSES) == {"ppo_clip", "gspo", "cispo", "sft"}
-    cfg = load_config(None, ["algorithm.policy_loss=tests.test_policy_losses:my_loss"])
+    cfg = load_checked(None, [MINE + "my_loss", "algorithm.clip_eps=0.1", "algorithm.clip_eps_high=0.3"])
     assert cfg.algorithm.policy_loss == "tests.test_policy_losses:my_loss"
     with pytest.raises(ConfigError,
                        match="^algorithm.policy_loss: unknown 'ppo'; registered: cispo, gspo, ppo_clip, sft"):
-        load_config(None, ["algorithm.policy_loss=ppo"])
+        load_checked(None, ["algorithm.policy_loss=ppo"])
+
+
+def test_a_loss_of_ones_own_gets_no_band_it_did_not_declare():
+    """A loss of one's own used to get ppo_clip's band (0.2, 0.28) silently; undeclared, the run must set it."""
+    with pytest.raises(ConfigError, match="^algorithm.clip_eps: the policy loss tests.test_policy_losses:my_loss "
+                                          "declares no clip band"):
+        load_checked(None, [MINE + "my_loss"])
+    with pytest.raises(ConfigError, match="^algorithm.clip_eps_high: the policy loss"):
+        load_checked(None, [MINE + "my_loss", "algorithm.clip_eps=0.1"])
+    algo = resolve(load_checked(None, [MINE + "my_loss", "algorithm.clip_eps=0.1", "algorithm.clip_eps_high=0.3"]),
+                   MACHINE).algorithm
+    assert (algo.clip_eps, algo.clip_eps_high, algo.loss_agg, algo.tis_cap) == (0.1, 0.3, "token_mean", 0.0)
+    assert policy_loss("tests.test_policy_losses:my_loss").dual_clip  # dual_clip_c is passed on, as before
+
+
+def test_a_loss_of_ones_own_declares_its_traits():
+    """Every trait a built-in row carries, declared with loss_traits: band, aggregation, whole sequences,
+    narrow band (TIS on in a sync run)."""
+    algo = resolve(load_checked(None, [MINE + "my_sequence_loss"]), MACHINE).algorithm
+    assert (algo.clip_eps, algo.clip_eps_high, algo.loss_agg, algo.tis_cap) == (0.1, 0.15, "seq_mean_token_mean", 2.0)
+    with pytest.raises(ConfigError, match="^algorithm.policy_loss: tests.test_policy_losses:my_sequence_loss's "
+                                          "sequence-level ratio needs whole sequences"):
+        load_checked(None, [MINE + "my_sequence_loss", "trainer.backend=megatron", "trainer.cp_size=2",
+                            "trainer.num_ranks=2", "trainer.megatron_layer_spec=transformer_engine"])
+    row = policy_loss("tests.test_policy_losses:my_sequence_loss")
+    assert row.fn.__name__ == "my_sequence_loss" and not row.supervised and row.dual_clip
+    with pytest.raises(ConfigError, match="^algorithm.dual_clip_c: applies to ppo_clip only"):
+        load_checked(None, ["algorithm.policy_loss=gspo", "algorithm.dual_clip_c=3"])
+
+
+def half_ppo(x: PolicyLossInput) -> PolicyLossOutput:
+    """PPO's clipped surrogate at half the weight: the example of docs/contributing.md."""
+    out = ppo_clip(x)
+    return PolicyLossOutput(0.5 * out.per_token, out.clipped)
+
+
+def test_a_new_row_is_all_a_loss_needs(monkeypatch):
+    """docs/contributing.md: a loss is one function and one row; the check, resolve and the trainer's loss helper
+    take everything else from the row's traits."""
+    from rayrl.trainers import policy_losses
+    from rayrl.trainers.objective import Objective
+
+    row = policy_losses.PolicyLoss("half_ppo", half_ppo, clip=policy_losses.PPO_BAND,
+                                   aggregation="seq_mean_token_sum", dual_clip=True)
+    monkeypatch.setitem(policy_losses.POLICY_LOSSES, "half_ppo", row)
+    cfg = resolve(load_checked(None, ["algorithm.policy_loss=half_ppo", "algorithm.dual_clip_c=3"]), MACHINE)
+    algo = cfg.algorithm
+    assert (algo.clip_eps, algo.clip_eps_high, algo.loss_agg, algo.tis_cap) == (0.2, 0.28, "seq_mean_token_sum", 0.0)
+    objective = Objective(algo)
+    assert objective.policy_loss is half_ppo and objective.aggregation == "seq_mean_token_sum"
+    with pytest.raises(ConfigError, match="^algorithm.policy_loss: unknown 'half_ppo'"):
+        monkeypatch.delitem(policy_losses.POLICY_LOSSES, "half_ppo")
+        load_checked(None, ["algorithm.policy_loss=half_ppo"])

@@ -106,8 +106,8 @@ def test_min_group_episodes_is_checked_at_load():
 def test_dynamic_sampling_drops_equal_groups_until_its_bound():
     from collections import Counter
 
-    from rayrl.config import resolve
     from rayrl.pipeline.schedules import Schedule
+    from rayrl.resolve import resolve
     from rayrl.rl.groups import equal_reward
 
     flat0 = _group("z", _episode("z", 0.0), _episode("z", 0.0), _episode("z", 1.0, ENGINE_ERROR))  # failure ignored

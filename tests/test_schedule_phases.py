@@ -25,13 +25,14 @@ from typing import Any, Callable, Optional, Sequence
 import pytest
 
 from rayrl.checkpoint import CheckpointStore
-from rayrl.config import load_config, resolve
+from rayrl.config import load_config
 from rayrl.data import TaskSampler
 from rayrl.pipeline.failures import TrainerFailure, WeightSyncError
 from rayrl.pipeline.groups_in_flight import GroupsInFlight
 from rayrl.pipeline.parts import RunParts, RunState
 from rayrl.pipeline.run_checkpoint import RunCheckpoints
 from rayrl.pipeline.schedules import make_schedule
+from rayrl.resolve import resolve
 from rayrl.rl.batch import build_batch
 from rayrl.rl.failures import AGENT_CRASHED, ENGINE_ERROR, fail
 from rayrl.rl.groups import Group

@@ -102,7 +102,7 @@ def test_bf16_compute_keeps_fp32_master_weights_and_learns(tiny_model_dir):
 
 
 def test_compute_dtype_resolution():
-    from rayrl.config.resolve import cpu_has_native_bf16
+    from rayrl.machine import cpu_has_native_bf16
 
     cpu = torch.device("cpu")
     assert autocast_dtype("float32", cpu) is None

@@ -13,22 +13,24 @@
 
 :func:`agent_factory` checks all of this when the config is loaded (rayrl/preflight.py) and gives each
 rollout worker what builds its harness, so a typo or a wrong signature is a config error naming
-``rollout.agent``, never a TypeError inside a worker.
+``rollout.agent``, never a TypeError inside a worker. The built-in harnesses are one table,
+:data:`HARNESSES` (a :class:`Harness` row each, with its traits); nothing else compares their names.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from rayrl.agents.base import AgentResult, BaseHarness, Endpoint, EpisodeContext
 from rayrl.config import ConfigError, RolloutConfig
 from rayrl.extensions import check_call, did_you_mean, load_reference
 from rayrl.rl.failures import InfrastructureError
 
-BUILT_IN = ("python_tool_agent", "chat", "claude_code", "codex", "agentcore", "command")
 FIELD = "rollout.agent"
 
 
@@ -87,37 +89,76 @@ def _command_factory(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
     return lambda: CommandAgent(command)
 
 
+def _python_tool_agent(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
+    from rayrl.agents.python_agent import PythonToolAgent
+
+    _check_tools(rollout)
+    options = python_agent_options(rollout)
+    return lambda: PythonToolAgent(**options)
+
+
+def _environment(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
+    """rollout.environment runs the episodes (rayrl/environments/)."""
+    from rayrl.environments import harness_factory, parse_ref
+
+    parse_ref(rollout.environment or "")
+    return harness_factory(rollout.environment or "", dict(rollout.environment_args), rollout.judge)
+
+
+@dataclass(frozen=True)
+class Harness:
+    """One built-in harness (``rollout.agent``) and its traits (a row of :data:`HARNESSES`).
+
+    ``implementation``: ``module:Class`` of its :class:`BaseHarness`, imported when one is built (None: it
+    has no class of its own to build by name). ``factory``: what builds it for a run from ``rollout.*``,
+    checking what it reads (None: the class, with no arguments). ``reads_command``: it runs
+    ``rollout.agent_command``. ``run_launcher``: the run's AgentCore launcher actor builds it
+    (actors/agentcore_launcher.py) and the ``agentcore`` section must say where it runs. ``uses_sandboxes``:
+    its episodes lease sandboxes from the pool (sandbox_pool.max_size bounds them).
+    """
+
+    name: str
+    implementation: Optional[str]
+    factory: Optional[Callable[[RolloutConfig], Callable[[], BaseHarness]]] = None
+    reads_command: bool = False
+    run_launcher: bool = False
+    uses_sandboxes: bool = True
+
+    def harness_class(self) -> type:
+        """The class that implements it (imported now)."""
+        if self.implementation is None:
+            raise ValueError(f"{FIELD}: {self.name} has no harness class to build by name")
+        module, _, name = self.implementation.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+HARNESSES: dict[str, Harness] = {row.name: row for row in (
+    Harness("python_tool_agent", "rayrl.agents.python_agent:PythonToolAgent", _python_tool_agent),
+    Harness("chat", "rayrl.agents.chat_agent:ChatAgent"),
+    Harness("claude_code", "rayrl.agents.claude_code:ClaudeCodeHarness"),
+    Harness("codex", "rayrl.agents.codex:CodexHarness"),
+    Harness("agentcore", "rayrl.agents.agentcore.harness:AgentCoreHarness", run_launcher=True, uses_sandboxes=False),
+    Harness("command", "rayrl.agents.command_agent:CommandAgent", lambda rollout: _command_factory(rollout),
+            reads_command=True),
+    Harness("environment", None, _environment),  # set by rollout.environment (rayrl/config/rollout.py)
+)}
+BUILT_IN = tuple(name for name in HARNESSES if name != "environment")  # what rollout.agent may name itself
+
+
+def harness_row(name: str) -> Optional[Harness]:
+    """The row ``name`` (``rollout.agent``), or None for a ``package.module:name`` of your own."""
+    return HARNESSES.get(name)
+
+
 def agent_factory(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
-    """What constructs ``rollout.agent``'s harness (not ``agentcore``: actors/agentcore_launcher.py wires
-    that one to the run's launcher). Raises ConfigError naming the field for anything that will not work."""
+    """What constructs ``rollout.agent``'s harness (not one the run's launcher builds: actors/agentcore_launcher.py
+    wires that one). Raises ConfigError naming the field for anything that will not work."""
     name = rollout.agent
-    if name == "python_tool_agent":
-        from rayrl.agents.python_agent import PythonToolAgent
-
-        _check_tools(rollout)
-        options = python_agent_options(rollout)
-        return lambda: PythonToolAgent(**options)
-    if name == "chat":
-        from rayrl.agents.chat_agent import ChatAgent
-
-        return ChatAgent
-    if name == "environment":  # rollout.environment runs the episodes (rayrl/environments/)
-        from rayrl.environments import harness_factory, parse_ref
-
-        parse_ref(rollout.environment or "")
-        return harness_factory(rollout.environment or "", dict(rollout.environment_args), rollout.judge)
-    if name == "claude_code":
-        from rayrl.agents.claude_code import ClaudeCodeHarness
-
-        return ClaudeCodeHarness
-    if name == "codex":
-        from rayrl.agents.codex import CodexHarness
-
-        return CodexHarness
-    if name == "command":
-        return _command_factory(rollout)
-    if name == "agentcore":
-        raise ConfigError(f"{FIELD}: agentcore harnesses are built by the run's AgentCore launcher")
+    row = harness_row(name)
+    if row is not None and row.run_launcher:
+        raise ConfigError(f"{FIELD}: {name} harnesses are built by the run's AgentCore launcher")
+    if row is not None:
+        return row.factory(rollout) if row.factory is not None else row.harness_class()
     if ":" not in name:
         raise ConfigError(f"{FIELD}: unknown agent {name!r}{did_you_mean(name, BUILT_IN)}; use one of "
                           f"{', '.join(BUILT_IN)} or package.module:function (docs/agents.md)")
@@ -133,38 +174,18 @@ def agent_factory(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
 def make_harness(name: str, **kwargs: Any) -> BaseHarness:
     """A built-in harness by name with explicit options (tests, notebooks, the AgentCore launcher, which
     passes ``launcher=``, ``cfg=`` and ``exp_id=``). A run builds its harness with :func:`agent_factory`."""
-    if name == "python_tool_agent":
-        from rayrl.agents.python_agent import PythonToolAgent
-
-        return PythonToolAgent(**kwargs)
-    if name == "chat":
-        from rayrl.agents.chat_agent import ChatAgent
-
-        return ChatAgent(**kwargs)
-    if name == "claude_code":
-        from rayrl.agents.claude_code import ClaudeCodeHarness
-
-        return ClaudeCodeHarness(**kwargs)
-    if name == "codex":
-        from rayrl.agents.codex import CodexHarness
-
-        return CodexHarness(**kwargs)
-    if name == "agentcore":
-        from rayrl.agents.agentcore.harness import AgentCoreHarness
-
-        return AgentCoreHarness(**kwargs)
-    if name == "command":
-        from rayrl.agents.command_agent import CommandAgent
-
-        return CommandAgent(**kwargs)
-    raise ValueError(f"{FIELD}: no built-in harness {name!r} ({', '.join(BUILT_IN)})")
+    row = harness_row(name)
+    if row is None or row.implementation is None:
+        raise ValueError(f"{FIELD}: no built-in harness {name!r} ({', '.join(BUILT_IN)})")
+    return row.harness_class()(**kwargs)
 
 
 def check_agent(rollout: RolloutConfig) -> None:
     """Import and check ``rollout.agent`` (and ``rollout.agent_command``) at load; ConfigError otherwise."""
-    if rollout.agent != "agentcore":
+    row = harness_row(rollout.agent)
+    if row is None or not row.run_launcher:
         agent_factory(rollout)
 
 
-__all__ = ["AgentResult", "BaseHarness", "Endpoint", "EpisodeContext", "InfrastructureError", "agent_factory",
-           "check_agent", "make_harness"]
+__all__ = ["HARNESSES", "AgentResult", "BaseHarness", "Endpoint", "EpisodeContext", "Harness", "InfrastructureError",
+           "agent_factory", "check_agent", "harness_row", "make_harness"]

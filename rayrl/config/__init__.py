@@ -5,12 +5,13 @@
   beside it; docs/config.md is generated from them); ``Literal`` types for fixed choices; each section
   checks its own ranges, ``RunConfig`` the rules that span sections.
 - load.py: ``load_config`` (YAML + dotted overrides through OmegaConf) and ``to_yaml``.
-- resolve.py: ``resolve(cfg, machine)`` turns every "auto" value into a concrete one, in one place.
 - checks.py, host_rules.py: ``ConfigError`` with the range checks, and the ``sandbox.allowed_hosts`` parser.
+- paths.py: output paths made absolute on the driver's node.
 
-Every error is a :class:`ConfigError` whose message starts with the dotted field name. This package
-imports nothing else from rayrl at import time, so any module can import it without an import cycle (the
-algorithm checks look the estimator and loss registries up when a config is built).
+The config is pure data: this package imports nothing else from rayrl, so any module can import it. The
+step above the plug-in tables, rayrl/resolve.py, checks the config's names against them (``check``) and
+turns every "auto" value into a concrete one (``resolve``); machine detection is rayrl/machine.py.
+Every error is a :class:`ConfigError` whose message starts with the dotted field name.
 """
 
 from rayrl.config.algorithm import AlgorithmConfig
@@ -18,7 +19,6 @@ from rayrl.config.checks import ConfigError
 from rayrl.config.data_sources import ReasoningGymSource
 from rayrl.config.guards import GuardsConfig
 from rayrl.config.load import load_config, to_yaml
-from rayrl.config.resolve import Machine, capacity_warnings, resolve
 from rayrl.config.rollout import AgentCoreConfig, JudgeConfig, RolloutConfig, SandboxConfig, SandboxPoolConfig
 from rayrl.config.schema import DataConfig, DataFields, LoggingConfig, PipelineConfig, RayConfig, RunConfig
 from rayrl.config.serving import (
@@ -43,7 +43,6 @@ __all__ = [
     "JudgeConfig",
     "LoggingConfig",
     "LoraConfig",
-    "Machine",
     "ModelConfig",
     "PipelineConfig",
     "PlacementConfig",
@@ -57,8 +56,6 @@ __all__ = [
     "SandboxPoolConfig",
     "TrainerConfig",
     "TrajectoryConfig",
-    "capacity_warnings",
     "load_config",
-    "resolve",
     "to_yaml",
 ]

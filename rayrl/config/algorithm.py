@@ -7,11 +7,11 @@ KL to a frozen reference model, an entropy bonus, an SFT term, batch shaping (DA
 sampling and overlong reward shaping) and on-policy distillation from a teacher engine.
 docs/algorithms.md has a table of every choice and the paper it follows.
 
-Values that mean "auto" (``None``, 0, ``auto``) are made concrete by rayrl/config/resolve.py
+Values that mean "auto" (``None``, 0, ``auto``) are made concrete by the resolve step, rayrl/resolve.py
 (``resolve_algorithm``): the clip ranges and the aggregation each loss's paper uses, ``tis_cap`` by
 schedule, the constant normaliser from the rollout budget. Names of estimators and losses are checked
-at load against the registries (a ``module:function`` is imported then), so a typo fails before Ray
-starts, naming the field.
+by that step against their tables (a ``module:function`` is imported then; driver.py runs it before Ray
+starts), so a typo fails naming the field; this module imports no table.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from rayrl.config.checks import ConfigError, non_negative
-from rayrl.config.registry import named_callable
 
-NO_DUAL_CLIP_LOSSES = frozenset({"gspo", "cispo", "sft"})  # built-in losses that dual_clip_c does not apply to
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 
@@ -55,7 +53,7 @@ class AlgorithmConfig:
     # usual; 0: off); a config error with gspo, cispo and sft, which do not use it
     tis_cap: Optional[float] = None  # truncated importance sampling against the rollout log-probs: cap of the weight
     # (0: off); unset: 0 for sync, 2.0 for the async schedules and for gspo (its 3e-4 band needs the ratio against the
-    # trainer's own log-probs: rayrl/config/resolve.py)
+    # trainer's own log-probs: rayrl/resolve.py)
     entropy_coef: float = 0.0  # entropy bonus: subtract this x the policy's per-token entropy (aggregated like the
     # loss)
     kl_loss_coef: float = 0.0  # KL to the frozen reference model, in the loss (0: off; no reference is loaded unless a
@@ -97,20 +95,9 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.dual_clip_c: must be 0 (off) or > 1, got {self.dual_clip_c!r}")
         if self.overlong_buffer_tokens and self.overlong_buffer_tokens > self.overlong_max_tokens:
             raise ConfigError("algorithm.overlong_buffer_tokens: must not exceed algorithm.overlong_max_tokens")
-        if self.advantage_estimator == "gae":
-            raise ConfigError("algorithm.advantage_estimator: gae needs a critic (a value model), which neither "
-                              "trainer backend holds yet; use grpo, dr_grpo, rloo, reinforce_pp or "
-                              "reinforce_pp_baseline")
-        # the registries, imported here and not at the top: policy_losses imports torch, and importing rayrl.config
-        # (which every process does) should not
-        from rayrl.rl.advantages import ESTIMATORS
-        from rayrl.trainers.policy_losses import POLICY_LOSSES
-
-        named_callable("algorithm.advantage_estimator", self.advantage_estimator, ESTIMATORS)
-        named_callable("algorithm.policy_loss", self.policy_loss, POLICY_LOSSES)
-        if self.dual_clip_c > 0 and self.policy_loss in NO_DUAL_CLIP_LOSSES:
-            raise ConfigError(f"algorithm.dual_clip_c: applies to ppo_clip only; {self.policy_loss} does not use "
-                              "it: set it to 0")
+        for name in ("advantage_estimator", "policy_loss"):
+            if not getattr(self, name):
+                raise ConfigError(f"algorithm.{name}: must name a registered one or package.module:function")
         if self.distill_teacher is not None and not self.distill_teacher:
             raise ConfigError("algorithm.distill_teacher: must not be empty (unset it to turn distillation off)")
 

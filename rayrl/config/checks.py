@@ -2,7 +2,7 @@
 
 Every section dataclass (rayrl/config/schema.py) checks its own fields in ``__post_init__`` with these
 helpers, so a section is valid wherever it is built: by OmegaConf at load, by ``dataclasses.replace`` in
-:func:`rayrl.config.resolve`, or directly in code. The message always starts with the dotted field name
+:func:`rayrl.resolve`, or directly in code. The message always starts with the dotted field name
 (``trainer.lr: must be > 0, got 0.0``), which is what the command line and the tests show.
 """
 

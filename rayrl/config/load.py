@@ -6,7 +6,7 @@ fails with the dotted name of the field. The dataclasses check their own ranges 
 field's dotted name, never as an OmegaConf exception.
 
 ``load_config`` returns the config as written: "auto" values stay 0 / None / ``auto`` until
-:func:`rayrl.config.resolve` makes them concrete for a machine. A run records ``to_yaml(resolve(cfg))``.
+:func:`rayrl.resolve` makes them concrete for a machine. A run records ``to_yaml(resolve(cfg))``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     """Load ``path`` (YAML), apply dotted ``overrides`` (``trainer.steps=3``), validate, return dataclasses.
 
     Raises ConfigError naming the field for unknown keys, wrong types and invalid values. The result is
-    not resolved (see :func:`rayrl.config.resolve`).
+    not resolved (see :func:`rayrl.resolve`).
     """
     schema = OmegaConf.structured(RunConfig)
     try:

@@ -169,11 +169,6 @@ class RolloutConfig:
         if self.reward == "judge" and not self.judge.base_url:
             raise ConfigError("rollout.judge.base_url: rollout.reward: judge needs the judge's OpenAI-compatible "
                               "endpoint")
-        if self.agent == "command" and not self.agent_command:
-            raise ConfigError("rollout.agent_command: rollout.agent command needs the program to run, e.g. "
-                              "[python, my_agent.py]")
-        if self.agent != "command" and self.agent_command:
-            raise ConfigError(f"rollout.agent_command: only read with rollout.agent: command (it is {self.agent!r})")
 
     def _check_environment(self) -> None:
         """With an environment, it is the agent and the reward (left at their defaults or set to environment)."""

@@ -9,9 +9,11 @@ config (the error names the dotted field). Each section checks its own ranges in
 rules that span sections are in ``RunConfig.__post_init__``. So the checks run however a config is
 built (OmegaConf, ``dataclasses.replace``, a constructor call in a test), and every error names
 ``section.field``; only the ``Literal`` choices are left to OmegaConf (a plain constructor call does not
-check them).
+check them). What the plug-in tables say (a backend, loss, estimator or format name; a trait another
+section contradicts; the placement layout) is checked a step above, by rayrl/resolve.py ``check``: this
+package imports no table.
 
-Values that mean "auto" (0, None, ``auto``) are left as they are here: rayrl/config/resolve.py makes them
+Values that mean "auto" (0, None, ``auto``) are left as they are here: rayrl/resolve.py makes them
 concrete. The comment beside each field is its documentation (docs/config.md is generated from them).
 """
 
@@ -67,10 +69,8 @@ class DataConfig:
     # size, seed, weight, config, val_size, val_seed (docs/environments.md)
 
     def __post_init__(self) -> None:
-        from rayrl.data.formats import FORMATS  # not at import: rayrl.config imports no rayrl module
-
-        if self.format != "auto" and self.format not in FORMATS:
-            raise ConfigError(f"data.format: {self.format!r} is not one of auto, {', '.join(FORMATS)}")
+        if not self.format:
+            raise ConfigError("data.format: must be auto or name a format (rayrl/data/formats.py)")
         check_sources(self.reasoning_gym)
         if self.reasoning_gym and self.max_prompt_chars:
             raise ConfigError("data.max_prompt_chars: filters the data file's rows; reasoning-gym tasks are sized by "
@@ -216,51 +216,11 @@ class RunConfig:
         if 0 < self.pipeline.episode_budget < self.rollout.group_size:
             raise ConfigError(f"pipeline.episode_budget: {self.pipeline.episode_budget} is less than one group "
                               f"(rollout.group_size {self.rollout.group_size}); groups start whole")
-        groups = self.pipeline.groups_in_flight
-        if self.pipeline.schedule != "sync" and 0 < groups < self.rollout.prompts_per_step:
-            raise ConfigError("pipeline.groups_in_flight: must be 0 or at least rollout.prompts_per_step")
-        if self.placement.mode != "none":
-            from rayrl.placement import plan_placement  # not at import: rayrl.config imports no rayrl module
-
-            plan_placement(self.placement.mode, self.placement.num_gpus, trainer_ranks=self.trainer.num_ranks,
-                           num_engines=self.engine.num_engines, tp_size=self.engine.tp_size,
-                           trainer_gpus=self.placement.trainer_gpus,
-                           trainer_gpu_fraction=self.placement.trainer_gpu_fraction)
-        self._check_agentcore()
-        self._check_lora()
-
-    def _check_lora(self) -> None:
-        """An engine backend that cannot serve adapters cannot serve a LoRA policy (auto picks one that can)."""
-        from rayrl.engines.backends import BACKENDS  # not at import: rayrl.config imports no rayrl module
-
-        backend = BACKENDS.get(self.engine.backend)
-        if self.trainer.lora.enabled and backend is not None and not backend.serves_lora:
-            raise ConfigError(f"trainer.lora: engine.backend {backend.name} cannot serve LoRA adapters; use one of "
-                              f"{', '.join(b.name for b in BACKENDS.values() if b.serves_lora)} or trainer.lora.rank 0")
 
     def _check_algorithm(self) -> None:
-        """The algorithm's needs from the other sections."""
-        from rayrl.rl.advantages import GROUP_ESTIMATORS  # not at import: rayrl.config imports no rayrl module
-
+        """The algorithm's needs from the other sections that no plug-in's traits decide (those: rayrl/resolve.py)."""
         algo = self.algorithm
-        if self.rollout.group_size < 2 and algo.advantage_estimator in GROUP_ESTIMATORS:
-            raise ConfigError(f"rollout.group_size: {algo.advantage_estimator} measures each episode against "
-                              "its group, so it needs at least 2 episodes per task")
-        if algo.policy_loss == "gspo" and self.trainer.cp_size > 1:
-            raise ConfigError("algorithm.policy_loss: gspo's sequence-level ratio needs whole sequences on a rank; "
-                              "trainer.cp_size > 1 splits them")
         teacher = algo.distill_teacher
         if teacher and not teacher.startswith(("http://", "https://")) and self.placement.mode != "none":
             raise ConfigError("algorithm.distill_teacher: with a shared GPU placement the run does not place a "
                               "teacher engine; serve the teacher yourself and give its http:// URL")
-
-    def _check_agentcore(self) -> None:
-        """A runtime ARN and a bucket when the agentcore harness runs outside local mode."""
-        ac = self.agentcore
-        if self.rollout.agent != "agentcore" or ac.local_agent_command:
-            return
-        if not ac.runtime_arn.startswith("arn:"):
-            raise ConfigError(f"agentcore.runtime_arn: rollout.agent=agentcore needs a runtime ARN, "
-                              f"got {ac.runtime_arn!r}")
-        if not ac.s3_bucket:
-            raise ConfigError("agentcore.s3_bucket: rollout.agent=agentcore needs a result bucket")

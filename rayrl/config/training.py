@@ -95,16 +95,9 @@ class TrainerConfig:
             raise ConfigError(f"trainer.lr_min_ratio: must be in [0, 1], got {self.lr_min_ratio!r}")
         at_least_one(self, "trainer.", "tp_size", "pp_size", "cp_size", "weight_bucket_mb")
         model_parallel = self.tp_size * self.pp_size * self.cp_size
-        if self.memory_saver_standin and self.backend != "torch":
-            raise ConfigError("trainer.memory_saver_standin: a CPU stand-in for the torch backend only")
-        if self.backend != "megatron" and model_parallel > 1:
-            raise ConfigError("trainer.tp_size: tp/pp/cp sizes above 1 need trainer.backend megatron")
         if self.megatron_layer_spec == "local" and (self.sequence_packing or self.cp_size > 1):
             raise ConfigError("trainer.megatron_layer_spec: local has no packed (THD) sequences (Megatron's local "
                               "attention refuses them): set trainer.sequence_packing false and trainer.cp_size 1")
-        if self.lora.enabled and self.backend != "torch":
-            raise ConfigError(f"trainer.lora: the {self.backend} backend trains full weights only (megatron-core "
-                              "0.15.3 and mbridge 0.15.1 have no LoRA adapters); use trainer.backend torch")
         if self.num_ranks % model_parallel:
             raise ConfigError(f"trainer.num_ranks: {self.num_ranks} is not a multiple of tp_size x pp_size x "
                               f"cp_size ({model_parallel})")

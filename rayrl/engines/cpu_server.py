@@ -110,7 +110,7 @@ async def serve(args: argparse.Namespace) -> None:
         strict = {"record_path": args.record_requests, "weights_cpu_backup": args.enable_weights_cpu_backup}
 
     if args.dtype == "auto":
-        from rayrl.config.resolve import compute_dtype, cpu_has_native_bf16
+        from rayrl.machine import compute_dtype, cpu_has_native_bf16
 
         args.dtype = compute_dtype("auto", cuda=args.device != "cpu", native_bf16=cpu_has_native_bf16())
     engine = CPUEngine(

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rayrl.config.resolve import cpu_flags
+from rayrl.machine import cpu_flags
 
 logger = logging.getLogger("rayrl.engines.decode_kernels")
 

@@ -84,9 +84,9 @@ async def serve(args: argparse.Namespace) -> None:
     urls = list(args.engine_url)
     context_length = args.context_length
     if not urls:
-        from rayrl.config.resolve import compute_dtype, cpu_has_native_bf16
         from rayrl.engines.cpu_engine import CPUEngine
         from rayrl.engines.server import EngineServer
+        from rayrl.machine import compute_dtype, cpu_has_native_bf16
 
         dtype = args.dtype if args.dtype != "auto" else compute_dtype("auto", cuda=False,
                                                                       native_bf16=cpu_has_native_bf16())

@@ -93,7 +93,14 @@ class Schedule:
     around the trainer step."""
 
     name = "sync"
+    # its traits (the table is :data:`SCHEDULES`; rayrl/resolve.py and actors/pipeline.py ask these, never the name)
     runs_ahead = False  # keep groups_in_flight groups going while a step trains (async schedules)
+    exclusive_devices = True  # rollout and training take the devices in turn: on CPU each side gets every core
+    tis_cap = 0.0  # algorithm.tis_cap when unset: off where no sample is stale (a narrow-band loss turns it on)
+
+    @staticmethod
+    def before_trainer(engines: Any) -> None:
+        """Setup hook: what the engines do before the trainer is built (actors/pipeline.py, step 3)."""
 
     def __init__(self, parts: RunParts) -> None:
         self.parts = parts
@@ -338,6 +345,8 @@ class AsyncSchedule(Schedule):
 
     name = "async"
     runs_ahead = True
+    exclusive_devices = False  # engines and trainer run at once: each side gets half the cores
+    tis_cap = 2.0  # samples can be stale: the truncated importance weight corrects them
 
     def keep_fresh(self, groups: list[Group], counts: Counter) -> list[Group]:
         """Drop (count, re-queue in front) groups with tokens more than ``max_staleness`` versions old: the
@@ -371,6 +380,13 @@ class ColocatedAsyncSchedule(AsyncSchedule):
     """``colocated_async``: as async, but engines and trainer take the devices in turn around each step."""
 
     name = "colocated_async"
+    exclusive_devices = True
+
+    @staticmethod
+    def before_trainer(engines: Any) -> None:
+        """The engines release their memory while the trainer is built on the same devices; they take it back
+        once the trainer is offloaded (:meth:`engines_take_devices`)."""
+        engines.release_memory_occupation()
 
     def __init__(self, parts: RunParts) -> None:
         super().__init__(parts)
@@ -456,6 +472,14 @@ class ColocatedAsyncSchedule(AsyncSchedule):
 SCHEDULES: dict[str, type[Schedule]] = {s.name: s for s in (Schedule, AsyncSchedule, ColocatedAsyncSchedule)}
 
 
+def schedule_kind(name: str) -> type[Schedule]:
+    """The row ``name`` (``pipeline.schedule``, whose Literal type lists these), its traits on the class."""
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise ValueError(f"pipeline.schedule: {name!r} is not one of {', '.join(SCHEDULES)}") from None
+
+
 def make_schedule(parts: RunParts) -> Schedule:
-    """The schedule ``pipeline.schedule`` names (the config's Literal type admits only these)."""
-    return SCHEDULES[parts.cfg.pipeline.schedule](parts)
+    """The schedule ``pipeline.schedule`` names."""
+    return schedule_kind(parts.cfg.pipeline.schedule)(parts)

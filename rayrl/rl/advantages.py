@@ -1,7 +1,10 @@
 """Advantage estimators: one number per episode from the step's rewards, chosen by name.
 
 ``algorithm.advantage_estimator`` names one of :data:`ESTIMATORS` or a ``package.module:function`` of
-your own. The contract every estimator keeps:
+your own. Each row is an :class:`AdvantageEstimator`: the function and its traits (whether it measures an
+episode against its group, what ``loss_agg: auto`` becomes with it); nothing outside this table compares
+an estimator's name. An estimator of your own declares its traits with :func:`estimator_traits`. The
+contract every estimator keeps:
 
 - **input** (:class:`EstimatorInput`): the step's *successful* episodes, in batch order. ``rewards``
   (float64, shape [n]) are the episodes' rewards after reward shaping (rayrl/rl/shaping.py);
@@ -27,7 +30,7 @@ your own. The contract every estimator keeps:
 Per-token terms come later and are the same for every estimator: on-policy distillation's reverse KL
 (rayrl/rl/distill.py, driver side) and the KL penalty in the reward (rayrl/trainers/objective.py, on the
 trainer ranks, where the reference log-probs are). GAE needs a value model per token, which no backend
-holds yet; the config refuses it.
+holds yet; the resolve step refuses it (:data:`NOT_AVAILABLE`).
 
 Formulas and papers: docs/algorithms.md. Hand-computed tests: tests/test_advantages.py.
 """
@@ -36,11 +39,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from rayrl.config.registry import named_callable
+from rayrl.config import ConfigError
+from rayrl.extensions import named_callable
 
 EPS = 1e-6  # keeps a division by a (near-)zero standard deviation finite: added to the std, outside the sqrt
 REWARD_TOLERANCE = 1e-9  # rewards closer than this are equal (dynamic sampling's test too: rayrl/rl/groups.py)
@@ -179,24 +183,68 @@ def reinforce_pp_baseline(x: EstimatorInput) -> np.ndarray:
     return _whiten(_group_centred(x), x.token_counts).astype(np.float32)
 
 
-ESTIMATORS: dict[str, EstimatorFn] = {
-    "grpo": grpo,
-    "dr_grpo": dr_grpo,
-    "rloo": rloo,
-    "reinforce_pp": reinforce_pp,
-    "reinforce_pp_baseline": reinforce_pp_baseline,
-}
-GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})  # need >= 2 episodes per task
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """One estimator and its traits (a row of :data:`ESTIMATORS`, or what an estimator of your own declared).
+
+    ``grouped``: it measures each episode against its group, so ``rollout.group_size`` must be at least 2.
+    ``aggregation``: what ``loss_agg: auto`` becomes with it unless the loss has its own (None: token_mean).
+    """
+
+    name: str
+    fn: EstimatorFn
+    grouped: bool = False
+    aggregation: Optional[str] = None
 
 
-def get_estimator(name: str) -> EstimatorFn:
-    """The registered estimator ``name``, or the function a ``package.module:function`` names."""
-    return named_callable("algorithm.advantage_estimator", name, ESTIMATORS)
+ESTIMATORS: dict[str, AdvantageEstimator] = {estimator.name: estimator for estimator in (
+    AdvantageEstimator("grpo", grpo, grouped=True),
+    AdvantageEstimator("dr_grpo", dr_grpo, grouped=True, aggregation="seq_mean_token_sum_norm"),  # its constant norm
+    AdvantageEstimator("rloo", rloo, grouped=True),
+    AdvantageEstimator("reinforce_pp", reinforce_pp),
+    AdvantageEstimator("reinforce_pp_baseline", reinforce_pp_baseline, grouped=True),
+)}
+NOT_AVAILABLE = {"gae": "needs a critic (a value model), which neither trainer backend holds yet"}
+TRAITS_ATTR = "rayrl_advantage_estimator"  # where estimator_traits puts an estimator of your own's record
+
+
+def estimator_traits(*, grouped: bool = False,
+                     aggregation: Optional[str] = None) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Declare an estimator of your own's traits (:class:`AdvantageEstimator`), for
+    ``algorithm.advantage_estimator: package.module:function``::
+
+        @estimator_traits(grouped=True)
+        def my_estimator(x: EstimatorInput) -> np.ndarray: ...
+
+    A function without it is taken as ungrouped, with ``loss_agg: auto`` left to the loss."""
+    def declare(fn: EstimatorFn) -> EstimatorFn:
+        setattr(fn, TRAITS_ATTR, AdvantageEstimator(fn.__name__, fn, grouped, aggregation))
+        return fn
+
+    return declare
+
+
+def advantage_estimator(name: str) -> AdvantageEstimator:
+    """The row ``name`` (a built-in), or the record of the function a ``package.module:function`` names (its
+    declared traits, else none); ConfigError naming ``algorithm.advantage_estimator``."""
+    if name in ESTIMATORS:
+        return ESTIMATORS[name]
+    if name in NOT_AVAILABLE:
+        raise ConfigError(f"algorithm.advantage_estimator: {name} {NOT_AVAILABLE[name]}; use one of "
+                          f"{', '.join(ESTIMATORS)}")
+    fn = named_callable("algorithm.advantage_estimator", name, ESTIMATORS)
+    declared = getattr(fn, TRAITS_ATTR, None)
+    if declared is None:
+        return AdvantageEstimator(name, fn)
+    if not isinstance(declared, AdvantageEstimator):
+        raise ConfigError(f"algorithm.advantage_estimator: {name}.{TRAITS_ATTR} is not an AdvantageEstimator "
+                          "(use estimator_traits)")
+    return AdvantageEstimator(name, fn, declared.grouped, declared.aggregation)
 
 
 def estimate(name: str, x: EstimatorInput) -> np.ndarray:
     """Run estimator ``name`` on ``x`` and check what it returned (shape [n], finite)."""
-    out = np.asarray(get_estimator(name)(x), dtype=np.float32)
+    out = np.asarray(advantage_estimator(name).fn(x), dtype=np.float32)
     if out.shape != x.rewards.shape:
         raise ValueError(f"advantage estimator {name!r} returned shape {out.shape} for {len(x.rewards)} episodes")
     if not np.all(np.isfinite(out)):

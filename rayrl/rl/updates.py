@@ -22,8 +22,9 @@ from typing import Sequence
 
 import numpy as np
 
-from rayrl.config.algorithm import AlgorithmConfig
+from rayrl.config import AlgorithmConfig
 from rayrl.rl.shard import rank_shards
+from rayrl.trainers.policy_losses import policy_loss
 from rayrl.types import Sample
 
 
@@ -35,13 +36,14 @@ def sft_applies(sample: Sample, algo: AlgorithmConfig) -> bool:
 
 def sample_trains(sample: Sample, advantage: float | np.ndarray, algo: AlgorithmConfig) -> bool:
     """Whether ``sample`` gives the loss any gradient: it has trained tokens and a nonzero advantage, or a
-    term that acts without one is on (entropy, KL, SFT). With ``policy_loss: sft`` only the samples the
-    SFT threshold admits train. Samples that would train nothing are left out before the split, so the
+    term that acts without one is on (entropy, KL, SFT). With a supervised loss (``policy_loss: sft``) only
+    the samples the SFT threshold admits train. Samples that would train nothing are left out before the split, so the
     normalisers count only what trains (as the single-update GRPO step always has)."""
     if sample.num_trained_tokens == 0:
         return False
-    sft = (algo.policy_loss == "sft" or algo.sft_coef > 0) and sft_applies(sample, algo)
-    if algo.policy_loss == "sft" or sft:
+    supervised = policy_loss(algo.policy_loss).supervised
+    sft = (supervised or algo.sft_coef > 0) and sft_applies(sample, algo)
+    if supervised or sft:
         return sft
     if algo.entropy_coef > 0 or algo.kl_loss_coef > 0 or algo.kl_reward_coef > 0:
         return True

@@ -1,7 +1,4 @@
-"""Trainer backends (torch; megatron on GPU), the one loss helper they share (objective.py), the policy
-losses (policy_losses.py), the learning-rate schedule and memory saving."""
-
-from rayrl.trainers.objective import Objective, TokenBatch
-from rayrl.trainers.policy_losses import POLICY_LOSSES, get_policy_loss
-
-__all__ = ["POLICY_LOSSES", "Objective", "TokenBatch", "get_policy_loss"]
+"""Trainer backends (torch; megatron on GPU) and their table (backend.py), the one loss helper they share
+(objective.py), the policy losses and their table (policy_losses.py), the learning-rate schedule and memory
+saving. Import the modules themselves: this package face imports none of them, so the RL logic
+(rayrl/rl/updates.py reads the losses' traits) can import a loss table without the trainers."""

@@ -44,13 +44,14 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from rayrl.config.algorithm import AlgorithmConfig
-from rayrl.config.resolve import clip_range, default_tis_cap, loss_aggregation
+from rayrl.config import AlgorithmConfig, ConfigError
+from rayrl.rl.advantages import advantage_estimator
 from rayrl.rl.logprob_gap import GapMeter
 from rayrl.rl.updates import MiniBatch, UpdatePlan, sft_applies
-from rayrl.trainers.policy_losses import UNWEIGHTED_LOSSES, PolicyLossInput, get_policy_loss, kl_estimate
+from rayrl.trainers.policy_losses import PolicyLossInput, kl_estimate, policy_loss
 from rayrl.types import Sample
 
+NARROW_BAND_TIS_CAP = 2.0  # algorithm.tis_cap when unset for a narrow-band loss (GSPO), whatever the schedule
 FIELDS = ("rollout_logp", "advantages", "seq_index", "weight", "sft", "current")  # per trained token, in order
 STATS = ("loss", "pg_loss", "tokens", "clip", "approx_kl", "tis", "abs_lp_diff", "entropy", "ref_kl")
 
@@ -87,17 +88,50 @@ def token_advantages(sample: Sample, advantage: float | np.ndarray) -> np.ndarra
     return values[trained]
 
 
+def loss_aggregation(algo: AlgorithmConfig) -> str:
+    """``loss_agg`` made concrete: as set, else what the loss's paper uses, else the estimator's, else
+    token_mean (the traits of rayrl/trainers/policy_losses.py and rayrl/rl/advantages.py)."""
+    if algo.loss_agg != "auto":
+        return algo.loss_agg
+    return (policy_loss(algo.policy_loss).aggregation or advantage_estimator(algo.advantage_estimator).aggregation
+            or "token_mean")
+
+
+def clip_range(algo: AlgorithmConfig) -> tuple[float, float]:
+    """``(clip_eps, clip_eps_high)``: as set, else the loss's own band; a loss of your own that declared none
+    needs both set (ConfigError naming the one missing)."""
+    band = policy_loss(algo.policy_loss).clip
+    if band is None:
+        for name in ("clip_eps", "clip_eps_high"):
+            if getattr(algo, name) is None:
+                raise ConfigError(f"algorithm.{name}: the policy loss {algo.policy_loss} declares no clip band; set "
+                                  "algorithm.clip_eps and algorithm.clip_eps_high, or declare its band with "
+                                  "rayrl.trainers.policy_losses.loss_traits(clip=(low, high))")
+        band = (0.0, 0.0)
+    low, high = band
+    return (low if algo.clip_eps is None else algo.clip_eps, high if algo.clip_eps_high is None else algo.clip_eps_high)
+
+
+def default_tis_cap(algo: AlgorithmConfig, schedule_tis_cap: float) -> float:
+    """``algorithm.tis_cap`` when unset: the schedule's own (on where samples can be stale:
+    rayrl/pipeline/schedules.py ``tis_cap``), and on for a loss whose band is narrower than the
+    engine-trainer gap whatever the schedule."""
+    narrow = NARROW_BAND_TIS_CAP if policy_loss(algo.policy_loss).narrow_band else 0.0
+    return max(schedule_tis_cap, narrow)
+
+
 class Objective:
     """The configured loss for one rank (module docstring); ``algo`` may be unresolved (clip ranges and
-    aggregation ``auto`` are made concrete the way rayrl/config/resolve.py does; TIS unset as in a sync run:
-    off, except for a narrow-band loss such as GSPO)."""
+    aggregation ``auto`` are made concrete as rayrl/resolve.py does; TIS unset as in a sync run: off,
+    except for a narrow-band loss such as GSPO)."""
 
     def __init__(self, algo: AlgorithmConfig) -> None:
         self.algo = algo
-        self.policy_loss = get_policy_loss(algo.policy_loss)
+        self.loss_kind = policy_loss(algo.policy_loss)
+        self.policy_loss = self.loss_kind.fn
         self.clip_low, self.clip_high = clip_range(algo)
         self.aggregation = loss_aggregation(algo)
-        self.tis_cap = default_tis_cap(algo, "sync") if algo.tis_cap is None else algo.tis_cap
+        self.tis_cap = default_tis_cap(algo, 0.0) if algo.tis_cap is None else algo.tis_cap
         if self.aggregation == "seq_mean_token_sum_norm" and algo.loss_agg_norm <= 0:
             raise ValueError("algorithm.loss_agg seq_mean_token_sum_norm needs loss_agg_norm > 0 (resolve() sets it)")
         self._first: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -203,7 +237,7 @@ class Objective:
         out = self.policy_loss(PolicyLossInput(logp, old, adv, tb.seq_index, tb.num_seqs, self.clip_low,
                                                self.clip_high, algo.dual_clip_c))
         tis = torch.ones_like(logp)
-        if self.tis_cap > 0 and algo.policy_loss not in UNWEIGHTED_LOSSES:
+        if self.tis_cap > 0 and not self.loss_kind.supervised:
             tis = torch.clamp(torch.exp(torch.clamp(proximal - tb.rollout_logp, max=20.0)), max=self.tis_cap)
         pg = out.per_token * tis
         per_token = pg

@@ -1,7 +1,11 @@
 """Policy losses: the per-token surrogate a trainer minimises, chosen by name.
 
 ``algorithm.policy_loss`` names one of :data:`POLICY_LOSSES` or a ``package.module:function`` of your
-own. The contract every loss keeps:
+own. Each row is a :class:`PolicyLoss`: the function and the traits the rest of rayrl asks of it (its
+default clip band, its ``loss_agg: auto``, whether it needs whole sequences on a rank, whether its band is
+narrower than the engine-trainer gap, whether it is a likelihood target); nothing outside this table
+compares a loss's name. A loss of your own declares its traits with :func:`loss_traits`. The contract
+every loss keeps:
 
 - **input** (:class:`PolicyLossInput`): one micro-batch's *trained* tokens, flattened to shape [T], in
   sample order (every tensor aligned): ``logp``, the current policy's log-probs (the only input that
@@ -12,7 +16,7 @@ own. The contract every loss keeps:
   need not be adjacent. ``clip_low`` / ``clip_high`` / ``dual_clip_c`` are the resolved clip settings.
 - **output** (:class:`PolicyLossOutput`): ``per_token`` [T], the loss of each token *before* the
   truncated importance weight and the aggregation (the helper multiplies by both, so a loss never
-  normalises itself; :data:`UNWEIGHTED_LOSSES` get no importance weight), and ``clipped`` [T], 1.0
+  normalises itself; a ``supervised`` loss gets no importance weight), and ``clipped`` [T], 1.0
   where a clip took the token's gradient away or capped it (detached; reported as ``train/clip_fraction``).
 - Masks are already applied: every token given is trained. Nothing may be reduced over tokens except
   within a sequence (GSPO's sequence ratio).
@@ -23,11 +27,12 @@ Formulas and papers: docs/algorithms.md. Hand-computed tests: tests/test_policy_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-from rayrl.config.registry import named_callable
+from rayrl.config import ConfigError
+from rayrl.extensions import named_callable
 
 MAX_LOG_RATIO = 20.0  # exp() of a larger log-ratio overflows float32's useful range; clamped, as the peers do
 MAX_SEQ_LOG_RATIO = 10.0  # GSPO: the sequence log-ratio is clamped here before exp()
@@ -104,16 +109,78 @@ def sft(x: PolicyLossInput) -> PolicyLossOutput:
     return PolicyLossOutput(-x.logp, torch.zeros_like(x.logp).detach())
 
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo_clip": ppo_clip, "gspo": gspo, "cispo": cispo, "sft": sft}
-# losses the truncated importance weight does not multiply: a likelihood target, not an estimate of the policy
-# gradient under the sampling policy (weighting it would down-weight exactly the tokens the trainer now finds
-# less likely than the engine did); the sft_coef term beside an RL loss is not weighted either
-UNWEIGHTED_LOSSES = frozenset({"sft"})
+@dataclass(frozen=True)
+class PolicyLoss:
+    """One policy loss and its traits (a row of :data:`POLICY_LOSSES`, or what a loss of your own declared).
+
+    ``clip``: ``(clip_eps, clip_eps_high)`` when ``algorithm.clip_eps`` / ``clip_eps_high`` are unset (None:
+    a loss of your own that declared no band; ``algorithm.clip_eps`` and ``clip_eps_high`` must then be set).
+    ``aggregation``: what ``loss_agg: auto`` becomes with it (None: the estimator's, else token_mean).
+    ``whole_sequence``: it reduces over a sequence's tokens, so a sequence must be whole on a rank
+    (``trainer.cp_size`` 1). ``narrow_band``: its band is narrower than the engine-trainer log-prob gap,
+    so its ratio must be taken against the trainer's own log-probs (``tis_cap`` on by default, whatever
+    the schedule). ``supervised``: a likelihood target, not a policy-gradient estimate: advantages are
+    ignored, the truncated importance weight does not multiply it (weighting would down-weight exactly
+    the tokens the trainer now finds less likely than the engine did), and only the samples
+    ``algorithm.sft_min_reward`` admits train. ``dual_clip``: ``algorithm.dual_clip_c`` applies to it.
+    """
+
+    name: str
+    fn: PolicyLossFn
+    clip: Optional[tuple[float, float]] = None
+    aggregation: Optional[str] = None
+    whole_sequence: bool = False
+    narrow_band: bool = False
+    supervised: bool = False
+    dual_clip: bool = False
 
 
-def get_policy_loss(name: str) -> PolicyLossFn:
-    """The registered loss ``name``, or the function a ``package.module:function`` names."""
-    return named_callable("algorithm.policy_loss", name, POLICY_LOSSES)
+PPO_BAND = (0.2, 0.28)  # PPO with DAPO's clip-higher
+POLICY_LOSSES: dict[str, PolicyLoss] = {loss.name: loss for loss in (
+    PolicyLoss("ppo_clip", ppo_clip, clip=PPO_BAND, dual_clip=True),
+    # GSPO's paper: sequence-level ratios sit much closer to 1. Against the engine's log-probs its band clipped
+    # 60% of a step's sequences before any update (docs/results/algorithms.md, 2026-11-27)
+    PolicyLoss("gspo", gspo, clip=(3e-4, 4e-4), aggregation="seq_mean_token_mean", whole_sequence=True,
+               narrow_band=True),
+    PolicyLoss("cispo", cispo, clip=(1.0, 4.0)),  # no lower bound, slime's wide upper bound
+    PolicyLoss("sft", sft, clip=PPO_BAND, supervised=True),  # its band is passed on unread (no ratio)
+)}
+TRAITS_ATTR = "rayrl_policy_loss"  # where loss_traits puts a loss of your own's record
+
+
+def loss_traits(*, clip: Optional[tuple[float, float]], aggregation: Optional[str] = None,
+                whole_sequence: bool = False, narrow_band: bool = False, supervised: bool = False,
+                dual_clip: bool = True) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Declare a loss of your own's traits (:class:`PolicyLoss`), for ``algorithm.policy_loss:
+    package.module:function``; ``clip`` is its default band, or None for none (the run then needs
+    ``algorithm.clip_eps`` and ``clip_eps_high``)::
+
+        @loss_traits(clip=(0.2, 0.28))
+        def my_loss(x: PolicyLossInput) -> PolicyLossOutput: ...
+
+    A function without it runs with no default band, ``loss_agg: auto`` by the estimator, and
+    ``dual_clip_c`` passed on."""
+    def declare(fn: PolicyLossFn) -> PolicyLossFn:
+        setattr(fn, TRAITS_ATTR, PolicyLoss(fn.__name__, fn, clip, aggregation, whole_sequence, narrow_band,
+                                            supervised, dual_clip))
+        return fn
+
+    return declare
+
+
+def policy_loss(name: str) -> PolicyLoss:
+    """The row ``name`` (a built-in), or the record of the function a ``package.module:function`` names (its
+    declared traits, else none); ConfigError naming ``algorithm.policy_loss``."""
+    if name in POLICY_LOSSES:
+        return POLICY_LOSSES[name]
+    fn = named_callable("algorithm.policy_loss", name, POLICY_LOSSES)
+    declared = getattr(fn, TRAITS_ATTR, None)
+    if declared is None:
+        return PolicyLoss(name, fn, dual_clip=True)
+    if not isinstance(declared, PolicyLoss):
+        raise ConfigError(f"algorithm.policy_loss: {name}.{TRAITS_ATTR} is not a PolicyLoss (use loss_traits)")
+    return PolicyLoss(name, fn, declared.clip, declared.aggregation, declared.whole_sequence, declared.narrow_band,
+                      declared.supervised, declared.dual_clip)
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from rayrl.config import AlgorithmConfig, TrainerConfig
-from rayrl.config.resolve import compute_dtype as resolve_compute_dtype
-from rayrl.config.resolve import cpu_has_native_bf16
+from rayrl.machine import compute_dtype as resolve_compute_dtype
+from rayrl.machine import cpu_has_native_bf16
 from rayrl.rl.updates import MiniBatch, UpdatePlan, plan_updates
 from rayrl.trainers import lora
 from rayrl.trainers.lr_schedule import lr_at, set_lr

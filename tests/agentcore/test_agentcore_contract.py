@@ -23,6 +23,7 @@ from rayrl.agents.agentcore.protocol import ROLLOUT_CONFIG_KEY, AgentRolloutConf
 from rayrl.agents.base import AgentResult, EpisodeContext
 from rayrl.config import AgentCoreConfig, ConfigError, load_config
 from rayrl.data.dataset import DatasetError, FileDataset
+from rayrl.resolve import load_checked
 from rayrl.rewards import get_reward_fn
 from rayrl.rewards.gsm8k import agent_reported_reward, gsm8k_reward, parse_gsm8k_answer
 from rayrl.types import Task
@@ -157,10 +158,10 @@ def test_gsm8k_reward_and_agent_reported_reward():
 def test_config_section_is_validated(tmp_path):
     base = ["rollout.agent=agentcore"]
     with pytest.raises(ConfigError, match="agentcore.runtime_arn"):
-        load_config(None, base)
+        load_checked(None, base)
     with pytest.raises(ConfigError, match="agentcore.s3_bucket"):
-        load_config(None, [*base, "agentcore.runtime_arn=arn:aws:bedrock-agentcore:us-west-2:1:runtime/x"])
-    ok = load_config(None, [*base, "agentcore.runtime_arn=arn:aws:bedrock-agentcore:us-west-2:1:runtime/x",
+        load_checked(None, [*base, "agentcore.runtime_arn=arn:aws:bedrock-agentcore:us-west-2:1:runtime/x"])
+    ok = load_checked(None, [*base, "agentcore.runtime_arn=arn:aws:bedrock-agentcore:us-west-2:1:runtime/x",
                             "agentcore.s3_bucket=b"])
     assert ok.agentcore.s3_bucket == "b"
     for bad in ("agentcore.acr_tps_limit=0", "agentcore.max_concurrent=0", "agentcore.max_retries=-1",

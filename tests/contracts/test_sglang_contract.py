@@ -210,7 +210,9 @@ def _sglang_function(path: Path, name: str):
 
 
 def test_the_lora_launch_flags_parse_with_sglangs_server_args():
-    from rayrl.config import Machine, load_config, resolve
+    from rayrl.config import load_config
+    from rayrl.machine import Machine
+    from rayrl.resolve import resolve
 
     cfg = resolve(load_config(None, ["engine.backend=sglang", "trainer.lora.rank=16"]),
                   Machine(cuda=True, cores=8, native_bf16=True))
@@ -231,7 +233,7 @@ def test_the_adapter_we_send_is_what_sglangs_lora_loader_reads(tiny_model_dir):
     from sglang.srt.lora.lora_config import LoRAConfig  # type: ignore[import-not-found]
 
     from rayrl.config import LoraConfig, TrainerConfig
-    from rayrl.config.resolve import LINEAR_PROJECTIONS
+    from rayrl.resolve import LINEAR_PROJECTIONS
     from rayrl.trainers.torch_backend import TorchTrainer
     from rayrl.weights.adapter import AdapterSender
     from rayrl.weights.wire import serialize_adapter

@@ -3,14 +3,14 @@ and the config, its resolution and the launcher ask the row rather than compare 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from rayrl.config import ConfigError, EngineConfig, Machine, RunConfig, load_config, resolve
+from rayrl.config import ConfigError, EngineConfig, RunConfig
 from rayrl.engines.backends import BACKENDS, auto_backend, engine_backend
 from rayrl.engines.backends.base import EngineBackend
 from rayrl.engines.launcher import EngineProcess
+from rayrl.machine import Machine
+from rayrl.resolve import check, load_checked, resolve
 
 
 def test_the_table_is_what_engine_backend_takes(monkeypatch):
@@ -19,10 +19,10 @@ def test_the_table_is_what_engine_backend_takes(monkeypatch):
 
     monkeypatch.setattr("rayrl.engines.backends.vllm._has_vllm", lambda python: "")  # the vllm rows' own check
     for name in ("auto", *BACKENDS):
-        cfg = load_config(None, [f"engine.backend={name}", f"engine.vllm.python={sys.executable}"])
+        cfg = load_checked(None, [f"engine.backend={name}", f"engine.vllm.python={sys.executable}"])
         assert cfg.engine.backend == name
     with pytest.raises(ConfigError, match=r"^engine.backend: 'tgi' is not one of auto, cpu, sglang, vllm, vllm-cpu$"):
-        load_config(None, ["engine.backend=tgi"])
+        load_checked(None, ["engine.backend=tgi"])
     assert all(isinstance(b, EngineBackend) and b.name == name for name, b in BACKENDS.items())
     with pytest.raises(ValueError, match=r"^engine.backend: 'tgi' is not one of cpu, sglang, vllm, vllm-cpu"):
         engine_backend("tgi")
@@ -50,5 +50,5 @@ def test_the_launcher_runs_the_rows_command_with_its_environment(tmp_path):
 def test_weight_formats_are_the_rows():
     EngineConfig(backend="cpu", weight_format="fp16-packed")
     with pytest.raises(ConfigError, match="^engine.weight_format: fp16-packed is the CPU engine's; sglang takes"):
-        dataclasses.replace(EngineConfig(), backend="sglang", weight_format="fp16-packed")
+        check(RunConfig(engine=EngineConfig(backend="sglang", weight_format="fp16-packed")))
     assert [n for n, b in BACKENDS.items() if "fp16-packed" in b.weight_formats] == ["cpu"]

@@ -17,6 +17,7 @@ from rayrl.engines.http_input import RequestError
 from rayrl.engines.vllm_adapter import parse_args
 from rayrl.engines.vllm_process import vllm_command
 from rayrl.engines.vllm_requests import StreamState, translate_generate
+from rayrl.resolve import load_checked
 from tests.vllm_support import VLLM_PYTHON, needs_vllm, run_in_vllm
 
 
@@ -27,12 +28,12 @@ def test_vllm_rows_are_in_the_table():
 
 def test_a_missing_interpreter_is_one_line_naming_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"^engine\.vllm\.python: .*nope.* is not an executable file"):
-        load_config(None, ["engine.backend=vllm-cpu", f"engine.vllm.python={tmp_path / 'nope'}"])
+        load_checked(None, ["engine.backend=vllm-cpu", f"engine.vllm.python={tmp_path / 'nope'}"])
 
 
 def test_an_interpreter_without_vllm_is_refused_at_load():
     with pytest.raises(ConfigError, match=r"^engine\.vllm\.python: .*it has no vllm \(make vllm-cpu"):
-        load_config(None, ["engine.backend=vllm-cpu", f"engine.vllm.python={sys.executable}"])
+        load_checked(None, ["engine.backend=vllm-cpu", f"engine.vllm.python={sys.executable}"])
 
 
 def test_driver_exits_2_on_a_bad_vllm_interpreter_before_ray(tmp_path):

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from rayrl.config import load_config, resolve
+from rayrl.config import load_config
 from rayrl.engines.sglang_control import check_recorded_requests
+from rayrl.resolve import resolve
 from tests.ray_support import scrape_metrics
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rayrl.config import ConfigError, Machine, load_config, resolve
+from rayrl.config import ConfigError, load_config
 from rayrl.engines.client import GenerateOutput
 from rayrl.engines.outputs import join_parts
+from rayrl.machine import Machine
+from rayrl.resolve import resolve
 from rayrl.rl.failures import AGENT_CRASHED, ENGINE_ERROR
 from rayrl.rl.groups import Group, split_stale
 from rayrl.rl.staleness import token_staleness

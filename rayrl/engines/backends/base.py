@@ -11,26 +11,25 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Optional, Protocol
+from typing import Mapping, Optional, Protocol
 
-if TYPE_CHECKING:
-    from rayrl.config import EngineConfig
+from rayrl.config import EngineConfig
 
 
 class LaunchCommand(Protocol):
-    def __call__(self, cfg: "EngineConfig", model_path: str, port: int, python: str = sys.executable,
+    def __call__(self, cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable,
                  weight_version: str = "0") -> list[str]: ...
 
 
 class LaunchEnv(Protocol):
-    def __call__(self, cfg: "EngineConfig") -> dict[str, str]: ...
+    def __call__(self, cfg: EngineConfig) -> dict[str, str]: ...
 
 
 class ConfigCheck(Protocol):
-    def __call__(self, cfg: "EngineConfig") -> None: ...
+    def __call__(self, cfg: EngineConfig) -> None: ...
 
 
-def no_env(cfg: "EngineConfig") -> dict[str, str]:
+def no_env(cfg: EngineConfig) -> dict[str, str]:
     """A backend that needs nothing beyond the caller's environment."""
     return {}
 

@@ -8,16 +8,13 @@ against it.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
+from rayrl.config import EngineConfig
 from rayrl.engines.backends.base import EngineBackend
-
-if TYPE_CHECKING:
-    from rayrl.config import EngineConfig
 
 
 def cpu_server_command(
-    cfg: "EngineConfig", model_path: str, port: int, python: str = sys.executable, weight_version: str = "0"
+    cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable, weight_version: str = "0"
 ) -> list[str]:
     """``python -m rayrl.engines.cpu_server ...`` for ``cfg``."""
     return [

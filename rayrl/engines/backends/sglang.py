@@ -9,16 +9,13 @@ only; the generic ``engine`` fields are every backend's.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
+from rayrl.config import EngineConfig
 from rayrl.engines.backends.base import EngineBackend
-
-if TYPE_CHECKING:
-    from rayrl.config import EngineConfig
 
 
 def sglang_command(
-    cfg: "EngineConfig", model_path: str, port: int, python: str = sys.executable, weight_version: str = "0"
+    cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable, weight_version: str = "0"
 ) -> list[str]:
     """``python -m sglang.launch_server ...`` for ``cfg`` (GPU).
 
@@ -44,7 +41,7 @@ def sglang_command(
     ]  # fmt: skip
 
 
-def lora_args(cfg: "EngineConfig") -> list[str]:
+def lora_args(cfg: EngineConfig) -> list[str]:
     """With ``engine.max_lora_rank`` (trainer.lora): LoRA on, the rank and the target modules to reserve room
     for, so ``/load_lora_adapter_from_tensors`` can take the policy's adapter at every update."""
     if not cfg.max_lora_rank:
@@ -53,7 +50,7 @@ def lora_args(cfg: "EngineConfig") -> list[str]:
             "--lora-target-modules", *(cfg.lora_target_modules or ["all"])]
 
 
-def sglang_env(cfg: "EngineConfig") -> dict[str, str]:
+def sglang_env(cfg: EngineConfig) -> dict[str, str]:
     """Environment of an SGLang engine: NCCL as the trainer ranks use it (rayrl.weights.group.NCCL_ENV),
     and with the memory saver on, CUDA-graph memory in torch_memory_saver too
     (``SGLANG_MEMORY_SAVER_CUDA_GRAPH``; without it /release_memory_occupation leaves the graphs' pools

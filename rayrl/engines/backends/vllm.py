@@ -17,20 +17,17 @@ import functools
 import os
 import subprocess
 import sys
-from typing import TYPE_CHECKING
 
+from rayrl.config import ConfigError, EngineConfig
 from rayrl.engines.backends.base import EngineBackend
 
-if TYPE_CHECKING:
-    from rayrl.config import EngineConfig
 
-
-def vllm_python(cfg: "EngineConfig") -> str:
+def vllm_python(cfg: EngineConfig) -> str:
     """``engine.vllm.python`` with ``~`` expanded."""
     return os.path.expanduser(cfg.vllm.python)
 
 
-def _adapter_command(device: str, cfg: "EngineConfig", model_path: str, port: int, python: str = sys.executable,
+def _adapter_command(device: str, cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable,
                      weight_version: str = "0") -> list[str]:
     extra = list(cfg.extra_args)
     return [
@@ -73,10 +70,8 @@ def _has_vllm(python: str) -> str:
     return ""
 
 
-def check_vllm_config(cfg: "EngineConfig") -> None:
+def check_vllm_config(cfg: EngineConfig) -> None:
     """``engine.vllm.python`` exists, runs, and holds vllm (ConfigError naming the field)."""
-    from rayrl.config import ConfigError
-
     python = vllm_python(cfg)
     if not os.path.isfile(python) or not os.access(python, os.X_OK):
         raise ConfigError(f"engine.vllm.python: {python} is not an executable file (make vllm-cpu builds "
