@@ -46,16 +46,14 @@ from aiohttp import web
 from rayrl.config import GatewayConfig, TrajectoryConfig
 from rayrl.engines import http_input
 from rayrl.engines.client import GenerateOutput
-from rayrl.gateway import (
-    admin_stats,
-    admin_trees,
-    anthropic_messages,
-    front_door,
-    lean_front,
-    openai_chat,
-    openai_responses,
-)
+from rayrl.gateway import admin_stats, admin_trees, anthropic_messages, front_door, openai_chat, openai_responses
 from rayrl.gateway.errors import RequestError
+
+try:
+    from rayrl.gateway import lean_front
+    LEAN_FRONT = lean_front.fits_installed_aiohttp()
+except ImportError:  # an aiohttp that moved an internal class the lean front builds on
+    LEAN_FRONT = False
 from rayrl.gateway.openapi import openapi_spec
 from rayrl.gateway.params import TurnSpec, lone_surrogate_path, number
 from rayrl.gateway.parsers import ThinkReasoningParser, get_tool_parser, infer_family
@@ -268,7 +266,9 @@ class Gateway:
             return
         server, max_body = runner.server, self.max_body
 
-        def protocol() -> lean_front.LeanFront:
+        def protocol() -> asyncio.Protocol:
+            if not LEAN_FRONT:  # an aiohttp the lean front was not checked on: its server serves everything
+                return server()
             return lean_front.LeanFront(self.llm_routes, self.answer, server, max_body, self._lean)
 
         loop = asyncio.get_running_loop()

@@ -20,6 +20,10 @@ connection from there (:meth:`LeanFront._hand_over`). Requests are answered one 
 (pipelined ones wait, as in aiohttp). A client that disconnects cancels its call (aiohttp's
 ``handler_cancellation``), an idle keep-alive connection is closed after aiohttp's keep-alive timeout, and
 the gateway's stop waits for calls in progress as aiohttp's shutdown does.
+
+It builds on aiohttp's internal classes (parser, request handler, writer), which aiohttp may change in any
+minor release: the gateway uses it only on the aiohttp versions it was checked on (:data:`CHECKED_AIOHTTP`,
+:func:`fits_installed_aiohttp`); on any other, every connection goes to aiohttp's server, as before.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import logging
 from collections import deque
 from typing import Any, Awaitable, Callable, Optional
 
+import aiohttp
 from aiohttp import hdrs, web
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http import HttpRequestParser, HttpVersion11, StreamWriter
@@ -37,6 +42,14 @@ from aiohttp.tcp_helpers import tcp_keepalive
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 logger = logging.getLogger("rayrl.gateway")
+
+CHECKED_AIOHTTP = ((3, 14),)  # the (major, minor) releases tests/gateway/test_lean_front.py has passed on
+
+
+def fits_installed_aiohttp() -> bool:
+    """Whether the installed aiohttp is one the lean front was checked on."""
+    major, minor = (int(part) for part in aiohttp.__version__.split(".")[:2])
+    return (major, minor) in CHECKED_AIOHTTP
 
 # aiohttp's server's own settings for a connection (web_protocol.RequestHandler's defaults; the gateway's
 # AppRunner changes none of them): the parser's limits and how long an idle keep-alive connection is kept

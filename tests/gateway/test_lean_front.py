@@ -151,3 +151,23 @@ def test_the_parser_limits_and_timeouts_are_aiohttps_own():
         defaults["max_line_size"], defaults["max_headers"], defaults["max_field_size"], defaults["read_bufsize"],
         defaults["keepalive_timeout"], defaults["lingering_time"])
     assert lean_front.MAX_QUEUED == MAX_MSG_QUEUE_SIZE  # pipelined requests queued before reading pauses
+
+
+def test_an_aiohttp_it_was_not_checked_on_gets_every_connection(scripted, monkeypatch):
+    """The lean front builds on aiohttp's internal classes: on a release it was not checked on, aiohttp's
+    server serves every connection, LLM calls included, as it did before the lean front."""
+    from rayrl.gateway import app
+
+    monkeypatch.setattr(lean_front.aiohttp, "__version__", "3.99.0")
+    assert lean_front.fits_installed_aiohttp() is False
+    monkeypatch.setattr(app, "LEAN_FRONT", lean_front.fits_installed_aiohttp())
+    stack = scripted(lambda prompt: "Noted.")
+    info = stack.open()
+    with _conn(stack) as sock:
+        sock.sendall(_chat_request(info.token) + _chat_request(info.token))
+        answers = _answers(sock, 2)
+        assert [status for status, _ in answers] == [200, 200]
+        assert json.loads(answers[1][1])["choices"][0]["message"]["content"] == "Noted."
+        assert not stack.gateway._lean
+    monkeypatch.setattr(lean_front.aiohttp, "__version__", "3.14.5")
+    assert lean_front.fits_installed_aiohttp() is True
