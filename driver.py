@@ -17,13 +17,15 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examp
 
 
 def model_paths(cfg) -> list[tuple[str, str]]:
-    """The other models a run loads, by config field: the reference (a KL is on) and a distillation teacher
-    given as a path."""
+    """The other models a run loads, by config field: the reference (a KL is on), a distillation teacher
+    given as a path and a judge the run serves."""
     algo, out = cfg.algorithm, []
     if algo.uses_reference and algo.reference_path:
         out.append(("algorithm.reference_path", algo.reference_path))
     if algo.distill_teacher and not algo.distill_teacher.startswith(("http://", "https://")):
         out.append(("algorithm.distill_teacher", algo.distill_teacher))
+    if cfg.rollout.judge.serve:
+        out.append(("rollout.judge.serve", cfg.rollout.judge.serve))
     return out
 
 

@@ -3,11 +3,12 @@
 Why: a mistake that fails every episode (an SDK argument the installed version refuses, a wrong
 endpoint variable, a reward that raises) should cost seconds, not a run. The dry run starts what an
 episode needs and nothing it does not: one engine (as ``engine.*`` configures it, without the shared
-placement group: no trainer is built), the gateway, the sandbox pool and one rollout worker; it runs the
-first task of ``data.train_path`` through them exactly as a training step would (the same harness,
-reward and recording), prints the outcome (status, reward, the error whole, the program's stderr, every
-turn and tool call the gateway recorded and the token view of what would train: rayrl/inspect/text.py),
-stops everything and says whether the episode failed. driver.py exits 1 when it did, 0 when it did not.
+placement group: no trainer is built), the judge it serves if any, the gateway, the sandbox pool and one
+rollout worker; it runs the first task of ``data.train_path`` through them exactly as a training step
+would (the same harness, reward and recording), prints the outcome (status, reward, the error whole, the
+program's stderr, every turn and tool call the gateway recorded and the token view of what would train:
+rayrl/inspect/text.py), stops everything and says whether the episode failed. driver.py exits 1 when it
+did, 0 when it did not.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import ray
 
 from actors.engine_fleet import EngineFleet
+from actors.judge_server import ServedJudge
 from actors.rollout_worker import RolloutWorker
 from actors.runtime import on_driver_node
 from actors.sandbox_pool import SandboxPoolActor
@@ -53,8 +55,10 @@ def run_one_episode(cfg: RunConfig, task: Task) -> Episode:
     name = f"rayrl-{cfg.exp_id}-dry-run"
     print(f"[rayrl] dry run: starting one engine (logs: {logs}), the gateway and one rollout worker...", flush=True)
     engines = EngineFleet(cfg.engine, model_path, str(logs), [None], name_prefix=name)
-    trajectories = pool = worker = None
+    trajectories = pool = worker = judge = None
     try:
+        judge = ServedJudge.start(cfg, name, str(logs))  # rollout.judge.serve: the reward asks it
+        cfg = judge.run_config(cfg) if judge is not None else cfg
         trajectories = start_trajectory_managers(dataclasses.replace(cfg, exp_id=f"{cfg.exp_id}-dry-run"),
                                                  model_path, engines.urls)
         pool = SandboxPoolActor.options(name=f"{name}-sandbox-pool", **on_driver_node()).remote(
@@ -71,6 +75,8 @@ def run_one_episode(cfg: RunConfig, task: Task) -> Episode:
         except Exception:  # an actor that died cannot be stopped politely; it is killed below
             pass
         engines.shutdown()
+        if judge is not None:
+            judge.shutdown()
         for handle in [*(trajectories.handles if trajectories is not None else []), pool, worker]:
             if handle is not None:
                 ray.kill(handle)

@@ -5,7 +5,8 @@ Allocation, in order (each step names what it starts and where):
 1. the placement: one placement group of GPU bundles shared by trainer ranks and engines, over as
    many nodes as it takes (``placement.mode`` colocated or split; none: each part places itself);
 2. the engines: one EngineActor per engine on its own bundle(s), started in parallel (and, for on-policy
-   distillation, the teacher's engine when ``algorithm.distill_teacher`` is a model path);
+   distillation, the teacher's engine when ``algorithm.distill_teacher`` is a model path; for a judge
+   the run serves, ``rollout.judge.serve``, the judge's engines and endpoint: actors/judge_server.py);
 3. the trainer: TrainerGroup ranks on their bundles, joined by torch.distributed; the weight routes
    from the ranks to the engines are planned from where both landed (actors/weight_sync.py);
 4. the gateway: trajectory-manager shards that serve the agents' LLM calls and record every turn;
@@ -36,6 +37,7 @@ import ray
 from actors.dispatch import GroupDispatcher
 from actors.engine_fleet import EngineFleet
 from actors.evaluation import evaluate
+from actors.judge_server import ServedJudge
 from actors.placement_group import SharedPlacement
 from actors.ray_metrics import RayMetricsSink
 from actors.rollout_worker import RolloutWorker, start_workers
@@ -107,6 +109,9 @@ class Pipeline:
         self.engines = EngineFleet(cfg.engine, self.model_path, str((self.run_dir / "logs").resolve()), seats,
                                    name_prefix=name)
         self.teacher, self.teacher_engine = self._start_teacher(name)  # on-policy distillation's (rayrl/rl/distill.py)
+        self.judge = ServedJudge.start(cfg, name, str((self.run_dir / "logs").resolve()))  # rollout.judge.serve's
+        if self.judge is not None:  # the workers ask its endpoint
+            self.cfg = cfg = self.judge.run_config(cfg)
         # 3. the trainer, and the weight routes from its ranks to the engines (colocated: the engines release
         #    their memory while the trainer is built; the schedule gives it back once the trainer is offloaded)
         print("[rayrl] starting trainer, trajectory managers, sandbox pool and rollout workers...", flush=True)
@@ -393,6 +398,8 @@ class Pipeline:
         self.engines.shutdown()
         if self.teacher_engine is not None:
             self.teacher_engine.shutdown()
+        if self.judge is not None:
+            self.judge.shutdown()
         for ref in self.dispatcher.running:  # episodes of groups the run did not need
             ray.cancel(ref)
         for handle in [*self.trajectories.handles, *self.workers, self.pool, *([launcher] if launcher else [])]:

@@ -54,6 +54,8 @@ def assert_one_line_exit_2(out: subprocess.CompletedProcess, message: str) -> No
          "model error: algorithm.reference_path: '/no/ref' is not a model directory"),
         (["algorithm.distill_teacher=/no/teacher"],
          "model error: algorithm.distill_teacher: '/no/teacher' is not a model directory"),
+        (["rollout.reward=judge", "rollout.judge.serve=/no/judge"],
+         "model error: rollout.judge.serve: '/no/judge' is not a model directory"),
     ],
 )
 def test_bad_input_exits_2_with_message(args, message, capsys):

@@ -70,7 +70,11 @@ class JudgeConfig:
 
     base_url: Optional[str] = None  # its OpenAI-compatible endpoint (…/v1): SGLang's or vLLM's own server, a hosted
     # API, rayrl's standalone gateway (python -m rayrl.gateway serve)
-    model: str = ""  # the model name sent to it
+    serve: Optional[str] = None  # instead of base_url: a model path (or smollm2-135m-instruct) the run serves as the
+    # judge, on engines of its own (engine.* settings) behind an OpenAI-compatible endpoint; frozen: no weight
+    # update, pause or memory release reaches it
+    num_engines: int = 1  # rollout.judge.serve: engines serving the judge
+    model: str = ""  # the model name sent to it (rollout.judge.serve: default the served model's name)
     api_key_env: Optional[str] = None  # the environment variable holding its API key (None: no key)
     prompt: str = DEFAULT_JUDGE_PROMPT  # the user message; {question} (the task's prompt), {answer} (metadata.answer),
     # {response} (the agent's final answer) and any other metadata key in braces are filled in
@@ -89,8 +93,9 @@ class JudgeConfig:
     max_concurrent: int = 8  # judge calls in flight per rollout worker
 
     def __post_init__(self) -> None:
-        positive(self, "rollout.judge.", "max_tokens", "timeout_s", "max_concurrent")
+        positive(self, "rollout.judge.", "max_tokens", "timeout_s", "max_concurrent", "num_engines")
         non_negative(self, "rollout.judge.", "temperature", "max_retries", "backoff_s")
+        self._check_serve()
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
             raise ConfigError("rollout.judge.base_url: an http(s):// URL of an OpenAI-compatible API, got "
                               f"{self.base_url!r}")
@@ -109,6 +114,25 @@ class JudgeConfig:
         elif not self.verdicts:
             raise ConfigError("rollout.judge.verdicts: give verdict words and their rewards, or "
                               "rollout.judge.score_pattern")
+
+    def _check_serve(self) -> None:
+        """``serve`` (the run starts the judge) and ``base_url`` (the user runs it) are the two ways, one at a time."""
+        if self.serve is None:
+            if self.num_engines != 1:
+                raise ConfigError("rollout.judge.num_engines: only read with rollout.judge.serve (a judge the run "
+                                  "serves)")
+            return
+        if not self.serve:
+            raise ConfigError("rollout.judge.serve: must not be empty (unset it to use rollout.judge.base_url)")
+        if self.serve.startswith(("http://", "https://")):
+            raise ConfigError(f"rollout.judge.serve: a model path or name the run serves, got the URL {self.serve!r}; "
+                              "give a running endpoint as rollout.judge.base_url")
+        if self.base_url:
+            raise ConfigError("rollout.judge.serve: the run serves this judge itself, so rollout.judge.base_url must "
+                              "be unset (set one or the other)")
+        if self.api_key_env:
+            raise ConfigError("rollout.judge.api_key_env: the judge the run serves (rollout.judge.serve) takes no API "
+                              "key; unset it")
 
 
 @dataclass
@@ -166,9 +190,12 @@ class RolloutConfig:
             raise ConfigError(f"rollout.tool_delay_s: need [] or [min, max] with 0 <= min <= max, "
                               f"got {delay}")
         self._check_environment()
-        if self.reward == "judge" and not self.judge.base_url:
+        if self.reward == "judge" and not (self.judge.base_url or self.judge.serve):
             raise ConfigError("rollout.judge.base_url: rollout.reward: judge needs the judge's OpenAI-compatible "
-                              "endpoint")
+                              "endpoint (or rollout.judge.serve: a model the run serves as the judge)")
+        if self.judge.serve and self.reward != "judge" and not self.environment:
+            raise ConfigError("rollout.judge.serve: nothing asks the judge (rollout.reward is not judge and there is "
+                              "no rollout.environment); unset it")
 
     def _check_environment(self) -> None:
         """With an environment, it is the agent and the reward (left at their defaults or set to environment)."""

@@ -207,6 +207,9 @@ class RunConfig:
         if not self.exp_id or "/" in self.exp_id or self.exp_id in (".", ".."):
             raise ConfigError(f"exp_id: must be a plain name, got {self.exp_id!r}")
         self._check_algorithm()
+        if self.rollout.judge.serve and self.placement.mode != "none":
+            raise ConfigError("rollout.judge.serve: with a shared GPU placement the run does not place a judge "
+                              "engine; serve the judge yourself and give its endpoint as rollout.judge.base_url")
         if self.rollout.environment and (self.data.reasoning_gym or self.data.val_path):
             raise ConfigError("rollout.environment: the environment's datasets are the tasks; drop "
                               + ("data.reasoning_gym" if self.data.reasoning_gym else "data.val_path"))

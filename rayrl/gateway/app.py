@@ -62,6 +62,7 @@ from rayrl.gateway.sessions import Session, SessionInfo, SessionRegistry
 from rayrl.gateway.turns import Prepared, TurnPipeline
 from rayrl.gateway.upstream import StreamingUpstream
 from rayrl.gateway.work_lock import WorkLock
+from rayrl.trajectory import TrajectoryTree
 from rayrl.types import Sample
 
 logger = logging.getLogger("rayrl.gateway")
@@ -158,7 +159,10 @@ class Gateway:
         shard: int = 0,
         admin_token: str | None = None,
         model_type: str = "",
+        record: bool = True,
     ) -> None:
+        """``record=False``: a frozen model's endpoint (rayrl/gateway/frozen.py): every LLM call, whatever its
+        token, is answered in one built-in session that keeps no turn (``Session.record``)."""
         self.cfg = cfg
         self.router = router
         self.model_name = model_name
@@ -177,6 +181,8 @@ class Gateway:
         )
         self.tokenizer = tokenizer
         self.sessions = SessionRegistry(trajectory_cfg, shard=shard)
+        self.unrecorded: Session | None = None if record else Session(
+            "frozen", "", {}, TrajectoryTree(session_id="frozen"), record=False)
         self.admin_token = admin_token or "rrl-admin-" + secrets.token_urlsafe(24)
         self.counters: dict[str, int] = {
             "requests": 0,
@@ -461,7 +467,7 @@ class Gateway:
 
     def session_for(self, request: web.Request) -> Session:
         """The open session this request's token belongs to (401 unknown, 409 finished)."""
-        session = self.sessions.by_token(self._bearer(request))
+        session = self.unrecorded or self.sessions.by_token(self._bearer(request))
         if session.finished:
             raise RequestError("this session has finished; open a new one", status=409)
         session.api_calls += 1

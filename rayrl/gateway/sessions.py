@@ -65,6 +65,8 @@ class Session:
     length_turns: int = 0  # turns the engine cut at max_tokens (finish reason "length")
     last_finish: str = ""  # the last recorded turn's finish: "stop", "tool_calls" or "length"
     in_flight: set = field(default_factory=set)
+    record: bool = True  # False: calls are answered and counted, their turns kept nowhere (a frozen model's
+    # endpoint, rayrl/gateway/frozen.py: nothing of it is ever trained on, and a run-long session must not grow)
 
     def note_infra_error(self, message: str) -> None:
         """Count a call that failed because of the engine or the gateway (once per answer)."""

@@ -326,7 +326,7 @@ class TurnPipeline:
             finish_reason=kind,
         )
         finish = "tool_calls" if parsed.tool_calls else ("length" if kind == "length" else "stop")
-        if not session.finished:
+        if not session.finished and session.record:
             started = time.perf_counter()
             session.tree.record_turn(turn)
             session.remember(turn)

@@ -10,6 +10,9 @@ failed (connection, timeout, 429, 5xx). A judge that still gives no verdict rais
 out of the advantages, never a reward of 0. Each call's tokens and latency land on the episode
 (``info["judge_calls"]``) and in the step metrics (``judge/*``).
 
+With ``rollout.judge.serve`` the run starts the judge itself (actors/judge_server.py: engines of its own
+behind rayrl/gateway/frozen.py) and hands the workers its endpoint (:func:`served_judge_config`).
+
 verifiers' JudgeRubric asks the same judge (rayrl/environments/verifiers_env.py hands it
 :meth:`Judge.async_client`).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import os
 import re
 import threading
@@ -36,8 +40,9 @@ class Judge:
     """The judge endpoint, bounded and retried; thread-safe (rollout workers run episodes in threads)."""
 
     def __init__(self, cfg: JudgeConfig) -> None:
-        if not cfg.base_url:
-            raise ConfigError("rollout.judge.base_url: set the judge's OpenAI-compatible endpoint")
+        if not (cfg.base_url or cfg.serve):  # serve: the run sets base_url once it started the judge
+            raise ConfigError("rollout.judge.base_url: set the judge's OpenAI-compatible endpoint (or "
+                              "rollout.judge.serve: a model the run serves as the judge)")
         self.cfg = cfg
         self._slots = threading.BoundedSemaphore(cfg.max_concurrent)
         self._client: Any = None
@@ -61,6 +66,9 @@ class Judge:
         """``(text, the raw response)``: one judge call, its stats recorded for the episode."""
         import openai
 
+        if not self.cfg.base_url:  # never the SDK's default endpoint
+            raise JudgeError(f"the judge rollout.judge.serve names ({self.cfg.serve}) was not started: the run "
+                             "starts it and hands the workers its endpoint (actors/judge_server.py)")
         args = {"max_tokens": self.cfg.max_tokens, "temperature": self.cfg.temperature, **sampling}
         if "max_completion_tokens" in sampling:  # the caller's own limit (verifiers' judge rubric sends this one)
             args.pop("max_tokens")
@@ -184,6 +192,12 @@ class JudgeReward:
         finally:
             CALLS.reset(token)
             result.info.setdefault("judge_calls", []).extend(calls)
+
+
+def served_judge_config(cfg: JudgeConfig, base_url: str) -> JudgeConfig:
+    """``rollout.judge`` once the run serves its ``serve`` model at ``base_url`` (rayrl/gateway/frozen.py):
+    an endpoint like any other, asked for the served model by name unless ``model`` names another."""
+    return dataclasses.replace(cfg, serve=None, num_engines=1, base_url=base_url, model=cfg.model or cfg.serve or "")
 
 
 def judge_reward(cfg: JudgeConfig) -> JudgeReward:

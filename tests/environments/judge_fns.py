@@ -8,3 +8,8 @@ def out_of_ten(task, result, judge) -> float:
 
 def two_arguments(task, result) -> float:
     return 0.0
+
+
+def by_reply_length(task, result, judge) -> float:
+    """A verdict any reply gives (a random model's too): 1 for an odd number of characters, else 0."""
+    return float(len(judge.ask([{"role": "user", "content": f"Is {result.final_answer!r} right?"}])) % 2)

@@ -7,9 +7,11 @@ without Ray, are in the default suite: the same episode paths through the real g
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from rayrl.config import load_config
 from rayrl.rl.guards import GUARDS_FILE
@@ -17,7 +19,8 @@ from rayrl.rl.guards import GUARDS_FILE
 ROOT = Path(__file__).resolve().parents[2]
 RG = ROOT / "examples" / "reasoning_gym" / "config.yaml"
 VF = ROOT / "examples" / "verifiers" / "config.yaml"
-JUDGE = ROOT / "examples" / "judge" / "config.yaml"
+JUDGE = ROOT / "examples" / "judge" / "config.yaml"  # the run serves the judge
+JUDGE_ENDPOINT = ROOT / "examples" / "judge" / "endpoint.yaml"  # a judge the user runs
 
 
 def run(config: Path, model_dir: Path, tmp_path: Path, overrides: list[str]) -> tuple[list[dict], Path]:
@@ -100,7 +103,7 @@ def test_judge_reward_two_steps_on_the_tiny_model(ray_local, tiny_model_dir, tmp
     """The judge here is tests/environments/judge_server.py (verdicts by the reply's length), a stand-in
     for a judge model: what is under test is the run's side (calls, verdicts, metrics), not its grading."""
     judge = judge_server(lambda prompt: "yes" if len(prompt.split("Student answer:")[-1]) % 2 else "no")
-    history, run_dir = run(JUDGE, tiny_model_dir, tmp_path, [
+    history, run_dir = run(JUDGE_ENDPOINT, tiny_model_dir, tmp_path, [
         "engine.dtype=float32", "trainer.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=2",
         "rollout.max_tokens=8", f"rollout.judge.base_url={judge.url}", "rollout.judge.api_key_env=null"])
     assert len(history) == 2
@@ -110,3 +113,41 @@ def test_judge_reward_two_steps_on_the_tiny_model(ray_local, tiny_model_dir, tmp
     assert len(judge.requests) == 16 and all(r["model"] == "smollm2-135m-instruct" for r in judge.requests)
     assert history[0]["judge/calls"] == 8 and history[0]["judge/failed_calls"] == 0
     assert history[0]["judge/prompt_tokens"] > 0 and history[0]["judge/latency_s_mean"] > 0
+
+
+@pytest.mark.slow  # ~1.5 min; fast twin: tests/environments/test_served_judge.py (the endpoint over a real engine)
+def test_a_judge_the_run_serves_two_steps_on_the_tiny_model(ray_local, tiny_model_dir, tmp_path):
+    """examples/judge/config.yaml with the tiny model as policy and as the judge the run serves. A random model's
+    reply is no verdict word, so a judge function (tests/environments/judge_fns.py) grades by the reply's
+    length: what is under test is the run's side (its judge engine and endpoint, the calls, the metrics)."""
+    from actors.pipeline import Pipeline
+
+    cfg = load_config(JUDGE, [f"model.path={tiny_model_dir}", f"logging.output_dir={tmp_path / 'runs'}",
+                              "engine.dtype=float32", "trainer.steps=2", "rollout.prompts_per_step=4",
+                              "rollout.group_size=2", "rollout.max_tokens=8", f"rollout.judge.serve={tiny_model_dir}",
+                              "rollout.judge.function=tests.environments.judge_fns:by_reply_length"])
+    pipeline = Pipeline(cfg)
+    try:
+        judge = pipeline.judge
+        assert judge is not None and pipeline.cfg.rollout.judge.base_url == judge.base_url
+        assert judge.base_url.startswith("http://127.0.0.1:")
+        assert set(judge.engines.urls).isdisjoint(pipeline.engines.urls)  # a fleet of its own, never updated
+        versions = [judge.engines, pipeline.engines]
+        before = [[ray.get(s.actor.weight_version.remote()) for s in fleet.slots] for fleet in versions]
+        history = pipeline.run()
+        stats = judge.stats()
+        after = [[ray.get(s.actor.weight_version.remote()) for s in fleet.slots] for fleet in versions]
+    finally:
+        pipeline.shutdown()
+    assert len(history) == 2 and pipeline.version == 2
+    assert after[0] == before[0] and after[1] != before[1]  # frozen: the policy's weights moved, the judge's never
+    eps = episodes(cfg.run_dir, 1) + episodes(cfg.run_dir, 2)
+    assert len(eps) == 16 and all(e["status"] == "ok" for e in eps), [e.get("error") for e in eps]
+    assert all(len(e["judge_calls"]) == 1 and e["reward"] in (0.0, 1.0) for e in eps)
+    assert stats["calls"] == 16 and stats["failed_calls"] == 0  # every judge call went to the served judge
+    assert history[0]["judge/calls"] == 8 and history[0]["judge/failed_calls"] == 0
+    assert history[0]["judge/completion_tokens"] > 0 and history[0]["judge/latency_s_mean"] > 0
+    deadline = time.monotonic() + 30
+    while [a for a in ray.util.list_named_actors() if "-judge-" in a] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [a for a in ray.util.list_named_actors() if "-judge-" in a]  # stopped with the run
