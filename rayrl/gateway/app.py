@@ -466,7 +466,8 @@ class Gateway:
         return request.headers.get("x-api-key")
 
     def session_for(self, request: web.Request) -> Session:
-        """The open session this request's token belongs to (401 unknown, 409 finished)."""
+        """The open session this request's token belongs to (401 unknown, 409 finished); the built-in one of a
+        gateway that records nothing."""
         session = self.unrecorded or self.sessions.by_token(self._bearer(request))
         if session.finished:
             raise RequestError("this session has finished; open a new one", status=409)

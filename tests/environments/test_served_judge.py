@@ -43,22 +43,23 @@ def served(url: str, model_dir, **kw) -> JudgeConfig:
     return served_judge_config(JudgeConfig(serve=str(model_dir), backoff_s=0.01, timeout_s=30.0, **kw), url)
 
 
-def greedy_reply(engine: CPUEngine, tokenizer, messages, max_tokens: int) -> tuple[str, int]:
-    """What the judge model itself answers: its chat template, greedy, straight from the engine."""
+def greedy_reply(engine: CPUEngine, tokenizer, messages, max_tokens: int) -> tuple[str, int, int]:
+    """What the judge model itself answers (text, prompt tokens, completion tokens): its chat template, greedy,
+    straight from the engine."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     res = engine.generate(ids, {"temperature": 0.0, "max_new_tokens": max_tokens}, timeout=60)
-    return tokenizer.decode(res.output_ids, skip_special_tokens=True), len(ids)
+    return tokenizer.decode(res.output_ids, skip_special_tokens=True), len(ids), len(res.output_ids)
 
 
 def test_the_served_judge_answers_as_its_model_and_records_nothing(judge_stack, tiny_model_dir, tiny_tokenizer):
     engine, endpoint, url = judge_stack
     cfg = served(url, tiny_model_dir, max_tokens=6)
     assert (cfg.base_url, cfg.model, cfg.serve, cfg.api_key_env) == (url, str(tiny_model_dir), None, None)
-    want, prompt_tokens = greedy_reply(engine, tiny_tokenizer, QUESTION, 6)
+    want, prompt_tokens, completion_tokens = greedy_reply(engine, tiny_tokenizer, QUESTION, 6)
     before = endpoint.stats()
     text, resp = Judge(cfg).complete(QUESTION)
     assert text == want and resp.model == str(tiny_model_dir)  # the judge model's own answer, under its name
-    assert resp.usage.prompt_tokens == prompt_tokens and resp.usage.completion_tokens == 6
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (prompt_tokens, completion_tokens)
     for _ in range(3):  # a run-long stream of calls, whatever key they send
         assert Judge(cfg).ask(QUESTION) == want
     session = endpoint.gateway.unrecorded
@@ -75,7 +76,7 @@ def test_the_judge_reward_grades_through_the_served_judge(judge_stack, tiny_mode
     from rayrl.rewards.judge import fill
 
     messages = [{"role": "user", "content": fill(probe.prompt, task, "42")}]
-    reply, prompt_tokens = greedy_reply(engine, tiny_tokenizer, messages, 4)
+    reply, prompt_tokens, completion_tokens = greedy_reply(engine, tiny_tokenizer, messages, 4)
     words = reply.strip().split()
     word = re.sub(r"[^\w]", "", words[0]).lower() if words else ""
     if not word:
@@ -85,7 +86,7 @@ def test_the_judge_reward_grades_through_the_served_judge(judge_stack, tiny_mode
     result = AgentResult(final_answer="42", status="completed")
     assert judge_reward(cfg)(task, result) == 0.25  # the model's own verdict word, read by the parse rule
     (call,) = result.info["judge_calls"]
-    assert call["ok"] and call["prompt_tokens"] == prompt_tokens and call["completion_tokens"] == 4
+    assert call["ok"] and (call["prompt_tokens"], call["completion_tokens"]) == (prompt_tokens, completion_tokens)
 
 
 def test_a_judge_whose_engine_is_gone_is_an_infrastructure_failure(tiny_model_dir):
