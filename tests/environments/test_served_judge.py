@@ -14,7 +14,7 @@ from rayrl.config import ConfigError, JudgeConfig, load_config
 from rayrl.engines.cpu_engine import CPUEngine
 from rayrl.gateway.frozen import FrozenEndpoint
 from rayrl.ports import free_port
-from rayrl.rewards.judge import Judge, judge_reward, parse, served_judge_config
+from rayrl.rewards.judge import Judge, judge_reward, served_judge_config
 from rayrl.rl.failures import JudgeError
 from rayrl.types import Task
 from tests.conftest import LoopThread
@@ -70,23 +70,18 @@ def test_the_served_judge_answers_as_its_model_and_records_nothing(judge_stack, 
 
 
 def test_the_judge_reward_grades_through_the_served_judge(judge_stack, tiny_model_dir, tiny_tokenizer):
-    engine, _, url = judge_stack
-    task = Task(prompt="What is 6 x 7?", metadata={"answer": "42"}, task_id="t1")
-    probe = served(url, tiny_model_dir, max_tokens=4)
-    from rayrl.rewards.judge import fill
-
-    messages = [{"role": "user", "content": fill(probe.prompt, task, "42")}]
-    reply, prompt_tokens, completion_tokens = greedy_reply(engine, tiny_tokenizer, messages, 4)
-    words = reply.strip().split()
-    word = re.sub(r"[^\w]", "", words[0]).lower() if words else ""
-    if not word:
-        pytest.skip(f"the tiny model's reply {reply!r} has no first word to make a verdict of")
-    cfg = served(url, tiny_model_dir, max_tokens=4, verdicts={word: 0.25, "other": 1.0})
-    assert parse(cfg, reply) == 0.25
+    """A random model's reply is no verdict word, so a judge function grades by the reply's length
+    (tests/environments/judge_fns.py); the call goes through the served endpoint like every judge call."""
+    engine, endpoint, url = judge_stack
+    cfg = served(url, tiny_model_dir, max_tokens=5, function="tests.environments.judge_fns:by_reply_length")
+    reply, prompt_tokens, completion_tokens = greedy_reply(
+        engine, tiny_tokenizer, [{"role": "user", "content": "Is '42' right?"}], 5)
     result = AgentResult(final_answer="42", status="completed")
-    assert judge_reward(cfg)(task, result) == 0.25  # the model's own verdict word, read by the parse rule
+    before = endpoint.stats()["calls"]
+    assert judge_reward(cfg)(Task(prompt="What is 6 x 7?", task_id="t1"), result) == float(len(reply) % 2)
     (call,) = result.info["judge_calls"]
     assert call["ok"] and (call["prompt_tokens"], call["completion_tokens"]) == (prompt_tokens, completion_tokens)
+    assert endpoint.stats()["calls"] == before + 1
 
 
 def test_a_judge_whose_engine_is_gone_is_an_infrastructure_failure(tiny_model_dir):
