@@ -109,9 +109,13 @@ def test_the_readme_ray_job_submit_works_on_a_ray_start_head_cluster(head_node, 
                f"model.path={tiny_model_dir}", "engine.dtype=float32", "rollout.prompts_per_step=2",
                "rollout.group_size=2", "rollout.max_tokens=8", "rollout.max_turns=1", "logging.tensorboard=false",
                "data.val_path=null"]
-    job = subprocess.run(command, env={**env, "RAY_AUTH_MODE": "token"}, cwd=ROOT, capture_output=True, text=True,
-                         timeout=540)
-    logs = job.stdout + job.stderr
+    for _ in range(12):  # a head just started may have no job agent yet: Ray says to try again later
+        job = subprocess.run(command, env={**env, "RAY_AUTH_MODE": "token"}, cwd=ROOT, capture_output=True,
+                             text=True, timeout=540)
+        logs = job.stdout + job.stderr
+        if job.returncode == 0 or "No available agent to submit job" not in logs:
+            break
+        time.sleep(5)
     assert job.returncode == 0, logs[-4000:]
     assert "step 1/1 |" in logs
     printed = re.search(r"\[rayrl\] run directory: (\S+)", logs)
