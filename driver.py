@@ -43,14 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     from rayrl.config.paths import absolute_outputs
     from rayrl.models import ModelNotFoundError, resolve_model_path
     from rayrl.preflight import preflight
+    from rayrl.startup import StartupClock
 
+    clock = StartupClock(resume=args.resume)  # the phases of this start, from the process's start (startup.json)
     try:  # everything that can be checked is checked before Ray starts: one line, exit 2
         cfg = absolute_outputs(load_config(args.config, args.overrides))  # outputs: rayrl/config/paths.py
         preflight(cfg)  # the names the plug-in tables hold; your agent, reward and callback import; the data parses
         print(f"[rayrl] run directory: {cfg.run_dir}", flush=True)
+        clock.mark("config_loaded")
         resolve_model_path(cfg.model.path)  # provisions the built-in model once
         for field, path in model_paths(cfg):
             resolve_model_path(path, field)
+        clock.mark("model_ready")
     except ConfigError as err:
         print(f"config error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -71,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayrl.rl.guards import GuardStop
 
     context = init_ray(cfg.ray)
+    clock.mark("ray_up")
     if context.dashboard_url:
         print(f"[rayrl] Ray dashboard: http://{context.dashboard_url} (token: `ray get-auth-token`; "
               "docs/operations.md says how to reach it)", flush=True)
@@ -83,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
     pipeline = None
     try:
-        pipeline = Pipeline(cfg)
+        pipeline = Pipeline(cfg, startup=clock)
         if args.resume:
             pipeline.resume()
+            clock.mark("checkpoint_loaded")
         pipeline.run()
     except TrainerFailure as failure:  # the pipeline printed the one line: cause, checkpoint, how to resume
         if pipeline is None:  # lost while the pipeline started: nothing trained in this run

@@ -59,6 +59,7 @@ from rayrl.pipeline.failures import WeightSyncError
 from rayrl.pipeline.parts import RunParts, RunState
 from rayrl.pipeline.run_checkpoint import RunCheckpoints
 from rayrl.pipeline.schedules import make_schedule, schedule_kind
+from rayrl.pipeline.start_together import StartTogether
 from rayrl.preflight import preflight
 from rayrl.records import tokenizer_text, write_episodes, write_inspection
 from rayrl.resolve import capacity_warnings, resolve
@@ -69,6 +70,7 @@ from rayrl.rl.failures import failure_kind
 from rayrl.rl.guards import GuardMonitor, GuardStop, StepView, write_crossings
 from rayrl.rl.logprob_gap import gap_crossed
 from rayrl.rl.step_metrics import EngineWork, gateway_metrics, step_metrics
+from rayrl.startup import StartupClock
 
 __all__ = ["Pipeline", "WeightSyncError"]
 
@@ -78,12 +80,16 @@ logger = logging.getLogger("rayrl.pipeline")
 class Pipeline:
     """Builds every actor from one RunConfig and runs the training loop."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, startup: StartupClock | None = None) -> None:
+        """``startup``: the clock of this start (the driver's counts from its process's start; without one,
+        from now); its record goes to the run directory's startup.json (rayrl/startup.py)."""
+        self.startup = startup if startup is not None else StartupClock(from_process=False)
         preflight(cfg, data=False)  # the agent, reward and callback import (the datasets load below)
         # every auto value and output path made concrete, as config.yaml records it
         self.cfg = cfg = resolve(absolute_outputs(cfg))
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.startup.attach(self.run_dir)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -103,36 +109,70 @@ class Pipeline:
         self.placement = SharedPlacement.from_config(cfg)
         if self.placement is not None:
             print(f"[rayrl] placement: {self.placement.describe()}", flush=True)
+        # 2-6 start together (rayrl/pipeline/start_together.py): each part loads in its own processes and none
+        # needs another to do so; what joins them (engine addresses, weight routes) follows once all are up
+        print("[rayrl] starting engines, trainer, gateway, sandbox pool and rollout workers...", flush=True)
+        start = StartTogether(self.startup)
         # 2. the engines
-        print("[rayrl] starting engines...", flush=True)
         seats = self.placement.engine_seats() if self.placement is not None else [None] * cfg.engine.num_engines
-        self.engines = EngineFleet(cfg.engine, self.model_path, str((self.run_dir / "logs").resolve()), seats,
-                                   name_prefix=name)
-        self.teacher, self.teacher_engine = self._start_teacher(name)  # on-policy distillation's (rayrl/rl/distill.py)
-        self.judge = ServedJudge.start(cfg, name, str((self.run_dir / "logs").resolve()))  # rollout.judge.serve's
-        if self.judge is not None:  # the workers ask its endpoint
+        logs = str((self.run_dir / "logs").resolve())
+        engines = start.part("engines", lambda: EngineFleet(cfg.engine, self.model_path, logs, seats, name_prefix=name),
+                             stop=EngineFleet.shutdown)
+        teacher = None  # on-policy distillation's engine (rayrl/rl/distill.py), when the teacher is a model path
+        if cfg.algorithm.distill_teacher:
+            teacher = start.part("teacher", lambda: self._start_teacher(name),
+                                 stop=lambda t: t[1].shutdown() if t[1] is not None else None)
+        judge = None  # rollout.judge.serve's engines and endpoint; the workers ask that endpoint
+        if cfg.rollout.judge.serve:
+            judge = start.part("judge", lambda: ServedJudge.start(cfg, name, logs), stop=ServedJudge.shutdown)
+
+        # 3. the trainer (colocated: once the engines have released their memory, which it is built in; the
+        #    schedule gives it back once the trainer is offloaded)
+        kind = schedule_kind(cfg.pipeline.schedule)
+
+        def start_trainer() -> TrainerGroup:
+            if kind.trainer_after_engines:
+                start.after(engines)
+                kind.before_trainer(engines.result())
+            return TrainerGroup(cfg.trainer, self.model_path, seed=cfg.seed, name_prefix=name,
+                                placement=self.placement, algorithm=cfg.algorithm)
+
+        trainer = start.part("trainer", start_trainer, stop=TrainerGroup.shutdown)
+        # 4. the gateway: its shards load the tokenizer meanwhile; they learn the engines' addresses below
+        self.trajectories = start_trajectory_managers(cfg, self.model_path, [], wait=False)
+        start.part("gateway", self.trajectories.started, stop=lambda _: self.trajectories.kill())
+        # 5. the sandbox pool, filled to sandbox_pool.min_warm
+        self.pool = SandboxPoolActor.options(name=f"{name}-sandbox-pool", **on_driver_node()).remote(
+            cfg.sandbox, cfg.sandbox_pool)
+        start.part("sandboxes", lambda: ray.get(self.pool.warm.remote()), stop=lambda _: ray.kill(self.pool))
+
+        # 6. the rollout workers (with a served judge, once its endpoint is known)
+        def start_rollout_workers() -> list[Any]:
+            run_cfg = cfg
+            if judge is not None:
+                start.after(judge)
+                run_cfg = judge.result().run_config(cfg)
+            return start_workers(run_cfg, self.trajectories.handles, self.pool)
+
+        workers = start.part("workers", start_rollout_workers, stop=lambda started: [ray.kill(w) for w in started])
+        start.wait()  # all of them up, or the first failure raised and every part stopped
+        self.engines, self.trainer = engines.result(), trainer.result()
+        self.teacher, self.teacher_engine = teacher.result() if teacher is not None else (None, None)
+        self.judge = judge.result() if judge is not None else None
+        if self.judge is not None:
             self.cfg = cfg = self.judge.run_config(cfg)
-        # 3. the trainer, and the weight routes from its ranks to the engines (colocated: the engines release
-        #    their memory while the trainer is built; the schedule gives it back once the trainer is offloaded)
-        print("[rayrl] starting trainer, trajectory managers, sandbox pool and rollout workers...", flush=True)
-        schedule_kind(cfg.pipeline.schedule).before_trainer(self.engines)  # colocated: the engines release memory
-        self.trainer = TrainerGroup(cfg.trainer, self.model_path, seed=cfg.seed, name_prefix=name,
-                                    placement=self.placement, algorithm=cfg.algorithm)
+        # the joins: the gateway routes to the engines; the weight routes from the trainer's ranks to them
+        self.trajectories.set_engines(self.engines.urls)
         self.weights = WeightSync(cfg, self.trainer)
         routes = self.weights.connect(self.engines.endpoints())
         if self.placement is not None and routes is not None:
             print(f"[rayrl] weights: {routes.describe()}", flush=True)
         if self.weights.adapter_only:  # requests name the adapter: the engines load version 0 before any
             self.weights.push(0, self.engines.endpoints())
-        # 4. the gateway
-        self.trajectories = start_trajectory_managers(cfg, self.model_path, self.engines.urls)
-        # 5. the sandbox pool
-        self.pool = SandboxPoolActor.options(name=f"{name}-sandbox-pool", **on_driver_node()).remote(
-            cfg.sandbox, cfg.sandbox_pool)
-        # 6. the rollout workers
-        self.dispatcher = GroupDispatcher(start_workers(cfg, self.trajectories.handles, self.pool),
-                                          cfg.rollout.group_size, cfg.pipeline.groups_in_flight,
+        self.dispatcher = GroupDispatcher(workers.result(), cfg.rollout.group_size, cfg.pipeline.groups_in_flight,
                                           self._replace_worker, cfg.pipeline.max_episode_retries)
+        self.startup.mark("all_actors_ready")
+        print(f"[rayrl] {self.startup.summary('all_actors_ready')}", flush=True)
         # 7. the schedule
         self.schedule = make_schedule(RunParts(cfg, self.state, self.sampler, self.dispatcher, self.trainer,
                                                self.engines, self.weights, self.trajectories))
@@ -196,6 +236,7 @@ class Pipeline:
         groups = self.schedule.collect(counts)
         self.checkpoints.untrained_taken = groups
         rollout_s = time.monotonic() - started
+        self.startup.mark("first_rollout_done")
         episodes = [e for g in groups for e in g.ordered()]
         set_aside = [e for g in state.set_aside for e in g.ordered()]  # groups run again or dropped as stale
         state.set_aside = []
@@ -233,6 +274,9 @@ class Pipeline:
               + f" | episodes {len(drawn)} | staleness {metrics['pipeline/staleness_mean']:.2f}"
               + f" | dropped {counts['dropped_stale_groups']}"
               + (f" | {guards.summary()}" if guards.crossings else ""), flush=True)
+        if not self.startup.seen("first_step_trained"):
+            self.startup.mark("first_step_trained")
+            print(f"[rayrl] {self.startup.summary('first_step_trained')}", flush=True)
         for crossing in guards.crossings:
             print(crossing.line(), flush=True)
         write_crossings(self.run_dir, guards.crossings)

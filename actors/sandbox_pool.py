@@ -126,6 +126,16 @@ class SandboxPoolActor:
         self._export()
         return released
 
+    async def warm(self) -> int:
+        """Start the upkeep and make ``min_warm`` sandboxes now (the run's start, while the engines and the
+        trainer load), so the first episodes lease warm ones instead of each making its own; returns how
+        many are idle."""
+        self._ensure_started()
+        if await self._call(self.pool.fill_warm):
+            await self._bump()
+        self._export()
+        return self.pool.gauges()["warm"]
+
     async def reclaim_owner(self, owner: str) -> int:
         """Take back every lease of ``owner`` now (e.g. a worker the caller knows has died)."""
         self._ensure_started()

@@ -126,6 +126,17 @@ class TrajectoryManagers:
     def __init__(self, handles: list[Any]) -> None:
         self.handles = handles
         self._next = itertools.count()
+        self.starting: list[Any] = []  # the shards' pending start() calls (start_trajectory_managers)
+
+    def started(self) -> list[str]:
+        """Wait until every shard serves; their gateway URLs."""
+        urls, self.starting = ray.get(self.starting), []
+        return urls
+
+    def kill(self) -> None:
+        """End every shard at once (a run whose start failed)."""
+        for handle in self.handles:
+            ray.kill(handle)
 
     def shard_of(self, session_id: str) -> Any:
         try:
@@ -177,11 +188,18 @@ class TrajectoryManagers:
         return [h.shutdown.remote() for h in self.handles]
 
 
-def start_trajectory_managers(cfg: RunConfig, model_path: str, engine_urls: list[str]) -> TrajectoryManagers:
+def start_trajectory_managers(cfg: RunConfig, model_path: str, engine_urls: list[str],
+                              wait: bool = True) -> TrajectoryManagers:
+    """The shards, serving once :meth:`TrajectoryManagers.started` returns (at once with ``wait``). The
+    handles are usable before that: the run's start hands them to the rollout workers while the shards
+    load their tokenizer, and gives them the engines' addresses (``set_engines``) once the engines are up."""
     handles = [
         TrajectoryManager.options(name=f"rayrl-{cfg.exp_id}-trajectory-{i}", **on_driver_node()).remote(
             cfg, model_path, engine_urls, i)
         for i in range(cfg.trajectory.num_shards)
     ]
-    ray.get([h.start.remote() for h in handles])
-    return TrajectoryManagers(handles)
+    managers = TrajectoryManagers(handles)
+    managers.starting = [h.start.remote() for h in handles]
+    if wait:
+        managers.started()
+    return managers

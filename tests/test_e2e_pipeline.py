@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rayrl.config import load_config
+from rayrl.startup import read_starts
 from tests.ray_support import scrape_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +84,15 @@ def two_steps(metrics_port: int, model_dir: Path, tmp_path: Path) -> tuple[Path,
         # a group's episodes share their prompt, and turn 2 starts with turn 1: the engine reuses that KV
         assert history[1]["engine/prompt_tokens"] > 0 and 0 < history[1]["engine/prefix_cache_hit_rate"] < 1
         assert history[1]["engine/decode_s"] > 0 and 0 < history[1]["engine/busy_fraction"] <= 1
+        # the start, as startup.json records it: every part began before any of them was ready (they start
+        # together), then the joins, the first rollout and the first step, in that order
+        (start,) = read_starts(cfg.run_dir)
+        phases, began = start["phases"], {k: v["began"] for k, v in start["details"].items() if "began" in v}
+        parts = ["engines_ready", "trainer_ready", "gateway_ready", "sandboxes_warm", "workers_ready"]
+        assert set(began) == set(parts), start
+        assert max(began.values()) < min(phases[p] for p in parts), start
+        assert max(phases[p] for p in parts) <= phases["all_actors_ready"] <= phases["first_rollout_done"] \
+            <= phases["first_step_trained"], start
         checkpoint = pipeline.checkpoints.latest()
         assert checkpoint is not None and Path(checkpoint).name == "step000002"
         seen = [e["task_id"] for step in (1, 2)

@@ -10,9 +10,9 @@ with one pass. docs/results/cpu_engine_goals.md (2026-11-27, branch e26) has the
 
 torch ships no such kernels and a pure-Python package cannot ship a compiled extension, so they are
 compiled with ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja) the first time a process asks
-for them (15-19 s), into torch's extension root (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``; :func:`build_directory`), where the next process finds the build and only
-loads it (about 0.2 s).
+for them (15-19 s), into a folder keyed by what the build depends on (:func:`build_directory`: under
+``TORCH_EXTENSIONS_DIR`` when set, else rayrl's cache directory), where the next process finds the build and
+only loads it (about 0.2 s), whichever checkout it runs from.
 
 The ops' schemas are defined here, at import, whether or not the build succeeds, so the TorchScript step
 (lean_decode._decoder_layers) compiles either way and chooses per call with a flag: our kernels where
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -44,6 +45,7 @@ logger = logging.getLogger("rayrl.engines.decode_kernels")
 SOURCE = Path(__file__).with_name("decode_kernels.cpp")
 CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' -m flags assume
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # -fopenmp: at::parallel_for on torch's libgomp
+LDFLAGS = ["-fopenmp"]
 ENV = "RAYRL_DECODE_KERNELS"
 NAME = "rayrl_decode_kernels"
 SCHEMAS = (
@@ -79,15 +81,33 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
-def build_directory() -> Path:
-    """Where the kernels are built and cached: one folder per torch and Python version under torch's
-    extension root."""
-    from torch.utils.cpp_extension import get_default_build_root
+def build_key() -> str:
+    """What a build depends on, hashed: the source, the flags, torch, Python, the machine's architecture
+    and the compiler. Two checkouts of the same rayrl share one build; a changed source, flag, torch or
+    compiler gets a folder of its own instead of rebuilding over (and racing with) another's."""
+    cxx = os.environ.get("CXX", "c++")
+    parts = [SOURCE.read_bytes(), repr((CFLAGS, LDFLAGS)).encode(), torch.__version__.encode(), sys.version.encode(),
+             platform.machine().encode(), cxx.encode(), str(shutil.which(cxx)).encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+
+def build_directory() -> Path:
+    """Where the kernels are built and cached: one folder per :func:`build_key` under
+    ``TORCH_EXTENSIONS_DIR`` when set, else under rayrl's cache directory (``RAYRL_CACHE``, default
+    ~/.cache/rayrl, where the converted models are too). The source is copied in, so the build never
+    names a checkout's path: torch's build file stays the same from one checkout to the next, and ninja
+    finds nothing to do."""
+    from rayrl.models import cache_dir
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_dir() / "kernels")
     tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}".replace("+", "_")
-    path = Path(root) / f"{NAME}-{tag}"
+    path = root / f"{NAME}-{tag}-{build_key()}"
     path.mkdir(parents=True, exist_ok=True)
+    source = path / SOURCE.name
+    if not source.exists():  # same key, same bytes: written once, its mtime older than every build after
+        tmp = path / f".{SOURCE.name}.{os.getpid()}"
+        shutil.copyfile(SOURCE, tmp)
+        os.replace(tmp, source)
     return path
 
 
@@ -104,7 +124,8 @@ def _build_or_load(path: Path) -> None:
         if dead.exists():
             dead.unlink()
             logger.warning("removed the build lock of a build that did not finish (%s)", dead)
-        load(NAME, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        # copies of the flags: torch appends to the lists it is given (and the key reads them)
+        load(NAME, [str(path / SOURCE.name)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
              build_directory=str(path), is_python_module=False, verbose=False)
 
 

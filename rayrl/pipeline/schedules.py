@@ -98,6 +98,10 @@ class Schedule:
     exclusive_devices = True  # rollout and training take the devices in turn: on CPU each side gets every core
     tis_cap = 0.0  # algorithm.tis_cap when unset: off where no sample is stale (a narrow-band loss turns it on)
 
+    # whether the trainer is built only once the engines are up and :meth:`before_trainer` ran; otherwise the
+    # two start together (actors/pipeline.py, rayrl/pipeline/start_together.py)
+    trainer_after_engines = False
+
     @staticmethod
     def before_trainer(engines: Any) -> None:
         """Setup hook: what the engines do before the trainer is built (actors/pipeline.py, step 3)."""
@@ -381,6 +385,8 @@ class ColocatedAsyncSchedule(AsyncSchedule):
 
     name = "colocated_async"
     exclusive_devices = True
+
+    trainer_after_engines = True  # the trainer is built in the memory the engines release
 
     @staticmethod
     def before_trainer(engines: Any) -> None:

@@ -193,3 +193,33 @@ def test_no_kernel_without_the_cpu_flags(monkeypatch):
     assert decode_kernels.unavailable_reason() == "the CPU lacks avx2, fma, f16c"
     monkeypatch.setattr(decode_kernels.platform, "machine", lambda: "aarch64")
     assert decode_kernels.unavailable_reason() == "not x86-64 (aarch64)"
+
+
+def test_the_build_folder_is_keyed_by_what_the_build_depends_on(tmp_path, monkeypatch):
+    """Two checkouts of the same source share one build; another source or other flags get their own
+    folder instead of rebuilding over the other's (what happened when every checkout used one folder)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
+    here = decode_kernels.build_directory()
+    assert here.parent == tmp_path / "builds" and (here / decode_kernels.SOURCE.name).read_bytes() \
+        == decode_kernels.SOURCE.read_bytes()
+    other_checkout = tmp_path / "other" / decode_kernels.SOURCE.name
+    other_checkout.parent.mkdir()
+    other_checkout.write_bytes(decode_kernels.SOURCE.read_bytes())
+    monkeypatch.setattr(decode_kernels, "SOURCE", other_checkout)
+    assert decode_kernels.build_directory() == here
+    other_checkout.write_bytes(other_checkout.read_bytes() + b"\n// changed\n")
+    changed = decode_kernels.build_directory()
+    assert changed != here and (changed / other_checkout.name).read_bytes().endswith(b"// changed\n")
+    monkeypatch.setattr(decode_kernels, "CFLAGS", [*decode_kernels.CFLAGS, "-DOTHER"])
+    assert decode_kernels.build_directory() not in (here, changed)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setenv("RAYRL_CACHE", str(tmp_path / "cache"))  # rayrl's cache folder, beside the models
+    assert decode_kernels.build_directory().parent == tmp_path / "cache" / "kernels"
+
+
+def test_the_build_names_no_checkout(kernel):
+    """torch's build file names the copy inside the keyed folder, never this checkout's source: a run from
+    another checkout then finds the same build file and loads the kernels without building them again."""
+    build_file = (decode_kernels.build_directory() / "build.ninja").read_text()
+    assert str(decode_kernels.SOURCE) not in build_file
+    assert str(decode_kernels.build_directory() / decode_kernels.SOURCE.name) in build_file

@@ -78,3 +78,19 @@ def test_pool_actor_leases_reclaims_dead_owners_and_applies_backpressure(ray_loc
     final = ray.get(pool.shutdown.remote())
     assert final["live"] == 0 and final["closed"]
     del b, c
+
+
+def test_warm_makes_min_warm_sandboxes_before_any_lease(ray_local):
+    """The run's start warms the pool while the engines and trainer load, so the first episodes lease warm
+    sandboxes instead of each making its own."""
+    pool = SandboxPoolActor.remote(SandboxConfig(isolation="bwrap"),
+                                   SandboxPoolConfig(min_warm=3, max_size=4, health_interval_s=30), tick_s=30)
+    try:
+        assert ray.get(pool.warm.remote(), timeout=60) == 3
+        stats = ray.get(pool.stats.remote())
+        assert stats["warm"] == 3 and stats["leased"] == 0
+        lease = ray.get(pool.acquire.remote("driver", None, 5))
+        assert ray.get(pool.stats.remote())["leased"] == 1 and lease.lease_id
+    finally:
+        ray.get(pool.shutdown.remote())
+        ray.kill(pool)
