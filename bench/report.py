@@ -22,7 +22,8 @@ from typing import Any
 from measure import BUSY_WARNING, RECORD_DIR, ROOT
 
 BENCHES = ("engine_vs_llamacpp", "engine_vs_vllm", "engine_throughput", "trainer_shared_prefix", "gateway_overhead",
-           "trajectory_scaling", "weight_transfer", "lora", "sandbox_pool", "session_capacity")
+           "trajectory_scaling", "weight_transfer", "lora", "sandbox_pool", "session_capacity",
+           "startup")
 
 HEADER = """# Benchmarks
 
