@@ -129,9 +129,11 @@ class SandboxPoolActor:
     async def warm(self) -> int:
         """Start the upkeep and make ``min_warm`` sandboxes now (the run's start, while the engines and the
         trainer load), so the first episodes lease warm ones instead of each making its own; returns how
-        many are idle."""
+        many are idle. The upkeep starts after the fill: two fills at once would each make the missing ones."""
+        self._changed = self._changed or asyncio.Condition()
+        made = await self._call(self.pool.fill_warm)
         self._ensure_started()
-        if await self._call(self.pool.fill_warm):
+        if made:
             await self._bump()
         self._export()
         return self.pool.gauges()["warm"]
