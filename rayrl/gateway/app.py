@@ -33,14 +33,12 @@ import asyncio
 import gc
 import json
 import logging
-import re
 import secrets
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, TypeVar
 
-import orjson
 from aiohttp import web
 
 from rayrl.config import GatewayConfig, TrajectoryConfig
@@ -55,9 +53,10 @@ try:
 except ImportError:  # an aiohttp that moved an internal class the lean front builds on
     LEAN_FRONT = False
 from rayrl.gateway.openapi import openapi_spec
-from rayrl.gateway.params import TurnSpec, lone_surrogate_path, number
+from rayrl.gateway.params import TurnSpec, number
 from rayrl.gateway.parsers import ThinkReasoningParser, get_tool_parser, infer_family
 from rayrl.gateway.render import ChatRenderer
+from rayrl.gateway.request_json import decode_object
 from rayrl.gateway.sessions import Session, SessionInfo, SessionRegistry
 from rayrl.gateway.turns import Prepared, TurnPipeline
 from rayrl.gateway.upstream import StreamingUpstream
@@ -80,7 +79,6 @@ def _request_key(name: str, kind: type) -> Any:
 # large enough to be handled off the event loop
 _SESSION = _request_key("rayrl_session", Session)
 _BIG = _request_key("rayrl_big", bool)
-_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 PREP_THREADS = 2  # worker threads for large requests (decode, render, tokenize)
 SHUTDOWN_S = 60.0  # how long stop() lets calls in progress finish (aiohttp's AppRunner's shutdown_timeout)
 T = TypeVar("T")
@@ -105,29 +103,6 @@ def settle_heap() -> None:
     gc.freeze()
     _, middle, old = gc.get_threshold()
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
-
-
-_LONG_NUMBER = re.compile(rb"[0-9]{19}")  # an integer orjson may not keep exact (it reads those as floats)
-
-
-def _fast_json_object(raw: bytes, charset: str | None) -> dict[str, Any] | None:
-    """A small UTF-8 body that is a JSON object, parsed with orjson (a few times faster than the standard
-    library on a call's body); None for anything else, which the standard library's path then decodes or
-    refuses with its own messages. orjson accepts only what that path accepts alike: it refuses lone
-    surrogates, ``NaN``/``Infinity``, a byte-order mark and numbers out of float range, and the 19-digit
-    check sends integers it would turn into floats to the standard library. Large bodies keep that path
-    (it parses them without holding the interpreter for their whole length: http_input.decode_json)."""
-    if len(raw) > http_input.OFF_LOOP_BYTES:
-        return None
-    if charset is not None and charset.lower().replace("_", "-") not in ("utf-8", "utf8"):
-        return None
-    if _LONG_NUMBER.search(raw) is not None:
-        return None
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    return body if isinstance(body, dict) else None
 
 
 def _printable(text: str) -> str:
@@ -423,21 +398,7 @@ class Gateway:
 
     @staticmethod
     def _decode(raw: bytes, charset: str | None) -> dict[str, Any]:
-        body = _fast_json_object(raw, charset)
-        if body is not None:
-            return body
-        try:
-            body = http_input.json_object(raw, charset)
-        except http_input.RequestError as err:
-            raise RequestError(str(err), status=err.status) from None
-        encoding = (charset or json.detect_encoding(raw)).lower().replace("_", "-")
-        utf8 = encoding in ("utf-8", "utf8", "utf-8-sig", "ascii", "us-ascii")
-        if not utf8 or _ESCAPED_SURROGATE.search(raw):  # a lone surrogate can only come from an escape
-            where = lone_surrogate_path(body)
-            if where is not None:
-                raise RequestError(f"{where}: the string holds a lone UTF-16 surrogate, which is not valid "
-                                   "Unicode", param=where)
-        return body
+        return decode_object(raw, charset)
 
     async def turn_request(
         self, request: web.Request, session: Session, parse: Callable[[dict[str, Any]], TurnSpec]
