@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 
 import ray
@@ -57,6 +58,25 @@ def init_ray(cfg: RayConfig) -> Any:
         num_gpus=cfg.num_gpus,
         include_dashboard=cfg.include_dashboard,
         dashboard_host=cfg.dashboard_host,
-        dashboard_port=cfg.dashboard_port,
+        dashboard_port=free_dashboard_port(cfg.dashboard_host, cfg.dashboard_port) if cfg.include_dashboard else
+        cfg.dashboard_port,
         log_to_driver=True,
     )
+
+
+def free_dashboard_port(host: str, port: int) -> int:
+    """``port`` when nothing listens on it, else a free port, said in one warning: a second run on the same
+    machine (another local Ray's dashboard holds 8265) starts, where Ray itself would stop with a traceback."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed run's TIME_WAIT is not "in use"
+        try:
+            probe.bind((host, port))
+            return port
+        except OSError:
+            pass
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        free = probe.getsockname()[1]
+    logger.warning("ray.dashboard_port %d on %s is in use (another Ray's dashboard?): this run's dashboard is on "
+                   "port %d (set ray.dashboard_port to choose one)", port, host, free)
+    return free

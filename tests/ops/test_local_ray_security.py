@@ -60,3 +60,22 @@ def test_local_cluster_requires_a_token_and_binds_dashboard_to_loopback():
     assert result["anonymous"] == 401 and result["with_token"] == 200
     assert result["dashboard_listen"] == ["127.0.0.1"]
     assert result["dashboard"].startswith("127.0.0.1:")
+
+
+def test_a_dashboard_port_in_use_gives_a_free_one_with_a_warning(caplog):
+    """A second local run on the machine: Ray would stop with a traceback on the taken port."""
+    import socket
+
+    from actors.runtime import free_dashboard_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        with caplog.at_level("WARNING"):
+            port = free_dashboard_port("127.0.0.1", taken)
+        assert port != taken and f"ray.dashboard_port {taken}" in caplog.text
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))  # the port given is free to bind
+    caplog.clear()
+    assert free_dashboard_port("127.0.0.1", taken) == taken and not caplog.text  # free again: kept, no warning
