@@ -1,4 +1,4 @@
-"""The lean decode step alone (rayrl/engines/lean_decode.py), this checkout against a base revision,
+"""The lean decode step alone (rayrl/engines/cpu/lean_decode.py), this checkout against a base revision,
 sides alternating in one process.
 
 Why: a change to the step moves the engine's tokens/s by a few percent, less than the spread of a whole
@@ -65,7 +65,7 @@ class Side:
     """One decoder over prefilled rows: :meth:`run` decodes ``steps`` steps at one column."""
 
     def __init__(self, decoder: Any, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        from rayrl.engines.kv_cache import BatchKV, KVBlock, prefill_mask
+        from rayrl.engines.cpu.kv_cache import BatchKV, KVBlock, prefill_mask
 
         self.decoder = decoder
         n, t = ids.shape
@@ -111,7 +111,7 @@ def main() -> int:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from rayrl.engines.lean_decode import LeanDecoder
+    from rayrl.engines.cpu.lean_decode import LeanDecoder
     from rayrl.models import resolve_model_path
 
     torch.set_num_threads(args.threads)

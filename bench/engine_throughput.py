@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 from measure import Record, add_common_args, alternate, paired_ratio
 
-from rayrl.engines.cpu_engine import DTYPES, CPUEngine
+from rayrl.engines.cpu.engine import DTYPES, CPUEngine
 from rayrl.machine import compute_dtype, cpu_has_native_bf16
 from rayrl.models import resolve_model_path
 

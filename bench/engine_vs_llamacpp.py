@@ -6,7 +6,7 @@ number of tokens (no early stop) and use the same number of threads. Each engine
 worker process (two OpenMP runtimes in one process would fight over the cores) and is idle while the
 other one runs; bench/measure.py alternates them round by round.
 
-- ours: rayrl/engines/cpu_engine.py in process, as bench/engine_throughput.py starts it, with
+- ours: rayrl/engines/cpu/engine.py in process, as bench/engine_throughput.py starts it, with
   ``engine.dtype: auto`` resolved as rayrl/machine.py compute_dtype does (float32 on a CPU without native
   bf16) and ``engine.weight_format`` as configured (``--weight-format``, default auto: fp16-packed on
   x86). Its weights are the GGUF dequantised to float32 (rayrl/models.py converts it), then packed.
@@ -67,7 +67,7 @@ class OursWorker:
     """rayrl's CPUEngine in this process."""
 
     def __init__(self, threads: int, weight_format: str, dtype: str) -> None:
-        from rayrl.engines.cpu_engine import CPUEngine
+        from rayrl.engines.cpu.engine import CPUEngine
         from rayrl.machine import compute_dtype, cpu_has_native_bf16
         from rayrl.models import resolve_model_path
 

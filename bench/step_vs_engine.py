@@ -51,8 +51,8 @@ def main() -> int:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from rayrl.engines.cpu_engine import CPUEngine
-    from rayrl.engines.lean_decode import LeanDecoder
+    from rayrl.engines.cpu.engine import CPUEngine
+    from rayrl.engines.cpu.lean_decode import LeanDecoder
     from rayrl.models import resolve_model_path
 
     torch.set_num_threads(args.threads)

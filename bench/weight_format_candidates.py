@@ -45,8 +45,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import alternate  # noqa: E402
 
-from rayrl.engines.lean_decode import HEAD_CHUNK  # noqa: E402
-from rayrl.engines.weight_formats import Fp16PackedChunks, Fp16PackedLinear  # noqa: E402
+from rayrl.engines.cpu.lean_decode import HEAD_CHUNK  # noqa: E402
+from rayrl.engines.cpu.weight_formats import Fp16PackedChunks, Fp16PackedLinear  # noqa: E402
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 PROMPTS = ("What is 2+3?", "Name a fruit that is red and explain why.", "Write a haiku about rivers.",

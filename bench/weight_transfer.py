@@ -6,7 +6,8 @@
 - gloo broadcast: ``/init_weights_update_group`` + ``/update_weights_from_distributed`` (the CPU twin of
   the NCCL path), flattened buckets
 
-The engine is a real ``cpu_server`` process; the trainer is this process. The transports take turns
+The engine is a real CPU engine process (``python -m rayrl.engines.cpu``); the trainer is this process.
+The transports take turns
 update by update, the order rotating each round, after one warm-up round (bench/measure.py); reported:
 median seconds per full update with its spread, GB/s, and the per-round ratio to disk. Every update is
 checked: the engine must report the new version.

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from rayrl.config import TrainerConfig
-from rayrl.engines.cpu_engine import CPUEngine
+from rayrl.engines.cpu.engine import CPUEngine
 from rayrl.trainers.torch_backend import TorchTrainer, autocast_dtype, pack_micro_batches, shared_prefix_length
 from rayrl.types import Sample
 from rayrl.weights.files import write_weights

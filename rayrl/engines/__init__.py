@@ -1,8 +1,10 @@
 """Inference engines behind SGLang's native HTTP API.
 
 - ``client.EngineClient`` / ``router.Router``: what callers use (SGLang on GPU, the CPU engine here).
-- ``cpu_engine.CPUEngine`` + ``server.EngineServer`` (``python -m rayrl.engines.cpu_server``): a
-  transformers model with continuous batching, serving the same endpoints as SGLang.
+- ``cpu/``: rayrl's own CPU engine (``CPUEngine`` + ``EngineServer``, ``python -m rayrl.engines.cpu``): a
+  transformers model with continuous batching, serving the same endpoints as SGLang; ``vllm/``: the vllm
+  backend's adapter in front of a real vLLM. Each is a package of its own; this level is the
+  engine-agnostic client side.
 - ``launcher.EngineProcess``: one engine server as a managed subprocess; ``backends``: what differs
   between servers (launch command, environment, GPUs, weight wire), one table.
 - ``api.EngineAPI``: the HTTP API every backend serves, as a typed protocol.
@@ -21,10 +23,10 @@ _EXPORTS = {
     "EngineUnavailable": "client",
     "GenerateOutput": "client",
     "Router": "router",
-    "CPUEngine": "cpu_engine",
-    "GenerationResult": "cpu_engine",
-    "SamplingParams": "sampling",
-    "EngineServer": "server",
+    "CPUEngine": "cpu.engine",
+    "GenerationResult": "cpu.engine",
+    "SamplingParams": "cpu.sampling",
+    "EngineServer": "cpu.server",
     "EngineProcess": "launcher",
     "EngineLaunchError": "launcher",
     "cpu_server_command": "backends.cpu",

@@ -2,7 +2,7 @@
 
 :data:`ROUTES` is what rayrl calls on an engine (path -> HTTP method); the pinned SGLang serves every one
 (tests/contracts/test_sglang_contract.py reads them from its source) and so does our CPU engine
-(rayrl/engines/server.py). A backend may add routes of its own (``EngineBackend.extra_routes``,
+(rayrl/engines/cpu/server.py). A backend may add routes of its own (``EngineBackend.extra_routes``,
 rayrl/engines/backends/); callers reach those only where the backend says it has them. :class:`EngineAPI` is
 the same interface as Python calls, which ``EngineClient`` implements and everything above it (the
 router, the weight senders, the fleet's control calls) is written against.
@@ -40,6 +40,22 @@ ROUTES: dict[str, str] = {
 }
 
 LORA_ADAPTER = "policy"  # the name the policy's LoRA adapter is loaded and requested under (trainer.lora)
+
+# SGLang's memory regions (/release_memory_occupation's tags): every engine that serves the route checks a
+# request's tags with check_memory_tags, so an unknown tag is a 400 everywhere and never a silent no-op
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def check_memory_tags(tags: Any, error: type[ValueError] = ValueError) -> list[str]:
+    """``tags`` as a list of known tag names (None: all of them); ``error`` names what is wrong otherwise."""
+    if tags is None:
+        return list(MEMORY_TAGS)
+    if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
+        raise error("tags must be null or a list of strings")
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise error(f"unknown memory tag(s) {unknown}; valid: {', '.join(MEMORY_TAGS)}")
+    return list(tags)
 
 
 class EngineAPI(Protocol):

@@ -84,8 +84,8 @@ async def serve(args: argparse.Namespace) -> None:
     urls = list(args.engine_url)
     context_length = args.context_length
     if not urls:
-        from rayrl.engines.cpu_engine import CPUEngine
-        from rayrl.engines.server import EngineServer
+        from rayrl.engines.cpu.engine import CPUEngine
+        from rayrl.engines.cpu.server import EngineServer
         from rayrl.machine import compute_dtype, cpu_has_native_bf16
 
         dtype = args.dtype if args.dtype != "auto" else compute_dtype("auto", cuda=False,

@@ -9,7 +9,7 @@ Every number that reaches the engine is checked against the range an engine can 
 type: a seed in int64 (an ``int`` alone let 2^64 through to the engine, whose batch it broke), token
 counts and ``top_k`` in int32, ``logit_bias`` ids non-negative with values in [-100, 100] (OpenAI's
 range), penalties in [-2, 2]. The gateway is the first line; the engine checks again (its own ranges,
-rayrl/engines/sampling.py) and fails a request that still breaks alone.
+rayrl/engines/cpu/sampling.py) and fails a request that still breaks alone.
 """
 
 from __future__ import annotations

@@ -10,5 +10,5 @@
 - ``routes.py``: which trainer rank feeds which engine over which transport, picked once from where the
   engines and ranks run.
 
-The engine server's HTTP routes for these payloads are rayrl/engines/weight_routes.py.
+The engine server's HTTP routes for these payloads are rayrl/engines/cpu/weight_routes.py.
 """

@@ -13,8 +13,8 @@ from typing import Any, Awaitable
 
 import torch
 
-from rayrl.engines.cpu_engine import CPUEngine
-from rayrl.engines.server import EngineServer
+from rayrl.engines.cpu.engine import CPUEngine
+from rayrl.engines.cpu.server import EngineServer
 
 
 class ServerThread:

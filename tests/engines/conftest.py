@@ -9,7 +9,7 @@ import pytest
 import torch
 from _engine_kit import ServerThread, model_with_weights
 
-from rayrl.engines.cpu_engine import CPUEngine
+from rayrl.engines.cpu.engine import CPUEngine
 from rayrl.models import build_tiny_model
 
 

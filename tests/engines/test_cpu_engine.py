@@ -9,8 +9,8 @@ import pytest
 import torch
 from _engine_kit import forward_logprobs, model_with_weights, random_weights
 
-from rayrl.engines.cpu_engine import CPUEngine
-from rayrl.engines.sampling import SamplingParams
+from rayrl.engines.cpu.engine import CPUEngine
+from rayrl.engines.cpu.sampling import SamplingParams
 from rayrl.weights.wire import WeightUpdateError
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
@@ -261,7 +261,7 @@ def test_seeded_sampling_is_reproducible_and_varies(engine):
 
 
 def test_sampling_filters_restrict_the_support():
-    from rayrl.engines.sampling import BatchSampler, RowState
+    from rayrl.engines.cpu.sampling import BatchSampler, RowState
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
     rows = [
@@ -284,7 +284,7 @@ def test_sampling_filters_restrict_the_support():
 def test_sampled_frequencies_follow_the_tempered_distribution():
     """Inverse-CDF sampling draws each token with its probability after temperature (and never a
     token of probability 0), for a batch of rows sharing one generator."""
-    from rayrl.engines.sampling import BatchSampler, RowState
+    from rayrl.engines.cpu.sampling import BatchSampler, RowState
 
     probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
     logits = torch.log(probs).expand(4, -1).clone()
@@ -395,7 +395,7 @@ def test_a_process_that_exits_with_its_engine_still_decoding_exits_cleanly(tiny_
 
     script = (
         "import sys\n"
-        "from rayrl.engines.cpu_engine import CPUEngine\n"
+        "from rayrl.engines.cpu.engine import CPUEngine\n"
         "engine = CPUEngine(sys.argv[1], dtype='float32', max_batch_size=8, num_threads=1).start()\n"
         "params = {'temperature': 0.0, 'max_new_tokens': 3000, 'ignore_eos': True}\n"
         "running = [engine.submit(list(range(10 + i, 60 + i)), params) for i in range(4)]\n"

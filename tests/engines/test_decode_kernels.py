@@ -1,4 +1,4 @@
-"""rayrl's decode kernels (rayrl/engines/decode_kernels.py, decode_kernels.cpp) held to the torch ops they
+"""rayrl's decode kernels (rayrl/engines/cpu/decode_kernels.py, decode_kernels.cpp) held to the torch ops they
 replace in the step, and the step's fallback to torch's ops where they cannot be built.
 
 Tolerances, float32: attention 2e-5 max |kernel - SDPA| (another summation order and our own exp;
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rayrl.engines import decode_kernels
-from rayrl.engines.decode_kernels import decode_kernels_available
+from rayrl.engines.cpu import decode_kernels
+from rayrl.engines.cpu.decode_kernels import decode_kernels_available
 
 
 @pytest.fixture(scope="module")
@@ -137,10 +137,10 @@ def fresh_choice():
 def test_no_kernel_when_turned_off_and_the_step_uses_sdpa(fresh_choice, tiny_model, monkeypatch, caplog):
     from transformers import AutoModelForCausalLM
 
-    from rayrl.engines.lean_decode import LeanDecoder
+    from rayrl.engines.cpu.lean_decode import LeanDecoder
 
     monkeypatch.setenv(decode_kernels.ENV, "off")
-    with caplog.at_level(logging.WARNING, logger="rayrl.engines.decode_kernels"):
+    with caplog.at_level(logging.WARNING, logger="rayrl.engines.cpu.decode_kernels"):
         assert decode_kernels_available() is False
     assert "RAYRL_DECODE_KERNELS=off" in caplog.text
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
@@ -158,7 +158,7 @@ def test_a_failed_build_falls_back_to_sdpa(fresh_choice, monkeypatch, caplog):
         raise RuntimeError("Error building extension 'rayrl_decode_kernels'")
 
     monkeypatch.setattr(ext, "load", broken)
-    with caplog.at_level(logging.WARNING, logger="rayrl.engines.decode_kernels"):
+    with caplog.at_level(logging.WARNING, logger="rayrl.engines.cpu.decode_kernels"):
         assert decode_kernels_available() is False
     assert "Error building extension" in caplog.text
 
@@ -179,7 +179,7 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_engine(tmp_p
     copy = tmp_path / here.name
     shutil.copytree(here, copy, ignore=shutil.ignore_patterns("lock", "*.flock"))
     (copy / "lock").touch()  # as fresh as a build in progress: no age tells them apart
-    probe = "from rayrl.engines.decode_kernels import decode_kernels_available as a; print(a())"
+    probe = "from rayrl.engines.cpu.decode_kernels import decode_kernels_available as a; print(a())"
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
     assert "removed the build lock of a build that did not finish" in done.stderr

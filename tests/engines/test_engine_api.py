@@ -13,7 +13,7 @@ from rayrl.engines import client as client_module
 from rayrl.engines.api import ROUTES, EngineAPI
 from rayrl.engines.backends import BACKENDS
 from rayrl.engines.client import EngineClient
-from rayrl.engines.server import EngineServer
+from rayrl.engines.cpu.server import EngineServer
 
 
 def _protocol_methods() -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rayrl.engines.cpu_server import parse_args
+from rayrl.engines.cpu.__main__ import parse_args
 
 
 def test_device_defaults_to_cpu_and_takes_cuda_devices():

@@ -20,8 +20,8 @@ import pytest
 import torch
 from _engine_kit import ServerThread
 
-from rayrl.engines.requests import engine_error
-from rayrl.engines.sampling import SEED_MAX, SEED_MIN, BatchSampler, RowState, SamplingParams
+from rayrl.engines.cpu.requests import engine_error
+from rayrl.engines.cpu.sampling import SEED_MAX, SEED_MIN, BatchSampler, RowState, SamplingParams
 
 PROMPT = [1, 17, 230, 4005, 812, 77, 3001, 9]
 GREEDY = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from rayrl.engines.kv_cache import BatchKV, KVBlock, prefill_mask
+from rayrl.engines.cpu.kv_cache import BatchKV, KVBlock, prefill_mask
 
 H, D, LAYERS = 2, 4, 2
 

@@ -1,4 +1,5 @@
-"""EngineProcess: a real cpu_server subprocess; launch, health, generate, stop, failures. (An engine that
+"""EngineProcess: a real CPU engine subprocess (``python -m rayrl.engines.cpu``); launch, health, generate, stop,
+failures. (An engine that
 dies is replaced by a new actor and process, actors/engine_fleet.py; EngineProcess never restarts a server
 that was up: it starts one again only when the port it picked was taken before the server bound it.)"""
 
@@ -129,7 +130,7 @@ def test_command_builders():
     assert sg[-2:] == ["--foo", "1"]
     cpu = cpu_server_command(cfg, "/models/m", 30002)
     assert (
-        cpu[1:3] == ["-m", "rayrl.engines.cpu_server"]
+        cpu[1:3] == ["-m", "rayrl.engines.cpu"]
         and "--max-batch-size" in cpu
         and cpu[-2:] == ["--foo", "1"]
     )

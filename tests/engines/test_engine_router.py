@@ -8,7 +8,7 @@ import pytest
 from _engine_kit import ServerThread
 
 from rayrl.engines.client import EngineUnavailable
-from rayrl.engines.cpu_engine import CPUEngine
+from rayrl.engines.cpu.engine import CPUEngine
 from rayrl.engines.router import Router
 from rayrl.ports import free_port
 

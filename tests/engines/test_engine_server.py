@@ -522,7 +522,7 @@ def test_release_and_flush_wait_for_an_idle_engine(tiny_model):
     pause it returns, and the release goes through."""
     from _engine_kit import ServerThread
 
-    from rayrl.engines.cpu_engine import CPUEngine
+    from rayrl.engines.cpu.engine import CPUEngine
 
     engine = CPUEngine(tiny_model, dtype="float32", max_batch_size=8, weight_version="0").start()
     st = ServerThread(engine)

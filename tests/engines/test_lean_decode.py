@@ -1,4 +1,4 @@
-"""The engine's own decode path (rayrl/engines/lean_decode.py) held to the transformers model.
+"""The engine's own decode path (rayrl/engines/cpu/lean_decode.py) held to the transformers model.
 
 Per model family (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms and a head size of its own) and
 per weight format; the packed weights across weight updates, also while a request decodes through
@@ -22,11 +22,11 @@ import pytest
 import torch
 from _engine_kit import forward_logprobs, random_weights
 
-from rayrl.engines.cpu_engine import CPUEngine
-from rayrl.engines.decode_kernels import decode_kernels_available
-from rayrl.engines.kv_cache import BatchKV, KVBlock, prefill_mask
-from rayrl.engines.lean_decode import HEAD_CHUNK, LeanDecoder, _decoder_layers, unsupported_reason
-from rayrl.engines.weight_formats import Fp16PackedChunks, Fp16PackedLinear, fp16_packing_available
+from rayrl.engines.cpu.decode_kernels import decode_kernels_available
+from rayrl.engines.cpu.engine import CPUEngine
+from rayrl.engines.cpu.kv_cache import BatchKV, KVBlock, prefill_mask
+from rayrl.engines.cpu.lean_decode import HEAD_CHUNK, LeanDecoder, _decoder_layers, unsupported_reason
+from rayrl.engines.cpu.weight_formats import Fp16PackedChunks, Fp16PackedLinear, fp16_packing_available
 from rayrl.models import resolve_model_path
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}

@@ -165,8 +165,8 @@ def test_a_client_sees_the_loaded_adapters_error_message(engine_proc):
 
 
 def test_an_adapter_on_modules_outside_lora_target_modules_is_refused(tiny_model):
-    from rayrl.engines.cpu_engine import CPUEngine
-    from rayrl.engines.engine_adapter import AdapterError
+    from rayrl.engines.cpu.engine import CPUEngine
+    from rayrl.engines.cpu.engine_adapter import AdapterError
 
     trainer = _trainer(tiny_model)
     engine = CPUEngine(tiny_model, dtype="float32", max_lora_rank=8, lora_target_modules=["q_proj", "v_proj"])

@@ -10,8 +10,8 @@ import pytest
 import torch
 from _engine_kit import forward_logprobs
 
-from rayrl.engines.cpu_engine import CPUEngine
-from rayrl.engines.prefix_cache import MIN_REUSE_TOKENS, PrefixCache
+from rayrl.engines.cpu.engine import CPUEngine
+from rayrl.engines.cpu.prefix_cache import MIN_REUSE_TOKENS, PrefixCache
 
 SYSTEM = list(range(300, 360))  # a shared "system prompt" of 60 tokens
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}

@@ -1,4 +1,5 @@
-"""The strict SGLang 0.5.9 stand-in (``cpu_server --strict-sglang``, rayrl/engines/sglang_standin.py), a real
+"""The strict SGLang 0.5.9 stand-in (``python -m rayrl.engines.cpu --strict-sglang``,
+rayrl/engines/cpu/sglang_standin.py), a real
 engine subprocess, and rayrl's senders against it: what SGLang refuses is refused, and what would be
 silently wrong on SGLang is counted.
 """
@@ -386,7 +387,7 @@ def router_continued(metas: list[dict]) -> bool:
 def test_the_record_holds_every_request_and_the_check_finds_exactly_the_refused_ones(strict, recorded, request):
     """Last in the module: every request the tests above sent was recorded; held again to SGLang's classes,
     the ones they sent on purpose to be refused are the problems found, and nothing else is."""
-    from rayrl.engines.sglang_control import check_recorded_requests
+    from rayrl.engines.cpu.sglang_control import check_recorded_requests
 
     ran = {item.originalname for item in request.session.items if item.module is request.module}
     if len(ran) < 9:  # the counts below are those of the whole module

@@ -1,4 +1,4 @@
-"""The adapter transport against the strict SGLang 0.5.9 stand-in (``cpu_server --strict-sglang
+"""The adapter transport against the strict SGLang 0.5.9 stand-in (``python -m rayrl.engines.cpu --strict-sglang
 --enable-lora``): SGLang's own serializer and LoRAConfig read what we send; what 0.5.9 fails on is refused
 and counted."""
 

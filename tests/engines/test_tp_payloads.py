@@ -1,7 +1,7 @@
 """One payload per tensor-parallel rank (issue 25 point 2), against real engine processes standing for tp=2.
 
 SGLang 0.5.9's TP rank r deserializes ``serialized_named_tensors[r]`` and opens its handles on the GPU
-they name (rayrl/weights/tp_payloads.py). Here the engine (``cpu_server --tp-size 2``, the plain CPU
+they name (rayrl/weights/tp_payloads.py). Here the engine (``python -m rayrl.engines.cpu --tp-size 2``, the plain CPU
 engine and the strict SGLang stand-in) stands for two ranks on logical GPUs 4 and 7
 (``CUDA_VISIBLE_DEVICES``, as an EngineActor sets it), and two HandleSenders stand for the trainer ranks
 on those GPUs, meeting in a real TCP store: each makes its own payload, the one on TP rank 0's GPU posts

@@ -14,9 +14,9 @@ import pytest
 from rayrl.config import ConfigError, load_config
 from rayrl.engines.backends import BACKENDS
 from rayrl.engines.http_input import RequestError
-from rayrl.engines.vllm_adapter import parse_args
-from rayrl.engines.vllm_process import vllm_command
-from rayrl.engines.vllm_requests import StreamState, translate_generate
+from rayrl.engines.vllm.adapter import parse_args
+from rayrl.engines.vllm.process import vllm_command
+from rayrl.engines.vllm.requests import StreamState, translate_generate
 from rayrl.resolve import load_checked
 from tests.vllm_support import VLLM_PYTHON, needs_vllm, run_in_vllm
 
@@ -55,7 +55,7 @@ def test_the_launch_command_runs_the_adapter_from_rayrl_and_vllm_from_its_venv(m
     monkeypatch.setattr("os.path.isfile", lambda p: True)
     cfg = _cfg("engine.vllm.python=/opt/v/bin/python", "engine.extra_args=[--enforce-eager]")
     cmd = BACKENDS["vllm-cpu"].command(cfg, "/m", 8000, python="/r/bin/python", weight_version="3")
-    assert cmd[:3] == ["/r/bin/python", "-m", "rayrl.engines.vllm_adapter"]
+    assert cmd[:3] == ["/r/bin/python", "-m", "rayrl.engines.vllm.adapter"]
     args = parse_args(cmd[3:])
     assert (args.vllm_python, args.device, args.port, args.weight_version) == ("/opt/v/bin/python", "cpu", 8000, "3")
     assert args.vllm_args == ["--enforce-eager"] and args.num_threads == 2
@@ -83,7 +83,7 @@ def test_vllms_own_parser_takes_the_command(monkeypatch):
         " 'ext': a.worker_extension_cls, 'wt': str(a.weight_transfer_config), 'lp': a.logprobs_mode,"
         " 'eager': a.enforce_eager}))", argv)
     assert got["model"] == "/m" and got["max_num_seqs"] == 8 and got["max_model_len"] == 2048
-    assert got["ext"] == "rayrl.engines.vllm_worker.RayrlWorkerExtension" and "rayrl_shm" in got["wt"]
+    assert got["ext"] == "rayrl.engines.vllm.worker.RayrlWorkerExtension" and "rayrl_shm" in got["wt"]
     assert got["lp"] == "raw_logprobs" and got["eager"] is True
 
 
@@ -201,7 +201,7 @@ def test_every_vllm_route_and_field_the_adapter_uses_is_in_the_pinned_source():
     query and body fields the adapter sends, and vLLM's server checks the same list at start."""
     import re
 
-    from rayrl.engines.vllm_process import REQUIRED_ROUTES
+    from rayrl.engines.vllm.process import REQUIRED_ROUTES
 
     root = _vllm_source() / "entrypoints"
     text = {p: p.read_text() for p in root.rglob("*.py")}
@@ -229,7 +229,7 @@ def test_a_llama_class_over_byte_level_bpe_gets_a_generic_tokenizer_for_vllm(smo
     import json
     import shutil
 
-    from rayrl.engines.vllm_process import tokenizer_override
+    from rayrl.engines.vllm.process import tokenizer_override
 
     out = tokenizer_override(str(smollm2_dir), tmp_path / "tok")
     assert out is not None
@@ -244,7 +244,7 @@ def test_a_llama_class_over_byte_level_bpe_gets_a_generic_tokenizer_for_vllm(smo
 def test_a_vllm_that_dies_at_start_says_why_in_one_line(capfd):
     """vLLM's output goes on into the engine's log, and the last error line is what the adapter's exit
     message quotes (a model it cannot load, a flag it refuses), not a bare exit status."""
-    from rayrl.engines.vllm_process import VLLMOutput
+    from rayrl.engines.vllm.process import VLLMOutput
 
     script = ("import sys; print('INFO loading'); print('WARNING something odd'); "
               "print('ValueError: No model found at /nowhere/model', flush=True); sys.exit(1)")

@@ -11,7 +11,7 @@ import pytest
 
 from rayrl.agents.base import AgentResult
 from rayrl.config import ConfigError, JudgeConfig, load_config
-from rayrl.engines.cpu_engine import CPUEngine
+from rayrl.engines.cpu.engine import CPUEngine
 from rayrl.gateway.frozen import FrozenEndpoint
 from rayrl.ports import free_port
 from rayrl.rewards.judge import Judge, judge_reward, served_judge_config

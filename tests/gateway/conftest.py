@@ -59,8 +59,8 @@ def _gateway(tokenizer: Any, router: Router, cfg: GatewayConfig | None = None, c
 
 @pytest.fixture(scope="module")
 def tiny_stack(tiny_model_dir, tiny_tokenizer):
-    from rayrl.engines.cpu_engine import CPUEngine
-    from rayrl.engines.server import EngineServer
+    from rayrl.engines.cpu.engine import CPUEngine
+    from rayrl.engines.cpu.server import EngineServer
 
     loop = LoopThread()
     engine = CPUEngine(tiny_model_dir, dtype="float32", max_batch_size=8, context_length=4096).start()

@@ -15,12 +15,12 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from rayrl.engines.requests import engine_error
+from rayrl.engines.cpu.requests import engine_error
 
 Script = Callable[[str], str]  # decoded prompt -> completion text
 ENGINE_FAILURE = "\x00engine-failure"  # a script returning this makes the engine answer HTTP 500 (its failure)
 # a script returning ENGINE_ABORT + text generates that text, then fails the request as the CPU engine
-# fails one request alone: finish_reason abort with status_code 500 (rayrl.engines.requests.engine_error)
+# fails one request alone: finish_reason abort with status_code 500 (rayrl.engines.cpu.requests.engine_error)
 ENGINE_ABORT = "\x00engine-abort"
 
 

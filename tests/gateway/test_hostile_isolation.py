@@ -73,8 +73,8 @@ def varied_stack(tiny_model_dir, tmp_path_factory):
     """A gateway over a CPU engine serving the tiny model with varied weights (greedy text varies)."""
     from transformers import AutoTokenizer
 
-    from rayrl.engines.cpu_engine import CPUEngine
-    from rayrl.engines.server import EngineServer
+    from rayrl.engines.cpu.engine import CPUEngine
+    from rayrl.engines.cpu.server import EngineServer
 
     path = model_with_weights(tiny_model_dir, tmp_path_factory.mktemp("varied"), seed=5)
     loop = LoopThread()

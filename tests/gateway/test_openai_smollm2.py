@@ -16,9 +16,9 @@ import pytest
 from rayrl.agents.python_agent import DEFAULT_SYSTEM_PROMPT, PythonToolAgent
 from rayrl.agents.toolbox import make_tools
 from rayrl.config import GatewayConfig, TrajectoryConfig
-from rayrl.engines.cpu_engine import CPUEngine
+from rayrl.engines.cpu.engine import CPUEngine
+from rayrl.engines.cpu.server import EngineServer
 from rayrl.engines.router import Router
-from rayrl.engines.server import EngineServer
 from rayrl.gateway.app import Gateway
 
 

@@ -1,6 +1,6 @@
 """One colocated step on one GPU in the fixed order (issue 25 point 1), with the real torch_memory_saver and
 SGLang 0.5.9's own receive path: the engine is our engine on CUDA as the strict SGLang stand-in
-(``cpu_server --device cuda --strict-sglang``: payloads through SGLang's MultiprocessingSerializer with
+(``python -m rayrl.engines.cpu --device cuda --strict-sglang``: payloads through SGLang's MultiprocessingSerializer with
 its patched CUDA rebuild, buckets cut by SGLang's FlattenedTensorBucket), the trainer is the torch
 backend with ``trainer.memory_saver`` (parameters, gradients and Adam's moments in a torch_memory_saver
 region). The cycle is colocated_async's (rayrl/pipeline/schedules.py): engines pause and release;

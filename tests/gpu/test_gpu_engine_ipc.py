@@ -1,5 +1,5 @@
 """A CUDA IPC weight update of SmolLM2 into our engine running on CUDA (issue 20 item 3): the engine
-server is a real subprocess (``python -m rayrl.engines.cpu_server --device cuda``); the torch trainer
+server is a real subprocess (``python -m rayrl.engines.cpu --device cuda``); the torch trainer
 on the same GPU loads the same checkpoint (the engine's log-probs equal the trainer's: the engine runs
 correctly on CUDA), takes GRPO steps (now they differ: the weights moved), and the sender the pipeline
 builds for a colocated GPU layout (``plan_routes`` -> ``tensor`` -> HandleSender) posts its weights as

@@ -6,7 +6,7 @@ from typing import Iterator
 
 import pytest
 
-from rayrl.engines.cpu_engine import CPUEngine
+from rayrl.engines.cpu.engine import CPUEngine
 from tests.engines._engine_kit import ServerThread
 
 

@@ -2,7 +2,7 @@
 
 Every component is real (CPU engine subprocess, gateway, sandboxes, rollout workers, trainer). The agent
 does real sandbox work between its two LLM calls, so episodes are in flight while the trainer trains.
-The engines run as the strict SGLang 0.5.9 stand-in (``--strict-sglang``, rayrl/engines/sglang_standin.py):
+The engines run as the strict SGLang 0.5.9 stand-in (``--strict-sglang``, rayrl/engines/cpu/sglang_standin.py):
 SGLang's own unpickler and bucket classes, the removed version route, the update lock, release only when
 idle; the colocated run's trainer uses the CPU memory-saver stand-in, so a push after offload fails here.
 """
@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from rayrl.config import load_config
-from rayrl.engines.sglang_control import check_recorded_requests
+from rayrl.engines.cpu.sglang_control import check_recorded_requests
 from rayrl.resolve import resolve
 from tests.ray_support import scrape_metrics
 

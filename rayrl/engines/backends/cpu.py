@@ -1,4 +1,4 @@
-"""The CPU engine backend: ``python -m rayrl.engines.cpu_server`` (rayrl/engines/cpu_engine.py).
+"""The CPU engine backend: ``python -m rayrl.engines.cpu`` (rayrl/engines/cpu/engine.py).
 
 It serves SGLang's API plus ``/set_weight_format`` and opens rayrl's own shared-memory weight buffers
 (``/get_server_info`` ``weight_buffers``), and runs wherever torch does; tests run every client path
@@ -16,9 +16,9 @@ from rayrl.engines.backends.base import EngineBackend
 def cpu_server_command(
     cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable, weight_version: str = "0"
 ) -> list[str]:
-    """``python -m rayrl.engines.cpu_server ...`` for ``cfg``."""
+    """``python -m rayrl.engines.cpu ...`` for ``cfg``."""
     return [
-        python, "-m", "rayrl.engines.cpu_server",
+        python, "-m", "rayrl.engines.cpu",
         "--model-path", str(model_path),
         "--host", cfg.host,
         "--port", str(port),
@@ -41,6 +41,6 @@ CPU = EngineBackend(
     name="cpu",
     command=cpu_server_command,
     weight_formats=("float32", "fp16-packed"),
-    extra_routes={"/set_weight_format": "POST"},  # rayrl/engines/server.py
+    extra_routes={"/set_weight_format": "POST"},  # rayrl/engines/cpu/server.py
     serves_lora=True,
 )

@@ -1,6 +1,6 @@
 """The SGLang backend (GPU): ``python -m sglang.launch_server`` with the memory saver, NCCL as the trainer
 has it, and SGLang's own bucket classes on the weight wire. The pinned SGLang's contract is held by
-tests/contracts/ and by rayrl/engines/sglang_standin.py (docs/gpu.md).
+tests/contracts/ and by rayrl/engines/cpu/sglang_standin.py (docs/gpu.md).
 
 Its own options are the ``engine.sglang`` section (rayrl/config/serving.py ``SGLangConfig``), read here
 only; the generic ``engine`` fields are every backend's.

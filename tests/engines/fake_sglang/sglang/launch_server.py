@@ -28,8 +28,8 @@ def parse_args() -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from rayrl.engines.cpu_engine import CPUEngine
-    from rayrl.engines.server import EngineServer
+    from rayrl.engines.cpu.engine import CPUEngine
+    from rayrl.engines.cpu.server import EngineServer
     from rayrl.models import resolve_model_path
 
     path = resolve_model_path(args.model_path)

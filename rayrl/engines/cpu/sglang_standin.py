@@ -1,9 +1,9 @@
 """A stand-in for SGLang 0.5.9 (the pinned version) on CPU: the CPU engine behind SGLang's own contract.
 
 rayrl's CPU engine is lenient where SGLang is not, so a test that passes against it can still fail on a
-GPU. ``python -m rayrl.engines.cpu_server --strict-sglang`` (``engine.extra_args: [--strict-sglang]``)
+GPU. ``python -m rayrl.engines.cpu --strict-sglang`` (``engine.extra_args: [--strict-sglang]``)
 serves the same engine through :class:`StrictSGLangServer`, which runs the pinned wheel's own control code
-where it imports on CPU (rayrl/engines/sglang_control.py) and enforces the rest as read in its source
+where it imports on CPU (rayrl/engines/cpu/sglang_control.py) and enforces the rest as read in its source
 (entrypoints/http_server.py, managers/tokenizer_manager.py, managers/tokenizer_communicator_mixin.py,
 managers/scheduler.py, utils/common.py, model_executor/model_runner.py):
 
@@ -15,7 +15,7 @@ managers/scheduler.py, utils/common.py, model_executor/model_runner.py):
   payloads shortened), its status and any refusal to a JSONL file there, which the tests check after a
   run (``sglang_control.check_recorded_requests``);
 - release, resume, the weight updates and ``/flush_cache`` run SGLang's ``SchedulerUpdateWeightsMixin``
-  itself on a scheduler object over the CPU engine (:class:`~rayrl.engines.sglang_control.CPUScheduler`):
+  itself on a scheduler object over the CPU engine (:class:`~rayrl.engines.cpu.sglang_control.CPUScheduler`):
   its memory tags (resuming a tag not released is a KeyError), its idle assertions (release with a
   request running; an update with ``flush_cache`` while one runs, as in an ``in_place`` pause). Whatever
   raises in that code kills SGLang's scheduler: here the request fails with 500 and so does every later
@@ -64,14 +64,14 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from aiohttp import web
 
-from rayrl.engines.http_input import RequestError, error_response, read_body, read_json
-from rayrl.engines.server import EngineServer
-from rayrl.engines.sglang_control import (
+from rayrl.engines.cpu.server import EngineServer
+from rayrl.engines.cpu.sglang_control import (
     SGLangRefusal,
     load_sglang_control,
     make_scheduler,
     parse_sglang_request,
 )
+from rayrl.engines.http_input import RequestError, error_response, read_body, read_json
 from rayrl.weights.group import WeightGroupError, parse_specs, receive_tensors
 from rayrl.weights.tp_payloads import check_tp_entries, entry_gpu
 from rayrl.weights.wire import WeightUpdateError

@@ -1,6 +1,6 @@
 """The CPU engine's weights: which decode path holds them in which format, and how they change.
 
-A mixin of :class:`rayrl.engines.cpu_engine.CPUEngine`, kept apart from the request API and the loop
+A mixin of :class:`rayrl.engines.cpu.engine.CPUEngine`, kept apart from the request API and the loop
 because it is one concern: the model's parameters (what prefill reads), the lean decode path's copy of
 them (lean_decode.py, in ``engine.weight_format``: weight_formats.py) and the version every generated
 token is stamped with. Every change runs as a command on the engine thread between decode steps
@@ -17,12 +17,12 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from rayrl.engines.lean_decode import LeanDecoder, unsupported_reason
-from rayrl.engines.weight_formats import WEIGHT_FORMATS, check_weight_format, fp16_packing_available
+from rayrl.engines.cpu.lean_decode import LeanDecoder, unsupported_reason
+from rayrl.engines.cpu.weight_formats import WEIGHT_FORMATS, check_weight_format, fp16_packing_available
 from rayrl.weights.files import read_checkpoint
 from rayrl.weights.wire import WeightUpdateError, copy_into
 
-logger = logging.getLogger("rayrl.engines.cpu_engine")
+logger = logging.getLogger("rayrl.engines.cpu.engine")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 

@@ -47,15 +47,15 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from rayrl.engines.decode import DecodeMixin
-from rayrl.engines.engine_adapter import AdapterMixin
-from rayrl.engines.engine_weights import DTYPES, WeightsMixin
-from rayrl.engines.kv_cache import ATTENTION_NAME, BatchKV
-from rayrl.engines.lean_decode import LeanDecoder
-from rayrl.engines.memory_occupation import MemoryOccupationMixin
-from rayrl.engines.prefill import PrefillMixin
-from rayrl.engines.prefix_cache import PrefixCache
-from rayrl.engines.requests import (
+from rayrl.engines.cpu.decode import DecodeMixin
+from rayrl.engines.cpu.engine_adapter import AdapterMixin
+from rayrl.engines.cpu.engine_weights import DTYPES, WeightsMixin
+from rayrl.engines.cpu.kv_cache import ATTENTION_NAME, BatchKV
+from rayrl.engines.cpu.lean_decode import LeanDecoder
+from rayrl.engines.cpu.memory_occupation import MemoryOccupationMixin
+from rayrl.engines.cpu.prefill import PrefillMixin
+from rayrl.engines.cpu.prefix_cache import PrefixCache
+from rayrl.engines.cpu.requests import (
     GenerationResult,
     RequestHandle,
     SequenceState,
@@ -63,7 +63,7 @@ from rayrl.engines.requests import (
     engine_error,
     eos_token_ids,
 )
-from rayrl.engines.sampling import BatchSampler, SamplingParams
+from rayrl.engines.cpu.sampling import BatchSampler, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from rayrl.engines.sampling import RowState, SamplingParams
+from rayrl.engines.cpu.sampling import RowState, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""``python -m rayrl.engines.cpu_server``: the CPU engine behind SGLang's HTTP API, as a process.
+"""``python -m rayrl.engines.cpu``: the CPU engine behind SGLang's HTTP API, as a process.
 
 Flags mirror ``sglang.launch_server`` where they overlap (``--model-path``, ``--host``, ``--port``,
 ``--dtype``, ``--context-length``, ``--weight-version``), so the launcher builds both commands the same
@@ -20,12 +20,12 @@ from typing import Optional, Sequence
 from rayrl.models import resolve_model_path
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
-logger = logging.getLogger("rayrl.engines.cpu_server")
+logger = logging.getLogger("rayrl.engines.cpu")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m rayrl.engines.cpu_server", description=__doc__.split("\n")[0]
+        prog="python -m rayrl.engines.cpu", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--model-path", required=True, help="HF model directory or a built-in model name")
     ap.add_argument("--host", default="127.0.0.1")
@@ -46,7 +46,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="tensor-parallel ranks this engine stands for: a tensor update carries one entry per rank, "
                          "rank r reading GPU r of CUDA_VISIBLE_DEVICES when set (as SGLang's ranks do)")
     ap.add_argument("--weight-format", default="auto", choices=("auto", "float32", "fp16-packed"),
-                    help="decode weights (rayrl/engines/weight_formats.py); auto: fp16-packed where the engine's "
+                    help="decode weights (rayrl/engines/cpu/weight_formats.py); auto: fp16-packed where the engine's "
                          "own decode path runs the model in float32 on x86, else float32")
     ap.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag; merged here)")
     ap.add_argument("--max-lora-rank", type=int, default=0, help="the largest adapter rank it loads")
@@ -57,7 +57,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="cpu, or cuda[:N] to run the model on a GPU (checks CUDA IPC weight updates)")
     ap.add_argument("--strict-sglang", action="store_true",
                     help="a stand-in for the pinned SGLang in tests: enforce its contract "
-                         "(rayrl/engines/sglang_standin.py)")
+                         "(rayrl/engines/cpu/sglang_standin.py)")
     ap.add_argument("--record-requests", default=None, metavar="DIR",
                     help="with --strict-sglang: append every request, its status and any refusal to a JSONL file "
                          "in DIR (one per engine process)")
@@ -99,13 +99,13 @@ def tp_gpus(tp_size: int, visible: str) -> Optional[list[str]]:
 async def serve(args: argparse.Namespace) -> None:
     # Resolve the model before importing torch/transformers, so a wrong path fails in well under a second.
     path = resolve_model_path(args.model_path)
-    from rayrl.engines.cpu_engine import CPUEngine
-    from rayrl.engines.server import EngineServer
+    from rayrl.engines.cpu.engine import CPUEngine
+    from rayrl.engines.cpu.server import EngineServer
 
     server_cls = EngineServer
     strict: dict = {}
-    if args.strict_sglang:  # imports the pinned SGLang's own control code (rayrl/engines/sglang_control.py)
-        from rayrl.engines.sglang_standin import StrictSGLangServer as server_cls  # type: ignore[assignment]
+    if args.strict_sglang:  # imports the pinned SGLang's own control code (rayrl/engines/cpu/sglang_control.py)
+        from rayrl.engines.cpu.sglang_standin import StrictSGLangServer as server_cls  # type: ignore[assignment]
 
         strict = {"record_path": args.record_requests, "weights_cpu_backup": args.enable_weights_cpu_backup}
 

@@ -13,9 +13,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from rayrl.engines.cpu_engine import CPUEngine
+from rayrl.engines.cpu.engine import CPUEngine
+from rayrl.engines.cpu.sampling import SamplingParams, is_int
 from rayrl.engines.http_input import RequestError, bool_flag, per_item
-from rayrl.engines.sampling import SamplingParams, is_int
 
 # Fields of SGLang's GenerateReqInput we accept. Those in UNSUPPORTED must be absent/empty/false.
 GENERATE_FIELDS = {
@@ -179,7 +179,7 @@ def parse_generate(body: dict[str, Any], engine: CPUEngine) -> GenerateBatch:
     lora_path = body.get("lora_path")
     if isinstance(lora_path, list) and len(lora_path) != size:
         raise RequestError(f"lora_path list length ({len(lora_path)}) must match batch size ({size})")
-    try:  # the adapter merged into the weights, named by every item (rayrl/engines/engine_adapter.py)
+    try:  # the adapter merged into the weights, named by every item (rayrl/engines/cpu/engine_adapter.py)
         engine.check_adapter_request(lora_path)
     except ValueError as err:
         raise RequestError(str(err)) from None

@@ -7,7 +7,7 @@ the CPU tests exercise the GPU path's client code.
 Errors: bad input is answered 400 with SGLang's body ``{"object":"error","message":...,"type":"Bad
 Request","param":null,"code":400}``, never a 5xx: values out of the range the engine can hold included
 (sampling.SamplingParams), so one caller's request can never fail the batch it would join. A request
-the engine fails while it runs (cpu_engine.py: it fails alone) is still answered 200, as SGLang does, with
+the engine fails while it runs (engine.py: it fails alone) is still answered 200, as SGLang does, with
 ``finish_reason`` ``{"type": "abort", "message", "status_code", "err_type"}``: in a batch, the other
 items are unaffected. Weight/handler failures use the endpoint's own ``{"success": false, "message":
 ...}`` shape, as SGLang does. Only non-2xx and slow requests are logged. A client that disconnects from
@@ -26,8 +26,10 @@ from typing import Any, Callable, Optional, Sequence
 from aiohttp import web
 
 from rayrl import __version__
-from rayrl.engines.cpu_engine import PAUSE_MODES, CPUEngine, GenerationResult, RequestHandle
-from rayrl.engines.generate_request import GenerateBatch, GenerateItem, parse_generate
+from rayrl.engines.cpu.engine import PAUSE_MODES, CPUEngine, GenerationResult, RequestHandle
+from rayrl.engines.cpu.generate_request import GenerateBatch, GenerateItem, parse_generate
+from rayrl.engines.cpu.memory_occupation import EngineBusy
+from rayrl.engines.cpu.weight_routes import WeightEndpoints
 from rayrl.engines.http_input import (
     OFF_LOOP_BYTES,
     RequestError,
@@ -38,8 +40,6 @@ from rayrl.engines.http_input import (
     read_json,
     request_charset,
 )
-from rayrl.engines.memory_occupation import EngineBusy
-from rayrl.engines.weight_routes import WeightEndpoints
 from rayrl.weights.group import WeightGroups
 from rayrl.weights.shm import WEIGHT_BUFFERS
 
@@ -71,7 +71,7 @@ class EngineServer(WeightEndpoints):
         tp_gpus: Sequence[str] = (),
     ) -> None:
         self.engine = engine
-        self.tp_size = tp_size  # tensor-parallel ranks this engine stands for (rayrl/engines/weight_routes.py)
+        self.tp_size = tp_size  # tensor-parallel ranks this engine stands for (rayrl/engines/cpu/weight_routes.py)
         self.tp_gpus = tuple(str(g) for g in tp_gpus)[:tp_size]
         self.tp_payload_gpus: list[Optional[str]] = []  # the GPU each entry of the last tensor update came from
         self.host = host

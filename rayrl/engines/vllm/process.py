@@ -1,4 +1,4 @@
-"""vLLM as the child process of the vllm backend's adapter (rayrl/engines/vllm_adapter.py): the routes it
+"""vLLM as the child process of the vllm backend's adapter (rayrl/engines/vllm/adapter.py): the routes it
 must serve, its command and environment, the tokenizer it is given, and its output copied into the
 engine's log with the cause of a failed start kept. Nothing here imports vllm, which lives in its own
 interpreter (``engine.vllm.python``).
@@ -20,7 +20,7 @@ REQUIRED_ROUTES = (
     "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
     "/update_weight_version", "/weight_info", "/health",
 )  # fmt: skip
-WORKER_EXTENSION = "rayrl.engines.vllm_worker.RayrlWorkerExtension"
+WORKER_EXTENSION = "rayrl.engines.vllm.worker.RayrlWorkerExtension"
 WEIGHT_BACKEND = "rayrl_shm"
 
 

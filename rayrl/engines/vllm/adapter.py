@@ -1,6 +1,6 @@
 """The vllm backend's server: rayrl's engine API (rayrl/engines/api.py ``ROUTES``) over a real vLLM.
 
-``python -m rayrl.engines.vllm_adapter --vllm-python PY ...`` (rayrl's interpreter) starts vLLM's own
+``python -m rayrl.engines.vllm.adapter --vllm-python PY ...`` (rayrl's interpreter) starts vLLM's own
 OpenAI server from vLLM's interpreter (``engine.vllm.python``: vLLM pins transformers 5, rayrl's SGLang
 pin needs 4, so they live in separate venvs) as its child, on a loopback port of its own, and serves
 rayrl's routes by calling vLLM's own:
@@ -16,7 +16,7 @@ rayrl route                     vLLM 0.32 route (``VLLM_SERVER_DEV_MODE=1`` for 
 ``/continue_generation``        ``/resume``
 ``/flush_cache``                ``/reset_prefix_cache``
 ``/update_weights_from_tensor`` ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``
-``/update_weights_from_disk``   the same, with the ``rayrl_shm`` engine (rayrl/engines/vllm_worker.py)
+``/update_weights_from_disk``   the same, with the ``rayrl_shm`` engine (rayrl/engines/vllm/worker.py)
 ``/update_weight_version``      ``/update_weight_version``; ``/model_info``: ``/weight_info``
 ``/release_memory_occupation``  ``/sleep`` where vLLM runs with sleep mode (GPU); on CPU, where vLLM
                                 refuses sleep mode, the prefix cache is reset and nothing is freed
@@ -50,9 +50,9 @@ import aiohttp
 from aiohttp import web
 
 from rayrl.engines import wire_json
+from rayrl.engines.api import check_memory_tags
 from rayrl.engines.http_input import RequestError, bool_flag, error_response, read_json
-from rayrl.engines.memory_occupation import check_memory_tags
-from rayrl.engines.vllm_process import (
+from rayrl.engines.vllm.process import (
     REQUIRED_ROUTES,
     VLLMOutput,
     die_with_parent,
@@ -60,7 +60,7 @@ from rayrl.engines.vllm_process import (
     vllm_command,
     vllm_env,
 )
-from rayrl.engines.vllm_requests import (
+from rayrl.engines.vllm.requests import (
     GenerateTranslation,
     StreamState,
     check_tp_entries_count,
@@ -70,7 +70,7 @@ from rayrl.engines.vllm_requests import (
 from rayrl.ports import free_port
 from rayrl.weights.shm import WEIGHT_BUFFERS, sweep_quietly
 
-logger = logging.getLogger("rayrl.vllm_adapter")
+logger = logging.getLogger("rayrl.engines.vllm.adapter")
 
 CONTROL_PATHS = frozenset({
     "/update_weight_version", "/update_weights_from_disk", "/update_weights_from_tensor",
@@ -324,7 +324,7 @@ class VLLMAdapter:
     async def _update(self, body: dict[str, Any], update_info: Any, last: bool) -> web.Response:
         """One bucket into vLLM's own weight-update session: the first bucket of a version opens it
         (``/start_weight_update``), the last one (``last``) closes it with the version and resets the
-        prefix cache. Generations wait while it is open (rayrl/engines/vllm_worker.py says why)."""
+        prefix cache. Generations wait while it is open (rayrl/engines/vllm/worker.py says why)."""
         version = body.get("weight_version")
         if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
             raise RequestError("weight_version must be a string")

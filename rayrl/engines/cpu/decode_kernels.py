@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from rayrl.machine import cpu_flags
 
-logger = logging.getLogger("rayrl.engines.decode_kernels")
+logger = logging.getLogger("rayrl.engines.cpu.decode_kernels")
 
 SOURCE = Path(__file__).with_name("decode_kernels.cpp")
 CPU_FLAGS = ("avx2", "fma", "f16c")  # what the kernels' -m flags assume

@@ -1,4 +1,4 @@
-"""SGLang 0.5.9's own control code, run on CPU for the strict stand-in (rayrl/engines/sglang_standin.py).
+"""SGLang 0.5.9's own control code, run on CPU for the strict stand-in (rayrl/engines/cpu/sglang_standin.py).
 
 What of the pinned wheel imports without a GPU is used as is:
 

@@ -1,6 +1,6 @@
 """The CPU engine's LoRA adapter: loaded from tensors, merged into its weights, served by name.
 
-A mixin of :class:`rayrl.engines.cpu_engine.CPUEngine`. An RL run updates the adapter after every step and
+A mixin of :class:`rayrl.engines.cpu.engine.CPUEngine`. An RL run updates the adapter after every step and
 then generates thousands of tokens with it, so the engine merges it into the weights it decodes with
 (W = W0 + alpha/r * B A, then the lean decode path repacks just those matrices) instead of adding two
 small matmuls to every linear layer at every decode step (bench/lora_engine.py measures both; docs/lora.md).
@@ -10,7 +10,7 @@ same W0 and nothing accumulates rounding.
 It serves one adapter at a time (merged, it is the engine's weights): requests must name it
 (``lora_path``), as SGLang's would to be served by it, and a second name is refused until the first is
 unloaded. The request shapes are SGLang 0.5.9's (``/load_lora_adapter_from_tensors``,
-``/unload_lora_adapter``; rayrl/engines/weight_routes.py).
+``/unload_lora_adapter``; rayrl/engines/cpu/weight_routes.py).
 """
 
 from __future__ import annotations

@@ -53,11 +53,11 @@ from typing import Any, Iterable, List, Optional
 import torch
 import torch.nn.functional as F
 
-from rayrl.engines.decode_kernels import decode_kernels_available
-from rayrl.engines.kv_cache import BatchKV
-from rayrl.engines.weight_formats import Fp16PackedChunks, Linear, make_linear
+from rayrl.engines.cpu.decode_kernels import decode_kernels_available
+from rayrl.engines.cpu.kv_cache import BatchKV
+from rayrl.engines.cpu.weight_formats import Fp16PackedChunks, Linear, make_linear
 
-logger = logging.getLogger("rayrl.engines.lean_decode")
+logger = logging.getLogger("rayrl.engines.cpu.lean_decode")
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")

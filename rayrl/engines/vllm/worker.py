@@ -2,7 +2,7 @@
 
 This module is imported by vLLM's workers, in vLLM's interpreter (``engine.vllm.python``), never by
 rayrl's: the vllm backend starts vLLM with ``--worker-extension-cls
-rayrl.engines.vllm_worker.RayrlWorkerExtension`` and ``--weight-transfer-config
+rayrl.engines.vllm.worker.RayrlWorkerExtension`` and ``--weight-transfer-config
 '{"backend": "rayrl_shm"}'``, with rayrl's source on ``PYTHONPATH``. Importing the extension class is what
 runs :func:`register` in each worker before its model loads (vllm/v1/worker/worker_base.py resolves the
 extension at worker init; vllm/v1/worker/gpu_worker.py creates the configured transfer engine in
@@ -24,7 +24,7 @@ the tensors are copied out of the sender's buffer first, since the reload holds 
 tensors until its last weight arrives while the sender reuses one buffer for every bucket.
 
 The control plane is vLLM's own: ``/start_weight_update``, ``/update_weights`` with this engine's
-``update_info``, ``/finish_weight_update`` with the weight version (rayrl/engines/vllm_adapter.py calls
+``update_info``, ``/finish_weight_update`` with the weight version (rayrl/engines/vllm/adapter.py calls
 them).
 """
 

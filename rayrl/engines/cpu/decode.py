@@ -1,7 +1,7 @@
 """The CPU engine's decode step, and how requests leave the batch and finish.
 
-A mixin of :class:`rayrl.engines.cpu_engine.CPUEngine`, kept apart from the request API and the loop
-(cpu_engine.py) and admission (prefill.py). Its methods run on the engine thread and use the engine's
+A mixin of :class:`rayrl.engines.cpu.engine.CPUEngine`, kept apart from the request API and the loop
+(engine.py) and admission (prefill.py). Its methods run on the engine thread and use the engine's
 model, batch state (``_kv``, ``_seqs``, ``_positions``, ``_next_ids``, ``_sampler``), counters and
 prefix cache. A decode step writes one KV column for the whole batch; a request that finished leaves
 right after the step that finished it, and its conversation goes into the prefix cache.
@@ -30,10 +30,10 @@ from typing import Any, Optional
 
 import torch
 
-from rayrl.engines.requests import GenerationResult, RequestHandle, SequenceState, engine_error, final_text
-from rayrl.engines.sampling import BatchSampler
+from rayrl.engines.cpu.requests import GenerationResult, RequestHandle, SequenceState, engine_error, final_text
+from rayrl.engines.cpu.sampling import BatchSampler
 
-logger = logging.getLogger("rayrl.engines.cpu_engine")
+logger = logging.getLogger("rayrl.engines.cpu.engine")
 
 
 class DecodeMixin:

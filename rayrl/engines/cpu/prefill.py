@@ -1,9 +1,9 @@
 """Admission into the CPU engine's running batch: prefill (plain or on top of a cached prefix), the first
 sampled token, and what goes into the prefix cache.
 
-A mixin of :class:`rayrl.engines.cpu_engine.CPUEngine`, kept apart because it is the part that decides
+A mixin of :class:`rayrl.engines.cpu.engine.CPUEngine`, kept apart because it is the part that decides
 how prompt tokens are computed (left-padded groups, cached prefixes, deduplicated group prompts), while
-cpu_engine.py holds the request API and the decode loop. Its methods run on the engine thread and use the
+engine.py holds the request API and the decode loop. Its methods run on the engine thread and use the
 engine's model, batch state (``_kv``, ``_seqs``, ``_positions``, ``_next_ids``, ``_sampler``), prefix
 cache (``_prefix``, ``_cache_epoch``) and helpers (``_append``, ``_finish``, ``_fail``, ``_blocked``).
 
@@ -22,15 +22,15 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
-from rayrl.engines.kv_cache import BatchKV, KVBlock, prefill_mask
-from rayrl.engines.prefix_cache import MIN_REUSE_TOKENS, PrefixEntry, common_prefix
-from rayrl.engines.requests import RequestHandle, SequenceState
-from rayrl.engines.sampling import BatchSampler
+from rayrl.engines.cpu.kv_cache import BatchKV, KVBlock, prefill_mask
+from rayrl.engines.cpu.prefix_cache import MIN_REUSE_TOKENS, PrefixEntry, common_prefix
+from rayrl.engines.cpu.requests import RequestHandle, SequenceState
+from rayrl.engines.cpu.sampling import BatchSampler
 
 PAD_WASTE = 0.2  # largest share of padding in a prefill group
 
 T = TypeVar("T")
-logger = logging.getLogger("rayrl.engines.cpu_engine")
+logger = logging.getLogger("rayrl.engines.cpu.engine")
 
 
 def _handle_of(item: Any) -> RequestHandle:

@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional
 
 from aiohttp import web
 
+from rayrl.engines.cpu.sampling import is_int
 from rayrl.engines.http_input import RequestError, bool_flag, read_json
-from rayrl.engines.sampling import is_int
 from rayrl.weights.group import WeightGroupError, parse_specs, receive_tensors
 from rayrl.weights.tp_payloads import check_tp_entries
 from rayrl.weights.wire import decode_named_tensors, deserialize_adapter, deserialize_entry
