@@ -115,7 +115,7 @@ def did_you_mean(name: str, choices: list[str] | tuple[str, ...]) -> str:
 
 def named_callable(field_name: str, value: str, names: Mapping[str, Any]) -> Any:
     """``names[value]``, or the callable a ``package.module:function`` names; else a ConfigError naming
-    ``field_name``. The algorithm's tables (rayrl/rl/advantages.py, rayrl/trainers/policy_losses.py) look
+    ``field_name``. The algorithm's tables (rayrl/rl/advantages.py, rayrl/rl/policy_losses.py) look
     their names up with it; the resolve step (rayrl/resolve.py) checks the config's names through them."""
     if value in names:
         return names[value]

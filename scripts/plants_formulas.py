@@ -1,6 +1,6 @@
 """The RL-formula plants for scripts/mutation_check.py (``--set formulas``): single-line errors in the
 advantage estimators, the policy losses and the traits of their rows, the loss helper, the defaults in
-rayrl/resolve.py and rayrl/trainers/objective.py, the schedules' TIS default, the
+rayrl/resolve.py and rayrl/rl/objective.py, the schedules' TIS default, the
 learning-rate schedule, reward shaping, which samples train, and the guards.
 
 Why: a formula test that asserts hand-computed values can still pass with a wrong formula (a clamp the
@@ -15,7 +15,7 @@ from scripts.mutation_check import Plant
 
 FORMULA_TESTS = ("tests/test_advantages.py", "tests/test_policy_losses.py", "tests/test_objective.py",
                  "tests/test_formula_pins.py", "tests/test_rl_groups.py", "tests/test_guards.py")
-ADV, LOSS, OBJ = "rayrl/rl/advantages.py", "rayrl/trainers/policy_losses.py", "rayrl/trainers/objective.py"
+ADV, LOSS, OBJ = "rayrl/rl/advantages.py", "rayrl/rl/policy_losses.py", "rayrl/rl/objective.py"
 RES, LR, SHAPE, UPD = ("rayrl/resolve.py", "rayrl/trainers/lr_schedule.py", "rayrl/rl/shaping.py",
                        "rayrl/rl/updates.py")
 GROUPS, GUARDS, SCHED = "rayrl/rl/groups.py", "rayrl/rl/guards.py", "rayrl/pipeline/schedules.py"

@@ -184,7 +184,7 @@ def test_tis_cap_is_on_where_samples_can_be_stale():
 
 def test_gspo_takes_its_ratio_against_the_trainers_own_logprobs_by_default():
     # GSPO's 3e-4 band is narrower than the engine-trainer gap: tis_cap > 0 puts the proximal (trainer) log-probs
-    # in the ratio's denominator (rayrl/trainers/objective.py) even in sync; set explicitly, it stays as set.
+    # in the ratio's denominator (rayrl/rl/objective.py) even in sync; set explicitly, it stays as set.
     assert _resolved("pipeline.schedule=sync", "algorithm.policy_loss=gspo").algorithm.tis_cap == 2.0
     explicit = _resolved("pipeline.schedule=sync", "algorithm.policy_loss=gspo", "algorithm.tis_cap=0")
     assert explicit.algorithm.tis_cap == 0.0

@@ -21,11 +21,11 @@ import torch
 from rayrl.config import AlgorithmConfig, RunConfig, TrainerConfig, load_config
 from rayrl.pipeline.schedules import schedule_kind
 from rayrl.resolve import resolve_algorithm
+from rayrl.rl.objective import Objective, TokenBatch, clip_range, default_tis_cap, loss_aggregation
+from rayrl.rl.policy_losses import MAX_LOG_RATIO, PolicyLossInput, cispo, gspo, kl_estimate, ppo_clip
 from rayrl.rl.shaping import overlong_penalty
 from rayrl.rl.updates import UpdatePlan
 from rayrl.trainers.lr_schedule import lr_at, total_optimizer_steps
-from rayrl.trainers.objective import Objective, TokenBatch, clip_range, default_tis_cap, loss_aggregation
-from rayrl.trainers.policy_losses import MAX_LOG_RATIO, PolicyLossInput, cispo, gspo, kl_estimate, ppo_clip
 from rayrl.types import Sample
 
 

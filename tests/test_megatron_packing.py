@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from rayrl.config import AlgorithmConfig, TrainerConfig
+from rayrl.rl.objective import STATS, Objective
 from rayrl.rl.shard import shard_batch
 from rayrl.rl.updates import MiniBatch, UpdatePlan
 from rayrl.trainers import megatron_backend as mb
 from rayrl.trainers import megatron_packing as mp
-from rayrl.trainers.objective import STATS, Objective
 from rayrl.types import Sample
 
 
@@ -102,7 +102,7 @@ def _packed_logits(model: torch.nn.Module, batch: mp.PackedBatch) -> torch.Tenso
 
 
 def _torch_logp_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from rayrl.trainers.policy_losses import entropy_from_logits
+    from rayrl.rl.policy_losses import entropy_from_logits
 
     logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
     return logp, entropy_from_logits(logits)

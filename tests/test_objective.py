@@ -1,4 +1,4 @@
-"""The one loss helper (rayrl/trainers/objective.py): every aggregation by hand and split over ranks,
+"""The one loss helper (rayrl/rl/objective.py): every aggregation by hand and split over ranks,
 TIS, the KL terms, the entropy bonus, the SFT term; the update plan (rayrl/rl/updates.py); the
 learning-rate schedule; and the torch trainer making several updates per batch with the ratio taken
 against the right policy and a reference model."""
@@ -14,10 +14,10 @@ import torch
 
 from rayrl.config import AlgorithmConfig, ConfigError, RunConfig, TrainerConfig, load_config
 from rayrl.resolve import check
+from rayrl.rl.objective import Objective, TokenBatch
+from rayrl.rl.policy_losses import PPO_BAND, PolicyLossInput, PolicyLossOutput, loss_traits, ppo_clip
 from rayrl.rl.updates import MiniBatch, UpdatePlan, plan_updates, sample_trains
 from rayrl.trainers.lr_schedule import lr_at
-from rayrl.trainers.objective import Objective, TokenBatch
-from rayrl.trainers.policy_losses import PPO_BAND, PolicyLossInput, PolicyLossOutput, loss_traits, ppo_clip
 from rayrl.types import Sample
 
 

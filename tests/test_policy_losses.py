@@ -1,4 +1,4 @@
-"""Every policy loss, KL estimator and the entropy (rayrl/trainers/policy_losses.py) against values and
+"""Every policy loss, KL estimator and the entropy (rayrl/rl/policy_losses.py) against values and
 gradients worked out by hand on small tensors."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import torch
 from rayrl.config import ConfigError
 from rayrl.machine import Machine
 from rayrl.resolve import load_checked, resolve
-from rayrl.trainers.megatron_packing import sharded_entropy
-from rayrl.trainers.policy_losses import (
+from rayrl.rl.policy_losses import (
     POLICY_LOSSES,
     PolicyLossInput,
     PolicyLossOutput,
@@ -25,6 +24,7 @@ from rayrl.trainers.policy_losses import (
     ppo_clip,
     sft,
 )
+from rayrl.trainers.megatron_packing import sharded_entropy
 
 
 def _inp(logp, old, adv, seq=None, **clip) -> PolicyLossInput:
@@ -186,8 +186,8 @@ def half_ppo(x: PolicyLossInput) -> PolicyLossOutput:
 def test_a_new_row_is_all_a_loss_needs(monkeypatch):
     """docs/contributing.md: a loss is one function and one row; the check, resolve and the trainer's loss helper
     take everything else from the row's traits."""
-    from rayrl.trainers import policy_losses
-    from rayrl.trainers.objective import Objective
+    from rayrl.rl import policy_losses
+    from rayrl.rl.objective import Objective
 
     row = policy_losses.PolicyLoss("half_ppo", half_ppo, clip=policy_losses.PPO_BAND,
                                    aggregation="seq_mean_token_sum", dual_clip=True)

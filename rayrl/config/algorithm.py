@@ -2,7 +2,7 @@
 
 Every choice here is one line of config: the advantage estimator and the policy loss by registered
 name or as ``package.module:function`` for your own (contracts: rayrl/rl/advantages.py and
-rayrl/trainers/policy_losses.py), how the per-token loss is aggregated, off-policy correction, the
+rayrl/rl/policy_losses.py), how the per-token loss is aggregated, off-policy correction, the
 KL to a frozen reference model, an entropy bonus, an SFT term, batch shaping (DAPO's dynamic
 sampling and overlong reward shaping) and on-policy distillation from a teacher engine.
 docs/algorithms.md has a table of every choice and the paper it follows.
@@ -40,7 +40,7 @@ class AlgorithmConfig:
     singleton_groups: Literal["zero", "reward"] = "zero"  # a group estimator's advantage for a group left with one
     # scored episode (no baseline): zero (no signal), or reward (its raw reward, as verl does)
     policy_loss: str = "ppo_clip"  # ppo_clip | gspo | cispo | sft | package.module:function (contract:
-    # rayrl/trainers/policy_losses.py)
+    # rayrl/rl/policy_losses.py)
     loss_agg: LossAgg = "auto"  # how per-token losses become one number, over the whole mini-batch on every rank: auto
     # | token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (a constant normaliser, Dr.GRPO)
     # (auto: seq_mean_token_mean for gspo, seq_mean_token_sum_norm for dr_grpo, else token_mean)

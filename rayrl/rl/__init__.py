@@ -5,7 +5,12 @@
 ``shaping.py``: reward shaping before the estimator (DAPO's overlong penalty).
 ``batch.py``: the step's training batch built from its episodes.
 ``distill.py``: on-policy distillation: a teacher engine's log-probs of the student's samples.
-``updates.py``: which samples train and how a batch splits into optimizer steps over the ranks.
+``policy_losses.py``: the policy losses (PPO-clip, GSPO, CISPO, SFT...), one table of rows with traits,
+and the KL estimators and the entropy.
+``objective.py``: the one loss helper both trainer backends call per micro-batch (TIS, KL, entropy, SFT
+terms, the aggregation's global normalisers); rayrl/trainers keeps how it is optimised.
+``updates.py``: which samples train and how a batch splits into optimizer steps over the ranks (the update
+plan: the trainer group makes it, the objective and the backends follow it).
 ``staleness.py``: how old each trained token is.
 ``shard.py``: how a batch is split over the trainer's data-parallel replicas (Megatron's rank order).
 ``failures.py``: why an episode failed, and whether the system or the agent is to blame.

@@ -28,7 +28,7 @@ contract every estimator keeps:
 - **pure**: no state, no randomness; the same input gives the same output on every call.
 
 Per-token terms come later and are the same for every estimator: on-policy distillation's reverse KL
-(rayrl/rl/distill.py, driver side) and the KL penalty in the reward (rayrl/trainers/objective.py, on the
+(rayrl/rl/distill.py, driver side) and the KL penalty in the reward (rayrl/rl/objective.py, on the
 trainer ranks, where the reference log-probs are). GAE needs a value model per token, which no backend
 holds yet; the resolve step refuses it (:data:`NOT_AVAILABLE`).
 

@@ -4,7 +4,7 @@ A rollout batch trains in ``trainer.num_steps_per_rollout`` mini-batches per epo
 ``trainer.epochs_per_rollout`` epochs (PPO's several updates per batch; slime's
 ``--num-steps-per-rollout``, verl's ``ppo_mini_batch_size`` and ``ppo_epochs``). The split is decided
 once, here, by the driver (actors/trainer.py), for every rank at once, because the loss of a
-mini-batch is normalised over *all* ranks (rayrl/trainers/objective.py): each rank must know the
+mini-batch is normalised over *all* ranks (rayrl/rl/objective.py): each rank must know the
 global trained-token and sequence counts of every mini-batch, and every rank must make the same
 number of optimizer steps (their gradients are all-reduced at each).
 
@@ -23,8 +23,8 @@ from typing import Sequence
 import numpy as np
 
 from rayrl.config import AlgorithmConfig
+from rayrl.rl.policy_losses import policy_loss
 from rayrl.rl.shard import rank_shards
-from rayrl.trainers.policy_losses import policy_loss
 from rayrl.types import Sample
 
 

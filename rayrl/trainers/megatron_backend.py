@@ -7,7 +7,7 @@ colocation: parameters, gradient buffers, fp32 main parameters and Adam's moment
 inside the region when the trainer is made (the moments eagerly, by Megatron's own ``init_state_fn``:
 Adam would otherwise create them at the first step, outside the region, and ``offload`` would leave
 the largest block of trainer memory on the GPU). The loss is the torch backend's: the same helper
-(rayrl/trainers/objective.py) through :func:`~rayrl.trainers.megatron_packing.packed_loss`, with the
+(rayrl/rl/objective.py) through :func:`~rayrl.trainers.megatron_packing.packed_loss`, with the
 same aggregation over the whole mini-batch on every rank. Megatron's ``calculate_per_token_loss``
 divides the summed gradients by the summed trained-token count, which is the mini-batch's global count
 TrainerGroup planned (rayrl/rl/updates.py); ``packed_loss`` multiplies by it, so the objective's own
@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from rayrl.config import AlgorithmConfig, TrainerConfig
+from rayrl.rl.objective import STATS, Objective, step_metrics
 from rayrl.rl.shard import dp_rank_of
 from rayrl.rl.updates import MiniBatch, UpdatePlan, plan_updates
 from rayrl.trainers import megatron_checkpoint
@@ -63,7 +64,6 @@ from rayrl.trainers.megatron_packing import (
     split_for_context_parallel,
 )
 from rayrl.trainers.memory_saver import MemorySaver, init_optimizer_state
-from rayrl.trainers.objective import STATS, Objective, step_metrics
 from rayrl.types import Sample
 
 logger = logging.getLogger(__name__)

@@ -3,13 +3,13 @@
 A micro-batch is its samples packed into one sequence (batch dimension 1, Megatron's THD format: no
 padding between samples). Position ``p`` of a sample predicts its token ``p + 1``: ``targets[p]`` is
 that token and ``loss_mask[p]`` is 1 where it is a trained response token. The loss helper's
-per-token inputs (rayrl/trainers/objective.py ``Objective.token_fields``: rollout log-probs,
+per-token inputs (rayrl/rl/objective.py ``Objective.token_fields``: rollout log-probs,
 advantages, aggregation weights, ...) sit at those positions in ``fields``, so cutting the sequence for
 context parallelism keeps every input beside its token.
 
 :func:`packed_loss` is what the Megatron trainer's loss function returns for a micro-batch, from the
 log-probs Megatron computed at every position: the trained tokens go through the same
-:class:`~rayrl.trainers.objective.Objective` as the torch backend's, so both backends give the same
+:class:`~rayrl.rl.objective.Objective` as the torch backend's, so both backends give the same
 loss on the same batch (tests/test_megatron_packing.py).
 """
 
@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from rayrl.trainers.objective import FIELDS, STATS, Objective, TokenBatch
+from rayrl.rl.objective import FIELDS, STATS, Objective, TokenBatch
 from rayrl.types import Sample
 
 FIELD_DTYPES = {"seq_index": torch.long}  # the others are float32

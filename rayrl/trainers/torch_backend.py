@@ -3,7 +3,7 @@
 One ``train_step`` trains one rollout batch: its :class:`~rayrl.rl.updates.UpdatePlan` (mini-batches,
 epochs) makes one or more optimizer steps; each mini-batch's samples are packed into micro-batches of
 at most ``micro_batch_tokens`` (padded) tokens, each micro-batch's loss comes from the one loss helper
-(:class:`~rayrl.trainers.objective.Objective`, which carries the aggregation's global normalisers),
+(:class:`~rayrl.rl.objective.Objective`, which carries the aggregation's global normalisers),
 gradients are all-reduced across ranks, clipped, and AdamW steps at the learning rate of the schedule
 (rayrl/trainers/lr_schedule.py). With a KL to a reference model, a frozen copy of the reference is
 held beside the policy, inside the same memory-saver region, so it leaves the device with the rest
@@ -39,12 +39,12 @@ import torch.distributed as dist
 from rayrl.config import AlgorithmConfig, TrainerConfig
 from rayrl.machine import compute_dtype as resolve_compute_dtype
 from rayrl.machine import cpu_has_native_bf16
+from rayrl.rl.objective import Objective, TokenBatch, step_metrics
+from rayrl.rl.policy_losses import entropy_from_logits
 from rayrl.rl.updates import MiniBatch, UpdatePlan, plan_updates
 from rayrl.trainers import lora
 from rayrl.trainers.lr_schedule import lr_at, set_lr
 from rayrl.trainers.memory_saver import MemorySaver, init_optimizer_state
-from rayrl.trainers.objective import Objective, TokenBatch, step_metrics
-from rayrl.trainers.policy_losses import entropy_from_logits
 from rayrl.types import Sample
 from rayrl.weights.files import export_state_dict
 

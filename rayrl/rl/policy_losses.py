@@ -10,7 +10,7 @@ every loss keeps:
 - **input** (:class:`PolicyLossInput`): one micro-batch's *trained* tokens, flattened to shape [T], in
   sample order (every tensor aligned): ``logp``, the current policy's log-probs (the only input that
   carries a gradient); ``old_logp``, the ratio's denominator (the rollout log-probs, or with TIS the
-  trainer's own before the step's first update, rayrl/trainers/objective.py); ``advantages``; and
+  trainer's own before the step's first update, rayrl/rl/objective.py); ``advantages``; and
   ``seq_index`` (int64), which of the micro-batch's ``num_seqs`` sequences each token belongs to. A
   sequence is whole within a micro-batch (never split over micro-batches or ranks), but its tokens
   need not be adjacent. ``clip_low`` / ``clip_high`` / ``dual_clip_c`` are the resolved clip settings.

@@ -13,7 +13,7 @@ algorithm is here, once:
   proximal log-probs are the training forward's own (detached); with several (``num_steps_per_rollout``
   or ``epochs_per_rollout`` > 1) the backend runs one no-grad forward over the batch first
   (:meth:`needs_prepass`) and puts them in ``TokenBatch.proximal``.
-- **the policy loss** ``algorithm.policy_loss`` names (rayrl/trainers/policy_losses.py), the KL-in-reward
+- **the policy loss** ``algorithm.policy_loss`` names (rayrl/rl/policy_losses.py), the KL-in-reward
   shaping of the advantages (``A - kl_reward_coef * (proximal - ref)``, per token), the KL loss to the
   reference (k1/k2/k3), the entropy bonus and the SFT term.
 - **the aggregation** (``algorithm.loss_agg``), as one weight per token precomputed from the
@@ -47,8 +47,8 @@ import torch
 from rayrl.config import AlgorithmConfig, ConfigError
 from rayrl.rl.advantages import advantage_estimator
 from rayrl.rl.logprob_gap import GapMeter
+from rayrl.rl.policy_losses import PolicyLossInput, kl_estimate, policy_loss
 from rayrl.rl.updates import MiniBatch, UpdatePlan, sft_applies
-from rayrl.trainers.policy_losses import PolicyLossInput, kl_estimate, policy_loss
 from rayrl.types import Sample
 
 NARROW_BAND_TIS_CAP = 2.0  # algorithm.tis_cap when unset for a narrow-band loss (GSPO), whatever the schedule
@@ -90,7 +90,7 @@ def token_advantages(sample: Sample, advantage: float | np.ndarray) -> np.ndarra
 
 def loss_aggregation(algo: AlgorithmConfig) -> str:
     """``loss_agg`` made concrete: as set, else what the loss's paper uses, else the estimator's, else
-    token_mean (the traits of rayrl/trainers/policy_losses.py and rayrl/rl/advantages.py)."""
+    token_mean (the traits of rayrl/rl/policy_losses.py and rayrl/rl/advantages.py)."""
     if algo.loss_agg != "auto":
         return algo.loss_agg
     return (policy_loss(algo.policy_loss).aggregation or advantage_estimator(algo.advantage_estimator).aggregation
@@ -106,7 +106,7 @@ def clip_range(algo: AlgorithmConfig) -> tuple[float, float]:
             if getattr(algo, name) is None:
                 raise ConfigError(f"algorithm.{name}: the policy loss {algo.policy_loss} declares no clip band; set "
                                   "algorithm.clip_eps and algorithm.clip_eps_high, or declare its band with "
-                                  "rayrl.trainers.policy_losses.loss_traits(clip=(low, high))")
+                                  "rayrl.rl.policy_losses.loss_traits(clip=(low, high))")
         band = (0.0, 0.0)
     low, high = band
     return (low if algo.clip_eps is None else algo.clip_eps, high if algo.clip_eps_high is None else algo.clip_eps_high)
