@@ -17,7 +17,7 @@ import hmac
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -74,7 +74,21 @@ class Session:
         if self.infra_error is None:
             self.infra_error = message
 
-    def remember(self, turn: TurnRecord) -> None:
+    def remember(self, turn: TurnRecord, prev: TurnRecord | None = None) -> None:
+        """Keep ``turn`` as a candidate for cumulative token mode (the newest ``_RECENT_TURNS``).
+
+        ``prev``: the remembered turn whose messages + response start ``turn.messages`` (what
+        :meth:`history_match` found for its request). Each request brings its whole history as fresh
+        dicts, so kept as sent, a session's remembered turns held 1 + 2 + ... + n message dicts (with their
+        tool calls' nested dicts) for n turns: objects the cyclic collector walks on every full collection.
+        Kept instead is ``prev``'s messages and response (the same dicts) followed by the request's new
+        messages (the dicts the tree mounted), so remembered turns add one list each and share the rest.
+        The tools list is shared with ``prev``'s when equal, for the same reason.
+        """
+        if prev is not None:
+            k = len(prev.messages) + 1
+            tools = prev.tools if turn.tools is not None and turn.tools == prev.tools else turn.tools
+            turn = replace(turn, messages=[*prev.messages, prev.response_message, *turn.messages[k:]], tools=tools)
         self.recent.append(turn)
         if len(self.recent) > _RECENT_TURNS:
             del self.recent[0]

@@ -90,6 +90,7 @@ class Prepared:
     params: dict[str, Any]
     forced: str = ""
     cumulative: bool = False  # built from a recorded turn's tokens (cumulative token mode)
+    history: TurnRecord | None = None  # the remembered turn whose messages + response start the request's
 
 
 class TurnPipeline:
@@ -135,17 +136,19 @@ class TurnPipeline:
         maximum = self.cfg.max_prompt_tokens if by_config else self.context_length
         return ContextLengthError(tokens, maximum, exact=exact, by_config=by_config, param=spec.prompt_field)
 
-    def prompt_ids(self, session: Session, spec: TurnSpec) -> tuple[np.ndarray, bool]:
+    def prompt_ids(self, session: Session, spec: TurnSpec) -> tuple[np.ndarray, bool, TurnRecord | None]:
         """Cumulative token mode when the history matches a recorded turn exactly, else a full render;
-        True when cumulative. A prompt longer than :attr:`prompt_limit` is a ContextLengthError."""
+        True when cumulative; the matched turn (None when none matched). A prompt longer than
+        :attr:`prompt_limit` is a ContextLengthError."""
+        prev = None
         try:
             if self.cfg.cumulative_token_mode:
                 prev = session.history_match(spec.messages)
                 if prev is not None:
                     ids = self.renderer.extend(prev, spec.messages, spec.tools, self.prompt_limit)
                     if ids is not None:
-                        return ids, True
-            return self.renderer.render(spec.messages, spec.tools, self.prompt_limit), False
+                        return ids, True, prev
+            return self.renderer.render(spec.messages, spec.tools, self.prompt_limit), False, prev
         except PromptTooLong as err:
             raise self.too_long(err.at_least, spec, exact=err.exact) from None
 
@@ -171,7 +174,7 @@ class TurnPipeline:
         if spec.logit_bias and max(spec.logit_bias) >= self.vocab_size:
             raise RequestError(f"logit_bias: token id {max(spec.logit_bias)} is not in the vocabulary "
                                f"[0, {self.vocab_size})", param="logit_bias")
-        prompt_ids, cumulative = self.prompt_ids(session, spec)
+        prompt_ids, cumulative, history = self.prompt_ids(session, spec)
         forced = self.forced_text(spec)
         if forced:
             prompt_ids = np.concatenate([prompt_ids, self.renderer.tokenize(forced)]).astype(np.int32, copy=False)
@@ -179,7 +182,7 @@ class TurnPipeline:
         if spec.tools and not spec.tool_choice.parallel and self.tool_parser.call_end:
             # at most one call: generation stops where the first call closes
             params["stop"] = [*params.get("stop", []), self.tool_parser.call_end]
-        return Prepared(prompt_ids, params, forced, cumulative)
+        return Prepared(prompt_ids, params, forced, cumulative, history)
 
     def count(self, session: Session, prepared: Prepared) -> None:
         """Admit the call against the session's turn cap, and count how its prompt was built (on the event
@@ -269,7 +272,7 @@ class TurnPipeline:
                                        f"the engine aborted the generation: {reason.get('message') or 'aborted'}",
                                        str(reason.get("message")))
 
-        result = await self.cpu.run(lambda: self._finish(session, spec, prompt_ids, out, forced))
+        result = await self.cpu.run(lambda: self._finish(session, spec, prompt_ids, out, forced, prepared.history))
         if progress is not None:
             progress.update(out.output_ids.tolist(), out.output_logprobs.tolist())
         if tracker is not None:
@@ -296,7 +299,7 @@ class TurnPipeline:
         return RequestError(message, status=code)
 
     def _finish(self, session: Session, spec: TurnSpec, prompt_ids: np.ndarray, out: GenerateOutput,
-                forced: str = "") -> TurnResult:
+                forced: str = "", history: TurnRecord | None = None) -> TurnResult:
         """Parse the (forced start +) completion and record the turn (unless the session finished meanwhile).
 
         A forced call the model did not complete parseably is answered as plain text (the forced start
@@ -329,7 +332,7 @@ class TurnPipeline:
         if not session.finished and session.record:
             started = time.perf_counter()
             session.tree.record_turn(turn)
-            session.remember(turn)
+            session.remember(turn, history)
             self.record_times.add(time.perf_counter() - started)
             session.tool_turns += 1 if spec.tools else 0
             session.tool_parse_errors += 1 if parsed.errors else 0
