@@ -35,7 +35,6 @@ import contextvars
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from gateway_proc import start_gateway
 
 REPO = Path(__file__).resolve().parents[1]
 TAG = re.compile(r"\[soak s(\d+) t(\d+)\]")
@@ -311,17 +311,7 @@ async def run(args: argparse.Namespace) -> None:
     gateway = None
     try:
         _, engine_url, timings_url = engine.stdout.readline().split()  # type: ignore[union-attr]
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        gateway = subprocess.Popen([sys.executable, "-m", "rayrl.gateway", "serve", "--model", str(model_dir),
-                                    "--engine-url", engine_url, "--port", str(port), "--admin-token", "admin",
-                                    "--log-level", "WARNING"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, env=env, cwd=REPO)
-        for line in gateway.stdout:  # type: ignore[union-attr]
-            if line.startswith("rayrl gateway at"):
-                break
-        root = f"http://127.0.0.1:{port}"
+        gateway, root, _ = start_gateway(model_dir, engine_url, env)
         calls = Calls()
         alone = Calls()  # warm-up, then the added latency of calls made one at a time (session by session)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:

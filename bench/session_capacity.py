@@ -42,7 +42,7 @@ import os
 import random
 import re
 import resource
-import socket
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from gateway_proc import start_gateway
 from gateway_soak import HealthPoller, pct
 from measure import Record, add_common_args
 
@@ -138,6 +139,16 @@ def _think(rng: random.Random, mean_s: float) -> float:
     return min(3 * mean_s, rng.lognormvariate(math.log(mean_s) - sigma * sigma / 2, sigma))
 
 
+async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                    headers: dict[str, str]) -> dict[str, Any]:
+    """POST ``body``; the answer's JSON, or RuntimeError naming a status other than 200."""
+    async with http.post(url, json=body, headers=headers) as r:
+        answer = await r.json()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {json.dumps(answer)[:200]}")
+        return answer
+
+
 async def episode(i: int, roots: list[str], cfg: dict[str, Any], out: Outcome, rng: random.Random) -> None:
     root = roots[i % len(roots)]
     turns = cfg["turns"]
@@ -145,10 +156,7 @@ async def episode(i: int, roots: list[str], cfg: dict[str, Any], out: Outcome, r
     timeout = aiohttp.ClientTimeout(total=cfg["call_timeout_s"])
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), timeout=timeout) as http:
         try:
-            async with http.post(root + "/rayrl/sessions", json={"metadata": {"i": i}}, headers=ADMIN) as r:
-                info = await r.json()
-                if r.status != 200:
-                    raise RuntimeError(f"HTTP {r.status}: {info}")
+            info = await post_json(http, root + "/rayrl/sessions", {"metadata": {"i": i}}, ADMIN)
         except Exception as err:
             out.lost.append(f"s{i}: open failed: {type(err).__name__}: {err}")
             return
@@ -161,12 +169,9 @@ async def episode(i: int, roots: list[str], cfg: dict[str, Any], out: Outcome, r
             out.calls += 1
             started = time.perf_counter()
             try:
-                async with http.post(root + "/v1/chat/completions", headers=headers,
-                                     json={"model": "tiny", "messages": messages, "tools": TOOLS,
-                                           "max_tokens": 64}) as r:
-                    body = await r.json()
-                    if r.status != 200:
-                        raise RuntimeError(f"HTTP {r.status}: {json.dumps(body)[:200]}")
+                body = await post_json(http, root + "/v1/chat/completions",
+                                       {"model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 64},
+                                       headers)
             except Exception as err:
                 out.failed.append(f"s{i} t{t}: {type(err).__name__}: {err}")
                 ok = False
@@ -186,11 +191,8 @@ async def episode(i: int, roots: list[str], cfg: dict[str, Any], out: Outcome, r
                 messages.append({"role": "tool", "tool_call_id": calls[0]["id"],
                                  "content": TOOL_OUTPUT + f"[cap s{i} t{t + 1}/{turns}]"})
         try:
-            async with http.post(f"{root}/rayrl/sessions/{info['session_id']}/finish", json={"reward": 1.0},
-                                 headers=ADMIN) as r:
-                done = await r.json()
-                if r.status != 200:
-                    raise RuntimeError(f"HTTP {r.status}: {json.dumps(done)[:200]}")
+            done = await post_json(http, f"{root}/rayrl/sessions/{info['session_id']}/finish", {"reward": 1.0},
+                                   ADMIN)
         except Exception as err:
             out.lost.append(f"s{i}: finish failed: {type(err).__name__}: {err}")
             return
@@ -226,10 +228,13 @@ def run_loadgen(cfg: dict[str, Any]) -> None:
         stop.set()
         await probe
         wall = time.perf_counter() - wall0
-        print(json.dumps({"latencies": out.latencies, "calls": out.calls, "failed": out.failed, "lost": out.lost,
-                          "done": out.done, "tokens": out.tokens, "lag_p99_s": pct(lags, 0.99),
-                          "lag_max_s": max(lags, default=0.0), "cpu_s": time.process_time() - cpu0,
-                          "wall_s": wall}), flush=True)
+        # to a file: thousands of latencies are more than a pipe holds, and the bench reads its load
+        # generators' pipes only once they have exited (a load generator blocked on a full pipe never does)
+        result = {"latencies": out.latencies, "calls": out.calls, "failed": out.failed, "lost": out.lost,
+                  "done": out.done, "tokens": out.tokens, "lag_p99_s": pct(lags, 0.99),
+                  "lag_max_s": max(lags, default=0.0), "cpu_s": time.process_time() - cpu0, "wall_s": wall}
+        Path(cfg["result"]).write_text(json.dumps(result))
+        print("done", flush=True)
 
     asyncio.run(main())
 
@@ -248,31 +253,11 @@ def proc_status(pid: int) -> dict[str, float]:
     return {"rss_mb": rss, "fds": len(os.listdir(f"/proc/{pid}/fd")), "cpu_s": cpu}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def http_json(url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
     import urllib.request
 
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=30) as r:
         return json.loads(r.read())
-
-
-def start_gateway(model_dir: Path, engine_url: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "rayrl.gateway", "serve", "--model", str(model_dir),
-                             "--engine-url", engine_url, "--port", str(port), "--admin-token", "admin",
-                             "--log-level", "WARNING"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, cwd=REPO)
-    for line in proc.stdout:  # type: ignore[union-attr]
-        if line.startswith("rayrl gateway at"):
-            break
-    else:
-        raise RuntimeError("the gateway did not start")
-    return proc, f"http://127.0.0.1:{port}"
 
 
 def one_run(args: argparse.Namespace, n: int, shards: int, model_dir: Path, env: dict[str, str]) -> dict[str, Any]:
@@ -285,14 +270,17 @@ def one_run(args: argparse.Namespace, n: int, shards: int, model_dir: Path, env:
         procs.append(engine)
         engine_url = engine.stdout.readline().split()[1]  # type: ignore[union-attr]
         gateways = [start_gateway(model_dir, engine_url, env) for _ in range(shards)]
-        procs += [g for g, _ in gateways]
-        roots = [root for _, root in gateways]
+        procs += [g.proc for g in gateways]
+        roots = [g.root for g in gateways]
         time.sleep(1.0)
-        before = [proc_status(g.pid) for g, _ in gateways]
+        before = [proc_status(g.proc.pid) for g in gateways]
         engine_cpu0 = proc_status(engine.pid)["cpu_s"]
         cfg = {"roots": roots, "sessions": n, "step": args.loadgens, "turns": args.turns, "think_s": args.think_s,
                "ramp_s": args.ramp_s, "seed": args.seed, "call_timeout_s": args.call_timeout_s}
-        loadgens = [subprocess.Popen([sys.executable, __file__, "load", json.dumps({**cfg, "first": k})],
+        results_dir = Path(tempfile.mkdtemp(prefix="capacity-loadgens-"))
+        result_files = [results_dir / f"loadgen-{k}.json" for k in range(args.loadgens)]
+        loadgens = [subprocess.Popen([sys.executable, __file__, "load",
+                                      json.dumps({**cfg, "first": k, "result": str(result_files[k])})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
                     for k in range(args.loadgens)]
         procs += loadgens
@@ -306,20 +294,25 @@ def one_run(args: argparse.Namespace, n: int, shards: int, model_dir: Path, env:
         peak_open, at_peak, fds_peak = 0, before, [b["fds"] for b in before]
         while any(lg.poll() is None for lg in loadgens):
             time.sleep(0.5)
+            if time.perf_counter() - started > args.run_limit_s:
+                raise RuntimeError(f"the run passed --run-limit-s {args.run_limit_s}")
             try:
-                now = [proc_status(g.pid) for g, _ in gateways]
+                now = [proc_status(g.proc.pid) for g in gateways]
                 open_now = sum(http_json(root + "/health")["open_sessions"] for root in roots)
             except (OSError, ValueError):
                 continue
             fds_peak = [max(a, b["fds"]) for a, b in zip(fds_peak, now)]
             if open_now > peak_open:
                 peak_open, at_peak = open_now, now
-            if time.perf_counter() - started > args.run_limit_s:
-                raise RuntimeError(f"the run passed --run-limit-s {args.run_limit_s}")
         wall = time.perf_counter() - started
-        results = [json.loads(lg.communicate(timeout=120)[0].strip().splitlines()[-1]) for lg in loadgens]
+        for lg in loadgens:
+            lg.communicate(timeout=120)
+            if lg.returncode != 0:
+                raise RuntimeError(f"a load generator exited {lg.returncode}")
+        results = [json.loads(f.read_text()) for f in result_files]
+        shutil.rmtree(results_dir, ignore_errors=True)
         health = poller.stop()
-        after = [proc_status(g.pid) for g, _ in gateways]
+        after = [proc_status(g.proc.pid) for g in gateways]
         engine_cpu = proc_status(engine.pid)["cpu_s"] - engine_cpu0
         stats = [http_json(root + "/rayrl/stats", ADMIN) for root in roots]
     finally:
