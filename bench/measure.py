@@ -47,7 +47,9 @@ BUSY_WARNING = ("the machine is busy (1-minute load average above half the cores
                 "both sides, but contention does not hit every side alike (spinning threads wait far longer on a "
                 "shared core), so these figures are not results")
 
-QUIET_WAIT_S = 150.0  # longest wait for the load average to settle before a bench starts
+# longest wait for the load average to settle before a bench starts (BENCH_QUIET_WAIT_S=0: start at once, on a
+# machine other work keeps busy anyway; the record says the load either way)
+QUIET_WAIT_S = float(os.environ.get("BENCH_QUIET_WAIT_S", "150"))
 
 Figures = Union[float, Mapping[str, float]]
 VALUE = "value"  # the figure name of a side that returns a single number
@@ -184,6 +186,17 @@ def machine() -> dict[str, Any]:
             "memory_gib": round(mem_gb, 1), "python": platform.python_version()}
 
 
+def source_commit() -> str:
+    """The checkout's commit (short), with ``+changes`` when tracked files differ from it: what was measured."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT, timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+changes" if head and dirty else "")
+
+
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Columns aligned for a terminal (the report renders the same cells as markdown)."""
     cells = [[str(c) for c in columns]] + [[str(c) for c in row] for row in rows]
@@ -202,6 +215,7 @@ class Record:
         self.command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)]
                                             + sys.argv[1:])
         self.machine = machine()
+        self.commit = source_commit()
         self.waited_s = 0.0 if quick else self.wait_for_quiet()
         self.started = dt.datetime.now().astimezone()
         self.load_start = os.getloadavg()
@@ -249,7 +263,8 @@ class Record:
             "started": self.started.isoformat(timespec="seconds"),
             "finished": finished.isoformat(timespec="seconds"),
             "duration_s": round((finished - self.started).total_seconds(), 1),
-            "machine": self.machine, "load_start": list(self.load_start), "load_end": list(load_end),
+            "machine": self.machine, "commit": self.commit,
+            "load_start": list(self.load_start), "load_end": list(load_end),
             # busy: judged at the start only; the load at the end includes this bench's own threads
             "busy": self.busy(self.load_start), "waited_s": round(self.waited_s, 1),
             "tables": self.tables, "notes": self.notes, "figures": self.figures,

@@ -51,7 +51,8 @@ def section(rec: dict[str, Any]) -> str:
         lines += [f"**Warning: {BUSY_WARNING}.**", ""]
     lines += [
         f"- command: `{rec['command']}`",
-        f"- date: {rec['started']} ({rec['duration_s']:.0f} s)",
+        f"- date: {rec['started']} ({rec['duration_s']:.0f} s)"
+        + (f", commit {rec['commit']}" if rec.get("commit") else ""),
         f"- machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['simd']) or 'no AVX2'}), "
         f"{m['memory_gib']} GiB, Python {m['python']}",
         f"- load average: {load(rec['load_start'])} at start, {load(rec['load_end'])} at end",
