@@ -2,7 +2,8 @@
 
 Trainer (each side in a process of its own, so peak RSS is the side's own; the sides take turns, the
 order rotating each round, bench/measure.py): seconds per trainer step on a calculator-shaped batch
-(4 groups x 4 episodes, a 400-token prompt shared in each group, 100 trained tokens each), peak trainer
+(the default run's 4 groups x 4 episodes of 192 prompt + 61 response tokens, 49 of them trained;
+:data:`RESPONSE_SPANS`), peak trainer
 RSS, checkpoint size, bytes per weight update.
 
 Engine (one real ``cpu_server`` process, SmolLM2's default fp16-packed decode weights): seconds per
@@ -44,17 +45,27 @@ from rayrl.weights.adapter import AdapterSender  # noqa: E402
 from rayrl.weights.handles import HandleSender  # noqa: E402
 from rayrl.weights.transfer import EngineTarget  # noqa: E402
 
-GROUPS, GROUP_SIZE, PROMPT, RESPONSE = 4, 4, 400, 100
+# The default calculator run's batch (examples/calculator/config.yaml), as its gateway renders a two-turn
+# episode for SmolLM2: 4 prompts x 4 episodes; a 192-token prompt of which the first 175 (system prompt and
+# two worked examples) are the same in every episode and the rest is the group's question; 61 response
+# tokens: a tool call (26, trained), the tool's output and the next turn's header (12, not trained), the
+# answer (23, trained).
+GROUPS, GROUP_SIZE, SHARED, PROMPT = 4, 4, 175, 192
+RESPONSE_SPANS = ((26, 1.0), (12, 0.0), (23, 1.0))
+RESPONSE = sum(n for n, _ in RESPONSE_SPANS)
+TRAINED = int(sum(n * m for n, m in RESPONSE_SPANS))
 
 
 def batch(seed: int) -> tuple[list[Sample], list[float]]:
     rng = np.random.default_rng(seed)
+    shared = rng.integers(10, 40000, size=SHARED)
+    loss_mask = np.concatenate([np.full(n, m) for n, m in RESPONSE_SPANS])
     samples, advantages = [], []
     for _ in range(GROUPS):
-        prompt = rng.integers(10, 40000, size=PROMPT)
+        prompt = np.concatenate([shared, rng.integers(10, 40000, size=PROMPT - SHARED)])
         for k in range(GROUP_SIZE):
             tokens = np.concatenate([prompt, rng.integers(10, 40000, size=RESPONSE)]).astype(np.int32)
-            samples.append(Sample(tokens=tokens, prompt_length=PROMPT, loss_mask=np.ones(RESPONSE),
+            samples.append(Sample(tokens=tokens, prompt_length=PROMPT, loss_mask=loss_mask.copy(),
                                   policy_versions=np.zeros(RESPONSE),
                                   rollout_logprobs=np.full(RESPONSE, -3.0, np.float32)))
             advantages.append(1.0 if k % 2 else -1.0)
@@ -215,7 +226,8 @@ def main() -> None:
     for key, label, digits in (("step_s", "trainer step, s", 2), ("peak_rss_mb", "peak trainer RSS, MB", 0),
                                ("checkpoint_mb", "checkpoint, MB", 1), ("update_mb", "bytes per weight update, MB", 1)):
         rows.append([label, full[key].fmt(digits), lora[key].fmt(digits), paired_ratio(lora[key], full[key]).fmt(3)])
-    record.table(f"Trainer, {GROUPS}x{GROUP_SIZE} samples of {PROMPT}+{RESPONSE} tokens, {args.threads} threads, "
+    record.table(f"Trainer, {GROUPS}x{GROUP_SIZE} samples of {PROMPT}+{RESPONSE} tokens ({TRAINED} trained), "
+                 f"{args.threads} threads, "
                  f"{args.steps} steps per side per round", ["figure", "full", f"LoRA r{args.rank}", "LoRA / full"],
                  rows)
     engine_side(args, record, rounds)
