@@ -53,6 +53,7 @@ from rayrl.weights.transfer import EngineTarget  # noqa: E402
 GROUPS, GROUP_SIZE, SHARED, PROMPT = 4, 4, 175, 192
 RESPONSE_SPANS = ((26, 1.0), (12, 0.0), (23, 1.0))
 RESPONSE = sum(n for n, _ in RESPONSE_SPANS)
+EPISODES, MAX_TURNS, TURN_TOKENS = GROUPS * GROUP_SIZE, 3, 48  # rollout.max_turns, rollout.max_tokens
 TRAINED = int(sum(n * m for n, m in RESPONSE_SPANS))
 
 
@@ -137,7 +138,7 @@ def engine_side(args: argparse.Namespace, record: Record, rounds: dict) -> None:
                 p.normal_(0, 0.01)
     full_state = list(full.named_weights(torch.float32))
     lora_state = list(lora.named_weights(torch.float32))
-    cfg = EngineConfig(dtype="float32", max_batch_size=8, context_length=1024, num_threads=args.threads,
+    cfg = EngineConfig(dtype="float32", max_batch_size=32, context_length=2048, num_threads=args.threads,
                        startup_timeout_s=300, max_lora_rank=args.rank)
     loop = asyncio.new_event_loop()
     versions = iter(range(1, 10**6))
@@ -162,11 +163,11 @@ def engine_side(args: argparse.Namespace, record: Record, rounds: dict) -> None:
             return time.perf_counter() - started
 
         async def decode_step() -> float:
-            prompts = [[5 + i, 17, 42, 99, 7, 3] for i in range(8)]
+            prompts = [[5 + i, 17, 42, 99, 7, 3] for i in range(EPISODES)]
             started = time.perf_counter()
-            await asyncio.gather(*(client.generate(p, {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True},
-                                                   lora_path=adapter.name) for p in prompts))
-            return (time.perf_counter() - started) / 64
+            await asyncio.gather(*(client.generate(p, {"max_new_tokens": TURN_TOKENS, "temperature": 0.0,
+                                                       "ignore_eos": True}, lora_path=adapter.name) for p in prompts))
+            return (time.perf_counter() - started) / TURN_TOKENS
 
         loop.run_until_complete(handles.connect())
         loop.run_until_complete(adapter.connect())
@@ -186,16 +187,19 @@ def engine_side(args: argparse.Namespace, record: Record, rounds: dict) -> None:
         loop.run_until_complete(adapter.close())
         loop.run_until_complete(client.close())
     decode_s = float(np.median(step))
-    extra = decode_overhead(path, args.rank, 8, 5 if args.quick else 20)
+    extra = decode_overhead(path, args.rank, EPISODES, 5 if args.quick else 20)
     merge_s = res[names[1]].median
-    tokens_per_step = GROUPS * GROUP_SIZE * 3 * 48  # the calculator run: 16 episodes, <= 3 turns x 48 tokens
-    steps_per_rollout = tokens_per_step / 8  # decode steps at batch 8
-    record.table("Merged at update vs applied at decode (CPU engine, batch 8)", ["figure", "value"], [
-        ["engine decode step (merged weights, batch 8)", f"{decode_s * 1e3:.2f} ms"],
-        [f"added per decode step if applied at decode (2 x {7} x layers small matmuls)", f"{extra * 1e3:.2f} ms"],
-        ["merge + repack per update (the LoRA update above)", f"{merge_s * 1e3:.1f} ms"],
-        [f"decode steps per calculator rollout (<= {tokens_per_step} tokens / 8)", f"{steps_per_rollout:.0f}"],
-        ["applied at decode, per rollout", f"{extra * steps_per_rollout * 1e3:.0f} ms"],
+    generated = sum(n for n, m in RESPONSE_SPANS if m)  # decode steps of a rollout: the episodes decode together
+    most = MAX_TURNS * TURN_TOKENS
+    record.table(f"Merged at update vs applied at decode (CPU engine, batch {EPISODES})", ["figure", "value"], [
+        [f"engine decode step (merged weights, batch {EPISODES})", f"{decode_s * 1e3:.2f} ms"],
+        ["added per decode step if applied at decode (2 small matmuls x 7 x layers)", f"{extra * 1e3:.2f} ms"],
+        ["LoRA update (above: unload + load, merge, repack)", f"{merge_s * 1e3:.1f} ms"],
+        ["break-even: decode steps per update above which merging is faster", f"{merge_s / extra:.0f}"],
+        [f"decode steps per calculator rollout: the batch's two turns / at most {MAX_TURNS} x {TURN_TOKENS}",
+         f"{generated} / {most}"],
+        ["applied at decode, added per rollout (the two figures above)",
+         f"{extra * generated * 1e3:.0f} / {extra * most * 1e3:.0f} ms"],
     ])
     record.figure("decode_overhead_ms", extra * 1e3)
     record.figure("decode_step_ms", decode_s * 1e3)
