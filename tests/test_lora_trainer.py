@@ -104,6 +104,29 @@ def test_only_the_adapter_trains_and_the_reference_is_the_base_with_it_off(tiny_
     assert not torch.allclose(trainer.token_logprobs(batch)[rows][order], first, atol=1e-3)
 
 
+@pytest.mark.parametrize("kl", [0.0, 0.1])
+def test_a_step_runs_no_pass_and_no_gradient_it_does_not_need(tiny_model_dir, monkeypatch, kl):
+    """The step time LoRA saves: no weight gradient for any frozen weight (the tied embedding and head
+    included), and no reference pass (the base with the adapter off) unless a KL term asks for it."""
+    algo = AlgorithmConfig(kl_loss_coef=kl)
+    trainer = _trainer(tiny_model_dir, _cfg(), algo)
+    passes, adapter_off = [], []
+    lora.causal_lm(trainer.model).model.register_forward_hook(lambda *_: passes.append(torch.is_grad_enabled()))
+    real_off = lora.adapter_off
+
+    def counted_off(model):
+        adapter_off.append(1)
+        return real_off(model)
+
+    monkeypatch.setattr(lora, "adapter_off", counted_off)
+    _step(trainer, algo=algo)
+    # one micro-batch: its training forward, and the reference forward (no grad) only with a KL term
+    assert passes == ([False, True] if kl else [True]) and len(adapter_off) == (1 if kl else 0)
+    for name, p in trainer.model.named_parameters():
+        if not (".lora_A." in name or ".lora_B." in name):
+            assert not p.requires_grad and p.grad is None, name
+
+
 @pytest.mark.parametrize("loss", ["ppo_clip", "gspo", "cispo", "sft"])
 def test_every_policy_loss_trains_the_adapter_with_kl_entropy_and_several_updates(tiny_model_dir, loss):
     algo = AlgorithmConfig(policy_loss=loss, kl_loss_coef=0.05, kl_reward_coef=0.02, entropy_coef=0.01,
