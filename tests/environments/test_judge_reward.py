@@ -181,3 +181,26 @@ def test_a_judge_function_with_the_wrong_signature_fails_at_load(judge_server):
     with pytest.raises(ConfigError, match="reward_fn_for"):
         get_reward_fn("judge")
     assert dataclasses.is_dataclass(Judge(cfg.rollout.judge).cfg)
+
+
+def test_the_judge_example_s_function_reads_the_number_and_compares_it(judge_server):
+    """examples/judge/grade.py: the judge only reads the reply's number (this stand-in reads it with a regular
+    expression, from the last message, which must be the policy's reply); the function compares it."""
+    import re
+
+    def reads_last_number(prompt: str) -> str:
+        last = prompt.splitlines()[-1]
+        return "Lots." if "shrug" in last else (re.findall(r"-?\d+", last) or ["none"])[-1]
+
+    server = judge_server(reads_last_number)
+    reward = judge_reward(cfg_for(server, function="examples.judge.grade:reads_the_answer"))
+    task = Task(prompt="What is 6 * 7?", metadata={"answer": 42}, task_id="m1")
+    assert reward(task, answer("The answer is 42.")) == 1.0
+    assert reward(task, answer("6 * 7 = 43")) == 0.0
+    assert reward(task, answer("I do not know")) == 0.0  # the judge says none: no answer, a 0
+    assert reward(task, answer("")) == 0.0 and len(server.requests) == 3  # nothing to read: no call
+    with pytest.raises(JudgeError, match="no number"):
+        reward(task, answer("shrug"))  # the judge's own reply says nothing: no verdict, never a 0
+    sent = server.requests[0]["messages"]
+    assert sent[0]["role"] == "system" and sent[-1] == {"role": "user", "content": "The answer is 42."}
+    assert [m["role"] for m in sent[1:-1]] == ["user", "assistant"] * 3  # the worked examples as turns
