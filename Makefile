@@ -109,7 +109,7 @@ bench: $(TDEPS) model
 	$(if $(BASE),$(BIN)/python bench/pipeline_before_after.py --base $(BASE))
 	$(BIN)/python bench/report.py
 
-# concurrent agent sessions on one trajectory-manager shard; its section of docs/benchmarks.md only
+# concurrent agent sessions on one gateway shard; its section of docs/benchmarks.md only
 bench-sessions: $(TDEPS) model
 	$(BIN)/python bench/session_capacity.py
 	$(BIN)/python bench/report.py --keep

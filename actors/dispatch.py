@@ -11,7 +11,7 @@ group, same index: not lost, not counted twice) and a fresh worker takes its pla
 counted and logged once. An episode re-queued more than ``max_retries`` times fails instead.
 
 Which groups are queued, running and complete, and the rules on them (a group id in flight at most once,
-oldest first, a checkpoint's groups replacing what is in flight), are rayrl/pipeline/groups_in_flight.py's
+oldest first, a checkpoint's groups replacing what is in flight), are rayrl/orchestration/groups_in_flight.py's
 GroupsInFlight, which this class extends with the episodes' runs on the workers.
 """
 
@@ -25,12 +25,12 @@ from typing import Any, Callable
 import ray
 from ray.exceptions import RayActorError
 
-from rayrl.pipeline.groups_in_flight import GroupsInFlight
+from rayrl.orchestration.groups_in_flight import GroupsInFlight
 from rayrl.rl.failures import STEP_DEADLINE, WORKER_DIED, fail
 from rayrl.rl.groups import Group
 from rayrl.types import Episode
 
-logger = logging.getLogger("rayrl.pipeline")
+logger = logging.getLogger("rayrl.dispatch")
 
 
 class GroupDispatcher(GroupsInFlight):

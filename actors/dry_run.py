@@ -19,11 +19,11 @@ import time
 import ray
 
 from actors.engine_fleet import EngineFleet
+from actors.gateway_shard import start_gateway_shards
 from actors.judge_server import ServedJudge
 from actors.rollout_worker import RolloutWorker
 from actors.runtime import on_driver_node
 from actors.sandbox_pool import SandboxPoolActor
-from actors.trajectory_manager import start_trajectory_managers
 from rayrl.config import RunConfig
 from rayrl.config.paths import absolute_outputs
 from rayrl.data import FileDataset
@@ -55,20 +55,20 @@ def run_one_episode(cfg: RunConfig, task: Task) -> Episode:
     name = f"rayrl-{cfg.exp_id}-dry-run"
     print(f"[rayrl] dry run: starting one engine (logs: {logs}), the gateway and one rollout worker...", flush=True)
     engines = EngineFleet(cfg.engine, model_path, str(logs), [None], name_prefix=name)
-    trajectories = pool = worker = judge = None
+    gateway = pool = worker = judge = None
     try:
         judge = ServedJudge.start(cfg, name, str(logs))  # rollout.judge.serve: the reward asks it
         cfg = judge.run_config(cfg) if judge is not None else cfg
-        trajectories = start_trajectory_managers(dataclasses.replace(cfg, exp_id=f"{cfg.exp_id}-dry-run"),
+        gateway = start_gateway_shards(dataclasses.replace(cfg, exp_id=f"{cfg.exp_id}-dry-run"),
                                                  model_path, engines.urls)
         pool = SandboxPoolActor.options(name=f"{name}-sandbox-pool", **on_driver_node()).remote(
             cfg.sandbox, cfg.sandbox_pool)
         worker = RolloutWorker.options(name=f"{name}-rollout", max_concurrency=2, **on_driver_node()).remote(
-            cfg, trajectories.handles, pool, 0)
+            cfg, gateway.handles, pool, 0)
         print(f"[rayrl] dry run: task {task.task_id} against the engine at {engines.urls[0]}", flush=True)
         return ray.get(worker.run_episode.remote(task, "dry-run", 0))
     finally:
-        graceful = [*(trajectories.shutdown() if trajectories is not None else []),
+        graceful = [*(gateway.shutdown() if gateway is not None else []),
                     *([pool.shutdown.remote()] if pool is not None else [])]
         try:
             ray.get(graceful, timeout=60)
@@ -77,7 +77,7 @@ def run_one_episode(cfg: RunConfig, task: Task) -> Episode:
         engines.shutdown()
         if judge is not None:
             judge.shutdown()
-        for handle in [*(trajectories.handles if trajectories is not None else []), pool, worker]:
+        for handle in [*(gateway.handles if gateway is not None else []), pool, worker]:
             if handle is not None:
                 ray.kill(handle)
 

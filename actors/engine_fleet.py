@@ -7,7 +7,7 @@ creates a new one on the same placement bundle once Ray has that bundle on a liv
 on the bundle returns; when the node died, that is after Ray has placed the bundle again, on a spare
 node, which may never come) and when the caller allows it (a colocated engine's GPU may be lent to the
 trainer). So a node's death is one restart, counted once, and never a replacement queued on a node that
-is gone. The new engine is *not* live until the engine membership (rayrl/pipeline/membership.py, the
+is gone. The new engine is *not* live until the engine membership (rayrl/orchestration/membership.py, the
 one caller of :meth:`EngineFleet.poll` and :meth:`EngineFleet.mark_live`) has given it the current
 weights and marked it live; the routers learn its address only then, so no call ever reaches an engine
 with stale weights. Shutdown stops the engines that are up and only kills the rest: it never waits on an
@@ -29,7 +29,7 @@ import ray
 from actors.engine import EngineActor, EngineSeat, bundle_probe
 from rayrl.config import EngineConfig
 from rayrl.engines.backends import engine_backend
-from rayrl.weights.routes import EngineEndpoint
+from rayrl.weights.plan import EngineEndpoint
 
 logger = logging.getLogger("rayrl.engines")
 
@@ -228,7 +228,7 @@ class EngineFleet:
         return [s.url for s in self.live()]
 
     def endpoints(self, states: tuple[str, ...] = ("live", "joining")) -> list[EngineEndpoint]:
-        """Where the engines serve (for the weight routes): live ones and those waiting for weights."""
+        """Where the engines serve (for the weight plan): live ones and those waiting for weights."""
         return [EngineEndpoint(s.url, s.info["node_id"], self.cfg.tp_size, tuple(s.info.get("bundles", ())))
                 for s in self.slots if s.state in states]
 

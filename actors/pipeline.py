@@ -7,13 +7,13 @@ Allocation, in order (each step names what it starts and where):
 2. the engines: one EngineActor per engine on its own bundle(s), started in parallel (and, for on-policy
    distillation, the teacher's engine when ``algorithm.distill_teacher`` is a model path; for a judge
    the run serves, ``rollout.judge.serve``, the judge's engines and endpoint: actors/judge_server.py);
-3. the trainer: TrainerGroup ranks on their bundles, joined by torch.distributed; the weight routes
+3. the trainer: TrainerGroup ranks on their bundles, joined by torch.distributed; the weight plan
    from the ranks to the engines are planned from where both landed (actors/weight_sync.py);
-4. the gateway: trajectory-manager shards that serve the agents' LLM calls and record every turn;
+4. the gateway: gateway shards that serve the agents' LLM calls and record every turn;
 5. the sandbox pool;
 6. the rollout workers, kept busy by a GroupDispatcher (4-6 on the driver's node: a local sandbox is a
    process tree on the pool's node, used directly by the worker that leased it);
-7. the schedule (sync, async or colocated_async; rayrl/pipeline/schedules.py spells out each one's
+7. the schedule (sync, async or colocated_async; rayrl/orchestration/schedules.py spells out each one's
    phases).
 
 Then the loop: each step collects its groups (the schedule), builds the batch (the configured
@@ -37,6 +37,7 @@ import ray
 from actors.dispatch import GroupDispatcher
 from actors.engine_fleet import EngineFleet
 from actors.evaluation import evaluate
+from actors.gateway_shard import start_gateway_shards
 from actors.judge_server import ServedJudge
 from actors.placement_group import SharedPlacement
 from actors.ray_metrics import RayMetricsSink
@@ -44,7 +45,6 @@ from actors.rollout_worker import RolloutWorker, start_workers
 from actors.runtime import on_driver_node
 from actors.sandbox_pool import SandboxPoolActor
 from actors.trainer import TrainerFailure, TrainerGroup
-from actors.trajectory_manager import start_trajectory_managers
 from actors.weight_sync import WeightSync
 from rayrl.agents import harness_row
 from rayrl.checkpoint import CheckpointStore
@@ -55,11 +55,11 @@ from rayrl.data.load import load_tasks
 from rayrl.engines.backends import engine_backend
 from rayrl.metrics import CounterDeltas, MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
-from rayrl.pipeline.failures import WeightSyncError
-from rayrl.pipeline.parts import RunParts, RunState
-from rayrl.pipeline.run_checkpoint import RunCheckpoints
-from rayrl.pipeline.schedules import make_schedule, schedule_kind
-from rayrl.pipeline.start_together import StartTogether
+from rayrl.orchestration.part_failures import WeightSyncError
+from rayrl.orchestration.parts import RunParts, RunState
+from rayrl.orchestration.run_checkpoint import RunCheckpoints
+from rayrl.orchestration.schedules import make_schedule, schedule_kind
+from rayrl.orchestration.start_together import StartTogether
 from rayrl.preflight import preflight
 from rayrl.records import tokenizer_text, write_episodes, write_inspection
 from rayrl.resolve import capacity_warnings, resolve
@@ -109,8 +109,8 @@ class Pipeline:
         self.placement = SharedPlacement.from_config(cfg)
         if self.placement is not None:
             print(f"[rayrl] placement: {self.placement.describe()}", flush=True)
-        # 2-6 start together (rayrl/pipeline/start_together.py): each part loads in its own processes and none
-        # needs another to do so; what joins them (engine addresses, weight routes) follows once all are up
+        # 2-6 start together (rayrl/orchestration/start_together.py): each part loads in its own processes and none
+        # needs another to do so; what joins them (engine addresses, weight plan) follows once all are up
         print("[rayrl] starting engines, trainer, gateway, sandbox pool and rollout workers...", flush=True)
         start = StartTogether(self.startup)
         # 2. the engines
@@ -139,8 +139,8 @@ class Pipeline:
 
         trainer = start.part("trainer", start_trainer, stop=TrainerGroup.shutdown)
         # 4. the gateway: its shards load the tokenizer meanwhile; they learn the engines' addresses below
-        self.trajectories = start_trajectory_managers(cfg, self.model_path, [], wait=False)
-        start.part("gateway", self.trajectories.started, stop=lambda _: self.trajectories.kill())
+        self.gateway = start_gateway_shards(cfg, self.model_path, [], wait=False)
+        start.part("gateway", self.gateway.started, stop=lambda _: self.gateway.kill())
         # 5. the sandbox pool, filled to sandbox_pool.min_warm
         self.pool = SandboxPoolActor.options(name=f"{name}-sandbox-pool", **on_driver_node()).remote(
             cfg.sandbox, cfg.sandbox_pool)
@@ -152,7 +152,7 @@ class Pipeline:
             if judge is not None:
                 start.after(judge)
                 run_cfg = judge.result().run_config(cfg)
-            return start_workers(run_cfg, self.trajectories.handles, self.pool)
+            return start_workers(run_cfg, self.gateway.handles, self.pool)
 
         workers = start.part("workers", start_rollout_workers, stop=lambda started: [ray.kill(w) for w in started])
         start.wait()  # all of them up, or the first failure raised and every part stopped
@@ -161,12 +161,12 @@ class Pipeline:
         self.judge = judge.result() if judge is not None else None
         if self.judge is not None:
             self.cfg = cfg = self.judge.run_config(cfg)
-        # the joins: the gateway routes to the engines; the weight routes from the trainer's ranks to them
-        self.trajectories.set_engines(self.engines.urls)
+        # the joins: the gateway routes to the engines; the weight plan from the trainer's ranks to them
+        self.gateway.set_engines(self.engines.urls)
         self.weights = WeightSync(cfg, self.trainer)
-        routes = self.weights.connect(self.engines.endpoints())
-        if self.placement is not None and routes is not None:
-            print(f"[rayrl] weights: {routes.describe()}", flush=True)
+        plan = self.weights.connect(self.engines.endpoints())
+        if self.placement is not None and plan is not None:
+            print(f"[rayrl] weights: {plan.describe()}", flush=True)
         if self.weights.adapter_only:  # requests name the adapter: the engines load version 0 before any
             self.weights.push(0, self.engines.endpoints())
         self.dispatcher = GroupDispatcher(workers.result(), cfg.rollout.group_size, cfg.pipeline.groups_in_flight,
@@ -175,7 +175,7 @@ class Pipeline:
         print(f"[rayrl] {self.startup.summary('all_actors_ready')}", flush=True)
         # 7. the schedule
         self.schedule = make_schedule(RunParts(cfg, self.state, self.sampler, self.dispatcher, self.trainer,
-                                               self.engines, self.weights, self.trajectories))
+                                               self.engines, self.weights, self.gateway))
         self.checkpoints = RunCheckpoints(store, self.trainer, self.sampler, self.dispatcher, self.schedule,
                                           self.run_dir)
         self.checkpoints.check_shared()
@@ -259,7 +259,7 @@ class Pipeline:
             drawn, batch, version=version, policy_version=state.version, train=train,
             pipeline_counts=counts, groups_in_flight=in_flight,
             failures={**state.failures, **self.dispatcher.counts}, engines=self._engine_work(),
-            extra={**gateway_metrics(self.trajectories.stats()), **self._agentcore_metrics(),
+            extra={**gateway_metrics(self.gateway.stats()), **self._agentcore_metrics(),
                    "engine/float32_fallback": float(self._gap_fallback),
                    "rollout/episodes_set_aside": len(set_aside)},
             rollout_s=rollout_s, step_s=time.monotonic() - started,
@@ -287,7 +287,7 @@ class Pipeline:
     @property
     def budget_spent(self) -> bool:
         """``pipeline.episode_budget`` is set, has no room for another group and every group it paid for
-        was taken (rayrl/pipeline/schedules.py counts episodes when their group is queued)."""
+        was taken (rayrl/orchestration/schedules.py counts episodes when their group is queued)."""
         return self.schedule.budget_spent
 
     def build_batch(self, episodes: list) -> Batch:
@@ -409,7 +409,7 @@ class Pipeline:
         return RolloutWorker.options(
             name=f"rayrl-{self.cfg.exp_id}-rollout-{index}-r{self.dispatcher.counts['rollout_worker_deaths']}",
             max_concurrency=self.cfg.rollout.max_concurrent_episodes + 1, **on_driver_node(),
-        ).remote(self.cfg, self.trajectories.handles, self.pool, index)
+        ).remote(self.cfg, self.gateway.handles, self.pool, index)
 
     def _agentcore_launcher(self) -> Any:
         """The run's AgentCore launcher actor (created by the first rollout worker that needs it), if any."""
@@ -431,7 +431,7 @@ class Pipeline:
         """Stop every actor gracefully, then release it (names become free for the next pipeline)."""
         self.metrics.close()
         self.weights.close()  # leave the broadcast group before the engines stop
-        graceful = [*self.trajectories.shutdown(), self.pool.shutdown.remote()]
+        graceful = [*self.gateway.shutdown(), self.pool.shutdown.remote()]
         launcher = self._agentcore_launcher()
         if launcher is not None:  # stops its local agent, emulator and S3 processes politely
             graceful.append(launcher.shutdown.remote())
@@ -446,7 +446,7 @@ class Pipeline:
             self.judge.shutdown()
         for ref in self.dispatcher.running:  # episodes of groups the run did not need
             ray.cancel(ref)
-        for handle in [*self.trajectories.handles, *self.workers, self.pool, *([launcher] if launcher else [])]:
+        for handle in [*self.gateway.handles, *self.workers, self.pool, *([launcher] if launcher else [])]:
             ray.kill(handle)
         self.trainer.shutdown()
         if self.placement is not None:

@@ -19,7 +19,7 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-logger = logging.getLogger("rayrl.pipeline")
+logger = logging.getLogger("rayrl.trainer")
 
 STACKS_SIGNAL = getattr(signal, "SIGUSR2", None)
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import ray
 
+from actors.gateway_shard import GatewayShards
 from actors.runtime import on_driver_node
-from actors.trajectory_manager import TrajectoryManagers
 from rayrl.agents import agent_factory, harness_row
 from rayrl.agents.episode import EpisodeRunner
 from rayrl.config import RunConfig
@@ -35,7 +35,7 @@ class _PoolSandboxes:
         ray.get(self.pool.release.remote(lease_id))
 
 
-class _TreeKeepingManagers(TrajectoryManagers):
+class _TreeKeepingShards(GatewayShards):
     """The runner's session service: finishing a session also fetches its turn tree for the run records
     (rayrl/records.py), kept here until ``run_episode`` puts it on its Episode (``Episode.tree``)."""
 
@@ -58,7 +58,7 @@ class RolloutWorker:
     owns a thread and Ray bounds how many run at once.
     """
 
-    def __init__(self, cfg: RunConfig, tm_handles: list[Any], pool: Any, worker_index: int = 0) -> None:
+    def __init__(self, cfg: RunConfig, shard_handles: list[Any], pool: Any, worker_index: int = 0) -> None:
         logging.basicConfig(level=cfg.logging.log_level)
         quiet_http_loggers()
         owner = ray.get_runtime_context().get_actor_id()
@@ -69,7 +69,7 @@ class RolloutWorker:
             harness = agentcore_harness(cfg)
         else:  # checked when the config was loaded (rayrl/preflight.py)
             harness = agent_factory(cfg.rollout)()
-        self.sessions = _TreeKeepingManagers(tm_handles)
+        self.sessions = _TreeKeepingShards(shard_handles)
         self.runner = EpisodeRunner(
             harness=harness,
             reward_fn=reward_fn_for(cfg.rollout),
@@ -96,12 +96,12 @@ def quiet_http_loggers() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def start_workers(cfg: RunConfig, tm_handles: list[Any], pool: Any) -> list[Any]:
+def start_workers(cfg: RunConfig, shard_handles: list[Any], pool: Any) -> list[Any]:
     workers = [
         RolloutWorker.options(
             name=f"rayrl-{cfg.exp_id}-rollout-{i}", max_concurrency=cfg.rollout.max_concurrent_episodes + 1,
             **on_driver_node(),
-        ).remote(cfg, tm_handles, pool, i)
+        ).remote(cfg, shard_handles, pool, i)
         for i in range(cfg.rollout.num_workers)
     ]
     ray.get([w.ping.remote() for w in workers])

@@ -8,14 +8,14 @@ parallelism the ranks of one replica train the same samples) and sends every ran
 gradients are all-reduced over the whole mini-batch and every replica ends each step with identical
 weights.
 
-New weights reach the engines from the ranks that rayrl/weights/routes.py picks (``connect_weights``
+New weights reach the engines from the ranks that rayrl/weights/plan.py picks (``connect_weights``
 once, then ``push_weights`` after each step): every rank holds one sender or none, and never asks
 which transport it is.
 
 Every call the group makes to its ranks goes through :meth:`TrainerGroup.gather`, whatever the phase
 (train, onload, offload, weight push, checkpoint, ...): a rank that died (killed, its node lost) there
 becomes a :class:`TrainerFailure` naming the phase and the cause, with the policy version of every
-rank still alive, so the run stops the same way in every phase (rayrl/pipeline/run_checkpoint.py).
+rank still alive, so the run stops the same way in every phase (rayrl/orchestration/run_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -35,17 +35,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.rank_stacks import answer_stacks_signal, stacks_to_log
 from rayrl.checkpoint import CheckpointStore
 from rayrl.config import AlgorithmConfig, TrainerConfig
-from rayrl.pipeline.failures import TrainerFailure
+from rayrl.orchestration.part_failures import TrainerFailure
 from rayrl.ports import free_port
 from rayrl.rl.shard import replica_leads
 from rayrl.rl.updates import UpdatePlan, plan_updates
 from rayrl.trainers.backend import TrainerBackend, trainer_backend
 from rayrl.trainers.memory_saver import preload_env
 from rayrl.types import Sample
-from rayrl.weights.routes import RankPlace, WeightRoutes, make_sender
+from rayrl.weights.plan import RankPlace, WeightPlan, make_sender
 from rayrl.weights.shm import sweep_quietly
 
-logger = logging.getLogger("rayrl.pipeline")
+logger = logging.getLogger("rayrl.trainer")
 
 # how long ranks in a collective (or a process-group meeting: MEET_TIMEOUT_S, 45 s) get to fail on their own
 # once a peer has died, before they are killed
@@ -71,7 +71,7 @@ class TrainerRank:
         self.args = (model_path, cfg, rank, world_size, seed)
         self.algorithm = algorithm
         self.trainer: Optional[TrainerBackend] = None  # the backend, called only through its protocol
-        self.sender: Any = None  # this rank's weight sender (rayrl/weights/routes.py), or None
+        self.sender: Any = None  # this rank's weight sender (rayrl/weights/plan.py), or None
         self.world: Any = None  # rayrl.trainers.process_groups.TrainerWorld (several ranks, or Megatron)
         self._loop: asyncio.AbstractEventLoop | None = None  # one loop for the sender's HTTP sessions
 
@@ -136,12 +136,12 @@ class TrainerRank:
         return self._loop.run_until_complete(coro)
 
     def place(self) -> dict[str, Any]:
-        """Where this rank runs (for the weight routes and the layout checks)."""
+        """Where this rank runs (for the weight plan and the layout checks)."""
         return {"rank": self.args[2], "node_id": ray.get_runtime_context().get_node_id(),
                 "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
 
-    def connect_weights(self, routes: WeightRoutes, disk_root: str, timeout_s: float) -> bool:
-        """Build (and connect) the sender ``routes`` gives this rank, replacing any previous one; a rank
+    def connect_weights(self, plan: WeightPlan, disk_root: str, timeout_s: float) -> bool:
+        """Build (and connect) the sender ``plan`` gives this rank, replacing any previous one; a rank
         that feeds no engine holds none. Returns whether this rank sends."""
         import torch
 
@@ -150,7 +150,7 @@ class TrainerRank:
         cuda = torch.cuda.is_available()
         gpus = ray.get_gpu_ids()  # on CPU, a logical GPU: marked on this rank's handle payloads
         store = None if self.world is None else torch.distributed.PrefixStore("rayrl-weights", self.world.store)
-        self.sender = make_sender(routes, self.args[2], bucket_bytes=cfg.weight_bucket_mb * 1024 * 1024,
+        self.sender = make_sender(plan, self.args[2], bucket_bytes=cfg.weight_bucket_mb * 1024 * 1024,
                                   timeout_s=timeout_s, master_address=ray.util.get_node_ip_address(),
                                   disk_root=disk_root, cuda=cuda, store=store,
                                   gpu_id=str(int(gpus[0])) if gpus and not cuda else None,
@@ -400,9 +400,9 @@ class TrainerGroup:
         return [RankPlace(int(f["rank"]), str(f["node_id"]), self.bundles[r] if self.bundles else None)
                 for r, f in zip(ranks, found)]
 
-    def connect_weights(self, routes: WeightRoutes, disk_root: str, timeout_s: float) -> None:
-        """Give every rank its sender under ``routes`` (rayrl/weights/routes.py) and connect them."""
-        refs = [r.connect_weights.remote(routes, disk_root, timeout_s) for r in self.ranks]
+    def connect_weights(self, plan: WeightPlan, disk_root: str, timeout_s: float) -> None:
+        """Give every rank its sender under ``plan`` (rayrl/weights/plan.py) and connect them."""
+        refs = [r.connect_weights.remote(plan, disk_root, timeout_s) for r in self.ranks]
         self.gather("weight connect", refs, timeout_s=timeout_s + 60, raised_fails=False)
 
     def push_weights(self, dtype: str) -> list[Any]:

@@ -1,6 +1,6 @@
-"""WeightSync: new policy weights from the trainer ranks to every engine, over the routes picked once.
+"""WeightSync: new policy weights from the trainer ranks to every engine, as the weight plan says.
 
-The routes (rayrl/weights/routes.py) come from where the engines and trainer ranks actually run, so the
+The weight plan (rayrl/weights/plan.py) comes from where the engines and trainer ranks actually run, so the
 same code serves one node or sixteen: node-local transports where a trainer rank shares the engine's
 node, a broadcast group across nodes. :meth:`connect` plans and hands every rank its sender (again
 after an engine is replaced: its address and group seat changed); :meth:`push` sends one version,
@@ -8,7 +8,7 @@ bounded by ``pipeline.weight_sync_timeout_s`` so a hung engine fails the run wit
 of hanging it. Nothing here or in the trainer actor looks at which transport it is.
 
 Which engines take the weights is given to it (the endpoints the engine membership reads from the fleet,
-rayrl/pipeline/membership.py); it never looks at the fleet, and whether a failed update goes again to
+rayrl/orchestration/membership.py); it never looks at the fleet, and whether a failed update goes again to
 the engines left after one died is the membership's call.
 """
 
@@ -19,11 +19,11 @@ from typing import Any, Optional
 
 from actors.trainer import TrainerGroup
 from rayrl.config import RunConfig
-from rayrl.pipeline.failures import TrainerFailure, WeightSyncError
+from rayrl.orchestration.part_failures import TrainerFailure, WeightSyncError
 from rayrl.weights.files import shared_memory_root
-from rayrl.weights.routes import EngineEndpoint, RankPlace, WeightRoutes, plan_routes
+from rayrl.weights.plan import EngineEndpoint, RankPlace, WeightPlan, plan_senders
 
-logger = logging.getLogger("rayrl.pipeline")
+logger = logging.getLogger("rayrl.weights")
 
 
 class WeightSync:
@@ -36,30 +36,30 @@ class WeightSync:
         self.disk_root = str(shared_memory_root() / f"rayrl-{cfg.exp_id}-weights")
         self._places: Optional[list[RankPlace]] = None
         self._connected: Optional[list[EngineEndpoint]] = []  # the engines the senders were built for
-        self.routes: Optional[WeightRoutes] = None
+        self.plan: Optional[WeightPlan] = None
         self.adapter_only = cfg.trainer.lora.enabled  # updates are the LoRA adapter (rayrl/weights/adapter.py)
 
     @property
     def transport(self) -> str:
-        return self.routes.transport if self.routes is not None else ""
+        return self.plan.transport if self.plan is not None else ""
 
-    def connect(self, endpoints: list[EngineEndpoint]) -> Optional[WeightRoutes]:
-        """Plan the routes to ``endpoints`` (the engines live or joining) and connect every rank's sender
+    def connect(self, endpoints: list[EngineEndpoint]) -> Optional[WeightPlan]:
+        """Plan who sends to ``endpoints`` (the engines live or joining) and connect every rank's sender
         (None and nothing connected when there are none)."""
         if self._places is None:  # ranks never move; ask once
             self._places = self.trainer.places()
         self._connected = list(endpoints)
         if not endpoints:
             self.trainer.close_weights()
-            self.routes = None
+            self.plan = None
             return None
-        routes = plan_routes(self.cfg.pipeline.weight_transfer, endpoints, self._places, self.cfg.engine.backend,
+        plan = plan_senders(self.cfg.pipeline.weight_transfer, endpoints, self._places, self.cfg.engine.backend,
                              lora=self.cfg.trainer.lora.enabled)
-        self.trainer.connect_weights(routes, self.disk_root, self.timeout_s)
-        if self.routes is None or routes.describe() != self.routes.describe():
-            logger.debug("weight routes: %s", routes.describe())
-        self.routes = routes
-        return routes
+        self.trainer.connect_weights(plan, self.disk_root, self.timeout_s)
+        if self.plan is None or plan.describe() != self.plan.describe():
+            logger.debug("weight plan: %s", plan.describe())
+        self.plan = plan
+        return plan
 
     def push(self, version: int, endpoints: list[EngineEndpoint]) -> dict[str, Any]:
         """Send the trainer's current weights to ``endpoints`` (connecting the senders first when they
@@ -71,7 +71,7 @@ class WeightSync:
         engine died and sends again)."""
         if endpoints != self._connected:  # an engine went down or joined since
             self.connect(endpoints)
-        if self.routes is None:
+        if self.plan is None:
             logger.warning("no engine is up: policy version %d reaches the engines when they return", version)
             return {"bytes": 0, "seconds": 0.0, "senders": 0}
         refs = self.trainer.push_weights(self.cfg.engine.dtype)

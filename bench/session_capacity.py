@@ -1,4 +1,4 @@
-"""Session capacity: N agent sessions open at once on one trajectory-manager shard (or spread over S).
+"""Session capacity: N agent sessions open at once on one gateway shard (or spread over S).
 
     python bench/session_capacity.py [--sessions 1000 3000 10000] [--shards 1] [--turns 8] [--think-s 20]
 
@@ -7,8 +7,8 @@ Processes on loopback, each a real HTTP server or client:
   that answers at once with token ids and log-probs), scripted to answer each turn but the last with a
   ``bash`` tool call and the last with text;
 - S gateway shards: ``python -m rayrl.gateway serve --engine-url`` (the same ``Gateway`` class the
-  TrajectoryManager actor hosts); session i lives on shard i mod S, as ``trajectory.num_shards``
-  spreads sessions (actors/trajectory_manager.py: new sessions round-robin, calls routed by id);
+  GatewayShard actor hosts); session i lives on shard i mod S, as ``trajectory.num_shards``
+  spreads sessions (actors/gateway_shard.py: new sessions round-robin, calls routed by id);
 - ``--loadgens`` load-generator processes, each holding its share of the sessions, every session on a
   keep-alive connection of its own, as each agent holds its own HTTP client;
 - a ``/health`` poller on its own connection (bench/gateway_soak.py's), every 20 ms, to shard 0.
@@ -382,7 +382,7 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     from rayrl.models import build_tiny_model
 
-    rec = Record("session_capacity", "Concurrent sessions on one trajectory-manager shard", quick=args.quick,
+    rec = Record("session_capacity", "Concurrent sessions on one gateway shard", quick=args.quick,
                  record_dir=args.record_dir)
     model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="capacity-model-")))
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'bench'}"}

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 class Machine:
     """What resolution depends on: the cores this process may use, whether CUDA is present, and whether
     the CPU computes bfloat16 natively (AVX512-BF16 or AMX; elsewhere torch emulates it, and a batched
-    matmul in bf16 runs at a fraction of float32's speed: 2.1x slower engine decode at batch 8 on an AVX2
-    EPYC, measured with bench/engine_throughput.py; 1.6-10x slower matmuls on an AVX512 Xeon without
-    AVX512-BF16, :func:`cpu_has_native_bf16`)."""
+    matmul in bf16 runs at a fraction of float32's speed: docs/results/design_figures.md has the figures;
+    :func:`cpu_has_native_bf16`)."""
 
     cores: int
     cuda: bool
@@ -43,8 +42,7 @@ def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bfloat16 natively. On x86: AVX512-BF16 or AMX, asked of torch's own CPU
     checks (or, where this torch lacks them, the kernel's CPU flags). oneDNN's check alone
     (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) also says yes on any AVX512 CPU, where bf16 is
-    emulated: on an Intel Xeon with AVX512 but neither (2026-11-27) a bf16 ``F.linear`` of SmolLM2's
-    gate/up shape ran 1.6x slower than float32 at 8 rows and 5-10x slower at 64-512, so ``auto`` must not
+    emulated, several times slower than float32 (docs/results/design_figures.md), so ``auto`` must not
     pick it there. Elsewhere (Arm) oneDNN's check stands."""
     import platform
 

@@ -40,7 +40,7 @@ config.yaml, so what ran is what the file says. Resolved here:
   launched to serve.
 
 ``pipeline.weight_transfer`` stays as configured: its ``auto`` depends on where each engine is placed
-relative to the trainer and is decided when the engines exist (rayrl/weights/routes.py). The machine is the
+relative to the trainer and is decided when the engines exist (rayrl/weights/plan.py). The machine is the
 driver's: on a cluster whose driver node differs from its GPU nodes, set ``engine.backend`` (and the
 dtypes) explicitly (docs/multinode.md).
 Values set explicitly are kept, so ``resolve(resolve(cfg)) == resolve(cfg)``.
@@ -61,7 +61,7 @@ from rayrl.config.serving import EngineConfig
 from rayrl.data.formats import FORMATS
 from rayrl.engines.backends import BACKENDS, auto_backend, engine_backend
 from rayrl.machine import Machine, compute_dtype
-from rayrl.pipeline.schedules import SCHEDULES, schedule_kind
+from rayrl.orchestration.schedules import SCHEDULES, schedule_kind
 from rayrl.placement import plan_placement
 from rayrl.rl.advantages import advantage_estimator
 from rayrl.rl.objective import clip_range, default_tis_cap, loss_aggregation

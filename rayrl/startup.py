@@ -20,7 +20,7 @@ Phases the driver and the pipeline mark (absent when a start never reached them)
 - ``engines_ready``, ``trainer_ready``, ``gateway_ready``, ``sandboxes_warm``, ``workers_ready``: each part
   (they start together, so each is its own finish time, not a share of a sum);
 - ``all_actors_ready``: every part up and wired (the engines' addresses given to the gateway, the weight
-  routes connected);
+  plan connected);
 - ``checkpoint_loaded``: with ``--resume``, the checkpoint in the trainer and its weights in the engines;
 - ``first_rollout_done``: the first step's groups collected; ``first_step_trained``: its line printed.
 """

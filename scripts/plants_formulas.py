@@ -18,7 +18,7 @@ FORMULA_TESTS = ("tests/test_advantages.py", "tests/test_policy_losses.py", "tes
 ADV, LOSS, OBJ = "rayrl/rl/advantages.py", "rayrl/rl/policy_losses.py", "rayrl/rl/objective.py"
 RES, LR, SHAPE, UPD = ("rayrl/resolve.py", "rayrl/trainers/lr_schedule.py", "rayrl/rl/shaping.py",
                        "rayrl/rl/updates.py")
-GROUPS, GUARDS, SCHED = "rayrl/rl/groups.py", "rayrl/rl/guards.py", "rayrl/pipeline/schedules.py"
+GROUPS, GUARDS, SCHED = "rayrl/rl/groups.py", "rayrl/rl/guards.py", "rayrl/orchestration/schedules.py"
 
 
 def formula(name: str, path: str, old: str, new: str, why: str) -> Plant:

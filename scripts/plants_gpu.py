@@ -21,46 +21,46 @@ PLANTS = (
           'dtypes sent as "torch.bfloat16": SGLang resolves getattr(torch, dtype)',
           fast=(f"{STANDIN}::test_the_broadcast_sender_sends_what_sglang_resolves",),
           slow=(f"{SCHEDULES}::test_colocated_async_releases_the_broadcast_group_before_the_trainer_lends_its_gpu",)),
-    Plant("memory-tag", "rayrl/pipeline/schedules.py",
+    Plant("memory-tag", "rayrl/orchestration/schedules.py",
           'resume_memory_occupation(["kv_cache", "cuda_graph"])',
           'resume_memory_occupation(["kv_cache", "cuda_graphs"])',
           'resume tag "cuda_graphs": a KeyError in SGLang\'s scheduler (offload_tags.remove)',
           fast=(PHASES,), slow=(COLOCATED,)),
-    Plant("resume-not-released", "rayrl/pipeline/schedules.py",
+    Plant("resume-not-released", "rayrl/orchestration/schedules.py",
           "        parts.engines.wait_idle()  # SGLang asserts no request is running on release\n"
           "        parts.engines.release_memory_occupation()\n",
           "        parts.engines.wait_idle()  # SGLang asserts no request is running on release\n",
           "the engines' weights resumed without a release: a KeyError in SGLang's scheduler",
           fast=(PHASES,), slow=(COLOCATED,)),
-    Plant("no-push-at-setup", "rayrl/pipeline/schedules.py",  # issue 41 B
+    Plant("no-push-at-setup", "rayrl/orchestration/schedules.py",  # issue 41 B
           "        self.devices_with_trainer = True\n        self.engines_take_devices()\n",
           "        self.devices_with_trainer = False\n        parts.weights.release_groups()\n"
           "        parts.trainer.offload()\n        parts.engines.resume_memory_occupation()\n",
           "colocated setup resumes the engines with no push (B): SGLang generates from garbage",
           fast=(PHASES,), slow=(COLOCATED,)),
-    Plant("no-push-after-resume", "rayrl/pipeline/schedules.py",
+    Plant("no-push-after-resume", "rayrl/orchestration/schedules.py",
           '        parts.engines.resume_memory_occupation(["weights"])\n'
           "        self.membership.push_weights(self.state.version)",
           '        parts.engines.resume_memory_occupation(["weights"])\n        pass',
           "weights resumed without a push: SGLang (no CPU backup) generates from garbage",
           fast=(PHASES,), slow=(COLOCATED,)),
-    Plant("save-while-offloaded", "rayrl/pipeline/schedules.py",  # issue 41 C, D
+    Plant("save-while-offloaded", "rayrl/orchestration/schedules.py",  # issue 41 C, D
           "        if self.devices_with_trainer:\n            return fn()\n        self.give_devices_to_trainer()\n",
           "        if True:\n            return fn()\n        self.give_devices_to_trainer()\n",
           "checkpoint save and resume load run on the offloaded trainer (C, D)",
           fast=(f"{PHASES}::test_colocated_async_saves_and_loads_checkpoints_with_the_trainer_onloaded",),
           slow=(COLOCATED,)),
-    Plant("replacement-from-offloaded", "rayrl/pipeline/schedules.py",  # issue 41 E
+    Plant("replacement-from-offloaded", "rayrl/orchestration/schedules.py",  # issue 41 E
           "        self.with_trainer_memory(lambda: None)\n",
           "        self.membership.push_weights(self.state.version)\n",
           "a replacement engine's weights read from the offloaded trainer (E)",
           fast=(f"{PHASES}::test_colocated_async_a_replacement_engine_gets_weights_from_the_onloaded_trainer",)),
-    Plant("no-idle-wait-before-update", "rayrl/pipeline/schedules.py",  # issue 41 F
+    Plant("no-idle-wait-before-update", "rayrl/orchestration/schedules.py",  # issue 41 F
           "            parts.engines.wait_idle()  # aborted requests leave the batch at the next scheduler step\n",
           "",
           "an update that flushes right after an abort pause (F): SGLang's idle assertion kills it",
           fast=(PHASES,), slow=(f"{SCHEDULES}::test_async_two_steps_drops_stale_groups",)),
-    Plant("no-idle-wait-before-release", "rayrl/pipeline/schedules.py",  # issue 41 F
+    Plant("no-idle-wait-before-release", "rayrl/orchestration/schedules.py",  # issue 41 F
           "        parts.engines.wait_idle()  # SGLang asserts no request is running on release\n",
           "",
           "a release right after the pause (F): SGLang asserts no request runs, and its scheduler dies",

@@ -243,7 +243,7 @@ def test_layout_has_one_home_the_config_runs_at_load():
 def test_literal_choices_are_the_tables_rows():
     """Where a Literal type lists a plug-in table's names (for OmegaConf's error and docs/config.md), it holds the
     table's rows exactly: a row added without its name, or a name without its row, fails here."""
-    from rayrl.pipeline.schedules import SCHEDULES
+    from rayrl.orchestration.schedules import SCHEDULES
     from rayrl.sandboxes.factory import PROVIDERS
     from rayrl.trainers.backend import TRAINER_BACKENDS
 

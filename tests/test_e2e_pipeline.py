@@ -78,7 +78,7 @@ def two_steps(metrics_port: int, model_dir: Path, tmp_path: Path) -> tuple[Path,
         assert [json.loads(line)["step"] for line in lines] == [1, 2]
         assert (cfg.run_dir / "reward_curve.png").stat().st_size > 1000
         assert any((cfg.run_dir / "tensorboard").iterdir())
-        stats = pipeline.trajectories.stats()
+        stats = pipeline.gateway.stats()
         assert sum(s["requests"] for s in stats) >= 12 and all(s["open_sessions"] == 0 for s in stats)
         assert history[1]["gateway/requests"] == sum(s["requests"] for s in stats)
         # a group's episodes share their prompt, and turn 2 starts with turn 1: the engine reuses that KV

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rayrl.config import AlgorithmConfig, RunConfig, TrainerConfig, load_config
-from rayrl.pipeline.schedules import schedule_kind
+from rayrl.orchestration.schedules import schedule_kind
 from rayrl.resolve import resolve_algorithm
 from rayrl.rl.objective import Objective, TokenBatch, clip_range, default_tis_cap, loss_aggregation
 from rayrl.rl.policy_losses import MAX_LOG_RATIO, PolicyLossInput, cispo, gspo, kl_estimate, ppo_clip

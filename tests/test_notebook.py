@@ -25,4 +25,4 @@ def test_quickstart_notebook_executes(tiny_model_dir, monkeypatch):
     text = "\n".join(outputs.values())
     assert "tokens," in text and "trained" in text
     assert "{0: '1'}" in text  # engines.weight_versions(): engine 0 holds policy version 1
-    assert "tensor: rank 0 -> http" in text  # the weight routes the notebook printed
+    assert "tensor: rank 0 -> http" in text  # the weight plan the notebook printed

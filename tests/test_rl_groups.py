@@ -106,7 +106,7 @@ def test_min_group_episodes_is_checked_at_load():
 def test_dynamic_sampling_drops_equal_groups_until_its_bound():
     from collections import Counter
 
-    from rayrl.pipeline.schedules import Schedule
+    from rayrl.orchestration.schedules import Schedule
     from rayrl.resolve import resolve
     from rayrl.rl.groups import equal_reward
 

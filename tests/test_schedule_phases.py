@@ -1,9 +1,9 @@
 """Every schedule's phase order, the rerun and drop rules, the engine membership and the way back after a
-trainer failure, driven with plain fakes in milliseconds (rayrl/pipeline/, no Ray).
+trainer failure, driven with plain fakes in milliseconds (rayrl/orchestration/, no Ray).
 
 The fakes stand in for the Ray shells (actors/dispatch.py, actors/trainer.py, actors/engine_fleet.py,
-actors/weight_sync.py, actors/trajectory_manager.py) and keep their contracts as the schedules see them
-(rayrl/pipeline/parts.py): the dispatcher completes a queued group at its next poll with episodes whose
+actors/weight_sync.py, actors/gateway_shard.py) and keep their contracts as the schedules see them
+(rayrl/orchestration/parts.py): the dispatcher completes a queued group at its next poll with episodes whose
 tokens carry the policy version of that moment, the trainer's step advances the version by one, the fleet
 reports engines going down and coming back as events. Each fake writes what it is asked to one shared
 log, so a test reads the exact order of calls across trainer, engines, weights and gateway. They also keep
@@ -27,11 +27,11 @@ import pytest
 from rayrl.checkpoint import CheckpointStore
 from rayrl.config import load_config
 from rayrl.data import TaskSampler
-from rayrl.pipeline.failures import TrainerFailure, WeightSyncError
-from rayrl.pipeline.groups_in_flight import GroupsInFlight
-from rayrl.pipeline.parts import RunParts, RunState
-from rayrl.pipeline.run_checkpoint import RunCheckpoints
-from rayrl.pipeline.schedules import make_schedule
+from rayrl.orchestration.groups_in_flight import GroupsInFlight
+from rayrl.orchestration.part_failures import TrainerFailure, WeightSyncError
+from rayrl.orchestration.parts import RunParts, RunState
+from rayrl.orchestration.run_checkpoint import RunCheckpoints
+from rayrl.orchestration.schedules import make_schedule
 from rayrl.resolve import resolve
 from rayrl.rl.batch import build_batch
 from rayrl.rl.failures import AGENT_CRASHED, ENGINE_ERROR, fail
@@ -330,7 +330,7 @@ class FakeWeights:
 
 
 class FakeGateway:
-    """TrajectoryManagers as the schedules see it: the routers' engine list and their call holding."""
+    """GatewayShards as the schedules see it: the routers' engine list and their call holding."""
 
     def __init__(self, log: Log) -> None:
         self.log = log

@@ -1,4 +1,4 @@
-"""The run's parts start together (rayrl/pipeline/start_together.py) and its start is recorded
+"""The run's parts start together (rayrl/orchestration/start_together.py) and its start is recorded
 (rayrl/startup.py): plain threads and functions, no Ray; a second.
 
 tests/test_e2e_pipeline.py checks the same on the real pipeline: every part began before any was ready.
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from rayrl.pipeline.start_together import PartNotStarted, StartTogether
+from rayrl.orchestration.start_together import PartNotStarted, StartTogether
 from rayrl.startup import FILE, StartupClock, process_start_time, read_starts
 
 

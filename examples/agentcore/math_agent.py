@@ -9,7 +9,7 @@ returns goes to S3 as the session's result (a crash becomes a failed result).
 
 Multi-turn on purpose: when the first reply does not end with ``#### <number>``, the agent asks once
 more. The gateway records both calls; the second extends the first token for token (cumulative token
-mode), so the trajectory manager merges them into one training sample with the follow-up masked.
+mode), so the gateway merges them into one training sample with the follow-up masked.
 """
 
 from __future__ import annotations

@@ -226,12 +226,12 @@ class EpisodeRunner:
         return reward, None
 
     def _session_stats(self, session_id: str) -> dict[str, Any]:
-        """The session's counters; an unreachable trajectory manager is an infrastructure failure."""
+        """The session's counters; an unreachable gateway shard is an infrastructure failure."""
         try:
             return self.sessions.session_stats(session_id)
         except Exception as err:
             raise _Failed(SESSION_FAILED,
-                          f"the trajectory manager did not answer: {type(err).__name__}: {err}") from None
+                          f"the gateway did not answer: {type(err).__name__}: {err}") from None
 
 
 GATEWAY_FACTS = ("turns", "tool_calls", "tool_turns", "tool_parse_errors", "length_turns", "turn_cap_refusals",

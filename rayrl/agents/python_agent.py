@@ -43,9 +43,8 @@ class PythonToolAgent(BaseHarness):
 
     def demonstrations(self, tools: list[Tool]) -> list[dict[str, Any]]:
         """Worked examples as earlier chat turns: small models follow a shown exchange far better
-        than a described format (measured: 0% valid calls with the format in the system prompt,
-        about 50% with two worked examples, for SmolLM2-135M-Instruct). A demo whose steps use a tool
-        the agent was not given is skipped."""
+        than a described format (for SmolLM2-135M-Instruct: docs/results/design_figures.md). A demo
+        whose steps use a tool the agent was not given is skipped."""
         names = {t.name for t in tools}
         demos = [d for t in tools for d in t.demos if all(step[0] in names for step in d[1])]
         messages: list[dict[str, Any]] = []

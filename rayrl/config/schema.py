@@ -86,7 +86,7 @@ class PipelineConfig:
     """How rollout and training are scheduled."""
 
     schedule: Literal["sync", "async", "colocated_async"] = "sync"  # sync | async | colocated_async (order of phases:
-    # rayrl/pipeline/schedules.py)
+    # rayrl/orchestration/schedules.py)
     max_staleness: int = 1  # async schedules: samples from more than this many policy versions ago are dropped
     groups_in_flight: int = 0  # async schedules: task groups kept running ahead (0: (max_staleness + 1) x
     # rollout.prompts_per_step, as many batches as the staleness bound lets train)
@@ -100,7 +100,7 @@ class PipelineConfig:
     # auto | disk | tensor | distributed (auto: tensor, i.e. shared-memory handles on CPU and CUDA IPC on GPU, when
     # every engine has a trainer rank on its node (on GPU: on each of its GPUs, colocated; a tensor-parallel engine gets
     # one payload per TP rank, each from the rank on that GPU), else distributed: a gloo / NCCL broadcast;
-    # rayrl/weights/routes.py)
+    # rayrl/weights/plan.py)
     max_episode_retries: int = 2  # an episode whose rollout worker died is re-queued at most this many times
     max_group_reruns: int = 2  # a task whose group had too few successful episodes runs again at most this many times
     checkpoint_interval: int = 0  # save every N steps and at the end (0: only at the end; -1: never, so no --resume)

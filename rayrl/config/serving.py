@@ -113,7 +113,7 @@ class EngineConfig:
 
 @dataclass
 class GatewayConfig:
-    """The OpenAI/Anthropic-compatible gateway inside the trajectory manager."""
+    """The OpenAI/Anthropic-compatible gateway, served by the gateway shards (actors/gateway_shard.py)."""
 
     host: str = "127.0.0.1"  # bind address; loopback unless you need remote agents
     port: int = 0  # 0 picks a free port
@@ -147,9 +147,9 @@ class TrajectoryConfig:
     on_drift: Literal["split", "raise", "mask"] = "split"  # split | raise | mask : what a token-prefix break (TITO
     # drift) does (mask: a drift inside the previous response, giving up fewer than fork_merge_max_response_tokens
     # tokens, stays in the same sample; docs/trajectory.md)
-    num_shards: int = 1  # trajectory-manager actors; sessions are sharded by session id
+    num_shards: int = 1  # gateway shards; sessions are sharded by session id
     debug_callback: Optional[str] = None  # package.module:function called with every recorded turn, fork-merge and
-    # drift (rayrl.trajectory.TreeEvent), in the trajectory manager, for your own logging
+    # drift (rayrl.trajectory.TreeEvent), in the gateway, for your own logging
 
     def __post_init__(self) -> None:
         non_negative(self, "trajectory.", "fork_merge_max_response_tokens")

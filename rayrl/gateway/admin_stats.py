@@ -4,7 +4,7 @@
 (requests, errors by kind, tokens generated, ...), sessions open, opened and finished, and the
 summary of each duration histogram (``durations``: ``record_turn``, a turn recorded into its session's
 tree; ``finish_session``, a session folded into samples; rayrl/gateway/durations.py). The trajectory
-manager's ``stats`` (actors/trajectory_manager.py) is the same dictionary plus its router's counters.
+manager's ``stats`` (actors/gateway_shard.py) is the same dictionary plus its router's counters.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ it: the agent's calls, and the samples its session becomes, are the same whether
 Errors are JSON 4xx like every gateway route: 401 without the admin token, 404 for a session that is
 not open on this shard, 400 naming ``text_chars`` when it is not an integer in range.
 
-:func:`describe_session` is the one place a session is described; the trajectory manager uses it too,
+:func:`describe_session` is the one place a session is described; the gateway uses it too,
 to hand a finished session's tree back with its episode.
 """
 

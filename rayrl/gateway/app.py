@@ -1,9 +1,9 @@
 """The gateway HTTP app: agents talk the APIs they already use; every call is recorded token for token.
 
-``Gateway`` is a plain class: the TrajectoryManager actor hosts it, and ``python -m rayrl.gateway serve``
+``Gateway`` is a plain class: the GatewayShard actor hosts it, and ``python -m rayrl.gateway serve``
 runs it standalone as a trace-capturing proxy. Three wire APIs (OpenAI Chat Completions, OpenAI
 Responses, Anthropic Messages; modules openai_chat, openai_responses, anthropic_messages) translate to
-one canonical request; turns.TurnPipeline renders it to token ids, sends it to an engine as
+one canonical request; turns.TurnRunner renders it to token ids, sends it to an engine as
 ``/generate`` with log-probs on, parses the answer and records a TurnRecord in the session's tree.
 
 Logging: one line per non-2xx answer (method, path, status, session, reason; INFO for 4xx, WARNING for
@@ -58,7 +58,7 @@ from rayrl.gateway.parsers import ThinkReasoningParser, get_tool_parser, infer_f
 from rayrl.gateway.render import ChatRenderer
 from rayrl.gateway.request_json import decode_object
 from rayrl.gateway.sessions import Session, SessionInfo, SessionRegistry
-from rayrl.gateway.turns import Prepared, TurnPipeline
+from rayrl.gateway.turns import Prepared, TurnRunner
 from rayrl.gateway.upstream import StreamingUpstream
 from rayrl.gateway.work_lock import WorkLock
 from rayrl.trajectory import TrajectoryTree
@@ -91,14 +91,14 @@ def settle_heap() -> None:
     """Collect once, then take every object alive now out of the cyclic garbage collector's walks
     (``gc.freeze``), and collect less often. A gateway's process holds some 400K objects from its
     libraries (transformers and what it imports) by the time it serves; every full collection walked
-    them all, about 0.5 s on a 2-core machine, with the event loop, ``/health`` included, stopped
-    meanwhile. Once they are frozen, CPython's rule for a full collection (a quarter more long-lived
-    objects than at the last one) fires far more often, since few objects count as long-lived; with
-    young collections every ``GC_YOUNG_THRESHOLD`` allocations instead of every 700, full ones become
-    rare again (each walks only what the gateway made since it started: sessions, connections).
-    Objects made later are collected as usual, frozen ones still freed by reference counting. For a
-    process that exists to host a gateway: the standalone server and the TrajectoryManager actor call
-    it once the gateway serves."""
+    them all, for a large fraction of a second (docs/results/design_figures.md), with the event loop,
+    ``/health`` included, stopped meanwhile. Once they are frozen, CPython's rule for a full collection
+    (a quarter more long-lived objects than at the last one) fires far more often, since few objects
+    count as long-lived; with young collections every ``GC_YOUNG_THRESHOLD`` allocations instead of
+    every 700, full ones become rare again (each walks only what the gateway made since it started:
+    sessions, connections). Objects made later are collected as usual, frozen ones still freed by
+    reference counting. For a process that exists to host a gateway: the standalone server and the
+    GatewayShard actor call it once the gateway serves."""
     gc.collect()
     gc.freeze()
     _, middle, old = gc.get_threshold()
@@ -174,7 +174,7 @@ class Gateway:
         }
         self.upstream = StreamingUpstream(router, timeout_s=getattr(router, "timeout_s", 600.0))
         self.cpu = WorkLock()  # one piece of request work at a time (module docstring, work_lock.py)
-        self.turns = TurnPipeline(cfg, self.renderer, self.tool_parser, self.reasoning_parser, router,
+        self.turns = TurnRunner(cfg, self.renderer, self.tool_parser, self.reasoning_parser, router,
                                   self.upstream, context_length, self.counters, self.cpu)
         self.durations = {"record_turn": self.turns.record_times, "finish_session": self.sessions.finish_times}
         self.base_url = ""
@@ -276,7 +276,7 @@ class Gateway:
         await self.upstream.close()
         self._prep.shutdown(wait=False, cancel_futures=True)
 
-    # -- sessions (in-process API used by the TrajectoryManager actor) -----------------------------
+    # -- sessions (in-process API used by the GatewayShard actor) -----------------------------
 
     def open_session(self, metadata: dict[str, Any] | None = None, session_id: str | None = None) -> SessionInfo:
         session = self.sessions.open(metadata, session_id)

@@ -1,6 +1,6 @@
 """How long the gateway's own steps take, kept as log-bucketed histograms (constant memory, any run length).
 
-Why: the trajectory manager's cost per turn is what decides how many sessions one shard holds
+Why: the gateway's cost per turn is what decides how many sessions one shard holds
 (docs/operations.md, capacity), and a mean hides the pauses that matter (a garbage collection, a
 large tree). Each :class:`DurationHistogram` counts durations in buckets ``GROWTH`` apart (2.5 %), from
 1 µs to about 17 minutes, so its percentiles are within 2.5 % of the true ones at a few hundred bytes,

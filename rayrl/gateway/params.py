@@ -94,7 +94,7 @@ def seed(body: dict[str, Any]) -> int | None:
 
 def logit_bias(body: dict[str, Any]) -> dict[int, float]:
     """OpenAI's ``logit_bias``: token id (a decimal string) -> bias in [-100, 100]. Ids are checked
-    against the vocabulary when the prompt is built (turns.TurnPipeline), where the tokenizer is known."""
+    against the vocabulary when the prompt is built (turns.TurnRunner), where the tokenizer is known."""
     raw = body.get("logit_bias")
     if raw is None:
         return {}
@@ -143,7 +143,7 @@ class TurnSpec:
 
     ``messages``/``tools`` are canonical OpenAI shape (see render.normalize_message); ``max_tokens``
     None means the gateway default. ``tool_choice`` is already applied to ``tools`` (``none`` hides
-    them); a choice that forces a call is enforced by the turn pipeline. ``id_prefix`` names tool-call ids
+    them); a choice that forces a call is enforced by the turn runner (turns.py). ``id_prefix`` names tool-call ids
     the way the client's API does
     (``call_`` for OpenAI, ``toolu_`` for Anthropic) so echoed ids look native and still round-trip.
     """

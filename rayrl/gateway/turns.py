@@ -13,8 +13,8 @@ enters the tree as a normal turn: its tokens are not the model's answer. The gat
 per answer (``Gateway`` counts 5xx answers in the session's ``infra_errors``); here it is counted in
 ``errors_engine`` and the session's ``failed_requests``.
 
-:meth:`TurnPipeline.build` is pure (no counters, no session writes), so the gateway may run it in a
-worker thread for a large request; :meth:`TurnPipeline.count` then counts on the event loop, and admits
+:meth:`TurnRunner.build` is pure (no counters, no session writes), so the gateway may run it in a
+worker thread for a large request; :meth:`TurnRunner.count` then counts on the event loop, and admits
 the call against ``gateway.max_turns_per_session``: a session past its cap gets a 400 in its API's
 dialect (``turn_limit_exceeded``), before any byte is streamed, counted in ``turn_cap_refusals``.
 """
@@ -82,7 +82,7 @@ class Prepared:
     """A rendered prompt and its engine sampling parameters.
 
     ``forced``: text that starts the assistant turn to enforce a ``tool_choice`` (see
-    :meth:`TurnPipeline.forced_text`); its tokens end ``prompt_ids`` (they are prompt: the model did
+    :meth:`TurnRunner.forced_text`); its tokens end ``prompt_ids`` (they are prompt: the model did
     not choose them, so they are never trained on) and it is parsed together with the completion.
     """
 
@@ -93,7 +93,7 @@ class Prepared:
     history: TurnRecord | None = None  # the remembered turn whose messages + response start the request's
 
 
-class TurnPipeline:
+class TurnRunner:
     """Render -> engine -> parse -> record, with the gateway's counters."""
 
     def __init__(

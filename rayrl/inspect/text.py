@@ -4,7 +4,7 @@ Three views over the same data the page reads (rayrl/inspect/reader.py, the JSON
 
 * the run (``--text``): the problems met reading it, one line per step from ``metrics.jsonl``, then the
   episodes of one step (``--step N``; default the last), one line each with its ``STEP:INDEX`` key;
-* one episode (``--text --episode STEP:INDEX``): its summary, its turns as the trajectory manager recorded
+* one episode (``--text --episode STEP:INDEX``): its summary, its turns as the gateway recorded
   them (the tree, indented by depth: each message's role and text, the tool calls it made and the tool
   results it got, each LLM call with its policy version, token counts and finish reason, branches, forks,
   fork-merges and drift points), then each training sample as a token view;

@@ -29,7 +29,7 @@ from rayrl.types import Episode
 ENGINE_ERROR = "engine_error"  # an LLM call failed in the engine or the gateway (5xx)
 SANDBOX_FAILED = "sandbox_failed"  # the sandbox could not be leased, or died under the episode
 TIMED_OUT = "timed_out"  # the episode ran past rollout.episode_timeout_s
-SESSION_FAILED = "session_failed"  # the trajectory manager could not record or finish the session
+SESSION_FAILED = "session_failed"  # the gateway could not record or finish the session
 REWARD_FAILED = "reward_failed"  # the reward function raised (the episode scores 0.0)
 WORKER_DIED = "worker_died"  # the rollout worker died more often than pipeline.max_episode_retries
 STEP_DEADLINE = "step_deadline"  # the step's deadline came before the episode finished (sync)

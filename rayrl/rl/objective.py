@@ -114,7 +114,7 @@ def clip_range(algo: AlgorithmConfig) -> tuple[float, float]:
 
 def default_tis_cap(algo: AlgorithmConfig, schedule_tis_cap: float) -> float:
     """``algorithm.tis_cap`` when unset: the schedule's own (on where samples can be stale:
-    rayrl/pipeline/schedules.py ``tis_cap``), and on for a loss whose band is narrower than the
+    rayrl/orchestration/schedules.py ``tis_cap``), and on for a loss whose band is narrower than the
     engine-trainer gap whatever the schedule."""
     narrow = NARROW_BAND_TIS_CAP if policy_loss(algo.policy_loss).narrow_band else 0.0
     return max(schedule_tis_cap, narrow)
@@ -275,7 +275,7 @@ class Objective:
         return tb.ref_logp
 
 
-def step_metrics(sums: dict[str, float], optimizer_steps: int) -> dict[str, float]:
+def loss_metrics(sums: dict[str, float], optimizer_steps: int) -> dict[str, float]:
     """A train step's reported figures from its statistics summed over micro-batches (and ranks):
     ``loss`` and ``pg_loss`` per optimizer step, the rest per trained token."""
     tokens = max(sums.get("tokens", 0.0), 1.0)

@@ -139,7 +139,7 @@ PPO_BAND = (0.2, 0.28)  # PPO with DAPO's clip-higher
 POLICY_LOSSES: dict[str, PolicyLoss] = {loss.name: loss for loss in (
     PolicyLoss("ppo_clip", ppo_clip, clip=PPO_BAND, dual_clip=True),
     # GSPO's paper: sequence-level ratios sit much closer to 1. Against the engine's log-probs its band clipped
-    # 60% of a step's sequences before any update (docs/results/algorithms.md, 2026-11-27)
+    # 60% of a step's sequences before any update (docs/results/algorithms.md)
     PolicyLoss("gspo", gspo, clip=(3e-4, 4e-4), aggregation="seq_mean_token_mean", whole_sequence=True,
                narrow_band=True),
     PolicyLoss("cispo", cispo, clip=(1.0, 4.0)),  # no lower bound, slime's wide upper bound

@@ -171,7 +171,7 @@ ROUTER_TOTALS = ("queued", "continued", "wait_timeouts", "retried", "reconnect_w
 
 
 def gateway_metrics(shard_stats: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """Gateway, router and trajectory totals summed over the trajectory-manager shards (cumulative since
+    """Gateway, router and trajectory totals summed over the gateway shards (cumulative since
     the run started): ``gateway/<counter>`` (router counters without their ``router_`` prefix: calls held
     while generation was paused, continued after an abort or a lost engine, timed out, retried) and
     ``trajectory/drift_<kind>``; ``trajectory/record_turn_p50_ms``/``_p99_ms``, the slowest shard's."""

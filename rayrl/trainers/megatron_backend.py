@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from rayrl.config import AlgorithmConfig, TrainerConfig
-from rayrl.rl.objective import STATS, Objective, step_metrics
+from rayrl.rl.objective import STATS, Objective, loss_metrics
 from rayrl.rl.shard import dp_rank_of
 from rayrl.rl.updates import MiniBatch, UpdatePlan, plan_updates
 from rayrl.trainers import megatron_checkpoint
@@ -370,7 +370,7 @@ class MegatronTrainer:
             logger.error("rank %d: the loss saw %d trained tokens over the replicas, the plan has %d: the "
                          "gradient scale is off", self.rank, int(sums["tokens"]), planned)
         return {
-            **step_metrics(sums, plan.optimizer_steps),
+            **loss_metrics(sums, plan.optimizer_steps),
             "grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
             "update_successful": updates_ok,
             "lr": lr,

@@ -29,9 +29,10 @@ Hook mode: torch_memory_saver intercepts CUDA allocations either by ``LD_PRELOAD
 (which must be set when the process starts) or through torch's pluggable allocator ("torch" mode, no
 preload, but no pauseable CUDA graphs). "torch" mode ends the process with ``exit(1)`` whenever region
 memory is freed outside a region, which interpreter teardown does with the region's pool: on an H100
-(2026-11-26, tests/gpu/test_gpu_memory_saver.py) every process that had used a region exited 1 after its
-work was done, and preload mode exited 0. So trainer ranks on GPU are started with the preload
-(:func:`preload_env`, read by actors/trainer.py when it creates them), as slime starts its train actors;
+every process that had used a region exited 1 after its work was done, and preload mode exited 0
+(tests/gpu/test_gpu_memory_saver.py; the run: docs/results/design_figures.md). So trainer ranks on GPU
+are started with the preload (:func:`preload_env`, read by actors/trainer.py when it creates them), as
+slime starts its train actors;
 "torch" stays the fallback for a process started without it.
 """
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from rayrl.config import AlgorithmConfig, TrainerConfig
 from rayrl.machine import compute_dtype as resolve_compute_dtype
 from rayrl.machine import cpu_has_native_bf16
-from rayrl.rl.objective import Objective, TokenBatch, step_metrics
+from rayrl.rl.objective import Objective, TokenBatch, loss_metrics
 from rayrl.rl.policy_losses import entropy_from_logits
 from rayrl.rl.updates import MiniBatch, UpdatePlan, plan_updates
 from rayrl.trainers import lora
@@ -100,7 +100,7 @@ def autocast_dtype(compute_dtype: str, device: torch.device) -> torch.dtype | No
     """The autocast dtype for ``trainer.compute_dtype`` on ``device`` (None: plain float32).
 
     "auto" picks bfloat16 where the hardware computes it natively (CUDA; a CPU with AVX512-BF16 or AMX,
-    where a SmolLM2-135M step runs about 2.5x faster than in float32) and float32 elsewhere, where
+    where it is faster than float32: docs/results/design_figures.md) and float32 elsewhere, where
     emulated bf16 would be slower. Master weights, gradients and the optimizer stay in ``trainer.dtype``.
     """
     native = device.type == "cpu" and cpu_has_native_bf16()
@@ -285,7 +285,7 @@ class TorchTrainer:
                 objective.close_first_forward()
         self.policy_version += 1
         return {
-            **step_metrics(sums, plan.optimizer_steps),
+            **loss_metrics(sums, plan.optimizer_steps),
             "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
             "lr": lr,
             "optimizer_steps": plan.optimizer_steps,

@@ -7,7 +7,7 @@
 - ``transfer.py``: what every sender shares: ``connect`` / ``send`` / ``close``, buckets, versions;
 - ``disk.py``, ``handles.py``, ``broadcast.py``: one sender per transport (a shared-memory path; CUDA IPC
   or shared-memory handles; a NCCL or gloo broadcast);
-- ``routes.py``: which trainer rank feeds which engine over which transport, picked once from where the
+- ``plan.py``: which trainer rank feeds which engine over which transport, picked once from where the
   engines and ranks run.
 
 The engine server's HTTP routes for these payloads are rayrl/engines/cpu/weight_routes.py.

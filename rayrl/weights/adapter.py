@@ -8,7 +8,7 @@ tensor), after ``/unload_lora_adapter`` of the previous one (SGLang refuses a na
 (:data:`rayrl.engines.api.LORA_ADAPTER`, the router's ``lora_path``).
 
 The tensors travel as shared-memory file names (one buffer per update), which only a process on
-the sender's node can open: rayrl/weights/routes.py gives this sender only engines on its own node and
+the sender's node can open: rayrl/weights/plan.py gives this sender only engines on its own node and
 refuses a layout with an engine no trainer rank shares a node with (``distributed``).
 """
 

@@ -5,7 +5,7 @@ either way, with nothing to keep open between updates (about 0.3 s for 135M para
 kind). Each sending rank writes under its own directory (``root/rank<r>-<pid>-<start>/v<version>``:
 several nodes of a one-machine test cluster share /dev/shm, and a sweep removes the directory of a rank
 that was killed, rayrl/weights/shm.py), and only the newest version is kept. The path means nothing on
-another machine, so rayrl/weights/routes.py only gives this transport engines on the sender's node.
+another machine, so rayrl/weights/plan.py only gives this transport engines on the sender's node.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ handles with SGLang's serializer form and posted to ``/update_weights_from_tenso
 trainer's memory and copies, so no tensor bytes cross HTTP. On CPU one shared-memory buffer is reused
 for every bucket (rayrl/weights/shm.py: named after this process, removed on close, swept by the next
 trainer or engine to start if this process is killed). A handle means nothing on another machine, which
-is why rayrl/weights/routes.py only gives this transport engines that share the sender's node.
+is why rayrl/weights/plan.py only gives this transport engines that share the sender's node.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class HandleSender:
             if on_gpu and any(e.tp_size > 1 and not e.gathered for e in self.engines):
                 raise WeightTransferError(
                     "a CUDA IPC payload is made on one GPU; an engine with tp_size > 1 needs one per TP rank, made "
-                    "by the trainer rank on that rank's GPU (rayrl/weights/routes.py plans them when the engine's "
+                    "by the trainer rank on that rank's GPU (rayrl/weights/plan.py plans them when the engine's "
                     "GPUs are the trainer's: colocated); use pipeline.weight_transfer=distributed otherwise"
                 )
             obj = self._bucket_object(bucket)  # stays referenced until every engine has answered

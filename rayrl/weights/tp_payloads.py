@@ -7,7 +7,7 @@ the GPU each handle names (utils/patch_torch.py maps the sender's GPU UUID to a 
 entry ``r`` must be made on that GPU: a payload from another GPU makes the rank map that GPU's memory
 (a CUDA context there and every copy across GPUs), or kill the scheduler when the engine cannot see it;
 too few entries kill it too (an IndexError). A trainer rank holds memory on its own GPU only, so each
-entry is made by the trainer rank on that GPU (colocated: rayrl/weights/routes.py plans which rank
+entry is made by the trainer rank on that GPU (colocated: rayrl/weights/plan.py plans which rank
 makes which entry, from where ranks and engines landed).
 
 Sending side, :class:`PayloadExchange`: the trainer ranks of TP ranks 1..N-1 each serialize their own
@@ -43,7 +43,7 @@ from rayrl.weights.wire import GPU_MARK, WeightUpdateError
 class PayloadExchange:
     """The trainer ranks of one engine's TP ranks, meeting per bucket in a shared TCP store.
 
-    Keys are ``<session>/<engine>/<send>/<bucket>/...``: ``session`` names one plan of the routes, ``send``
+    Keys are ``<session>/<engine>/<send>/<bucket>/...``: ``session`` names one weight plan, ``send``
     counts the pushes since it (every rank makes the same pushes), so a later push never reads an earlier
     one's keys. Waits are bounded by ``timeout_s`` (a rank that died or fell behind fails the push)."""
 

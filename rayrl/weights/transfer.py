@@ -11,7 +11,7 @@ holds:
   sample is never tagged with weights that were half loaded; returns :class:`TransferStats`;
 - ``await close()``: leave what ``connect`` made (engines that are gone are skipped).
 
-Generation should be paused around ``send`` where the schedule needs it (rayrl/pipeline/schedules.py decides).
+Generation should be paused around ``send`` where the schedule needs it (rayrl/orchestration/schedules.py decides).
 """
 
 from __future__ import annotations

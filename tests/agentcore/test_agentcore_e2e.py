@@ -1,7 +1,7 @@
 """The whole AgentCore flow in local mode: two training steps of the GSM8K-style math agent.
 
 Real everything except AWS: a local Ray; the CPU engine with the tiny random model; the gateway in the
-trajectory manager; the rollout workers with the ``agentcore`` harness; the run's launcher actor
+gateway shard; the rollout workers with the ``agentcore`` harness; the run's launcher actor
 invoking ``examples/agentcore/math_agent.py`` (the bedrock-agentcore SDK app) through boto3 and the
 FAKE AgentCore Runtime; results through a moto S3 server; GRPO steps and the weight sync.
 

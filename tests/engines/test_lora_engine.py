@@ -1,7 +1,7 @@
 """A LoRA policy's updates are its adapter alone: trainer process -> a real CPU engine server process.
 
 The trainer (this process: a TorchTrainer with trainer.lora after real steps) sends the adapter with the
-sender rayrl/weights/routes.py builds for LoRA (SGLang's ``/unload_lora_adapter`` +
+sender rayrl/weights/plan.py builds for LoRA (SGLang's ``/unload_lora_adapter`` +
 ``/load_lora_adapter_from_tensors`` + ``/update_weight_version``, shared-memory handles); the engine merges
 it into its weights. Its greedy output and log-probs then equal the trainer's PEFT model, requests must
 name the adapter, and what the engine cannot do is a 400 with a JSON body that names the problem.
@@ -26,7 +26,7 @@ from rayrl.engines.launcher import EngineProcess
 from rayrl.trainers.torch_backend import TorchTrainer
 from rayrl.types import Sample
 from rayrl.weights.adapter import AdapterSender
-from rayrl.weights.routes import EngineEndpoint, RankPlace, WeightRouteError, make_sender, plan_routes
+from rayrl.weights.plan import EngineEndpoint, RankPlace, WeightPlanError, make_sender, plan_senders
 from rayrl.weights.wire import serialize_adapter
 
 PROMPT = [5, 17, 42, 99, 7, 3]
@@ -73,9 +73,9 @@ def test_the_adapter_alone_reaches_the_engine_and_it_generates_as_the_trainer(en
         trainer = _trainer(tiny_model)
         client = EngineClient(engine_proc.url)
         assert await client.lora_adapters() == []
-        routes = plan_routes("auto", [EngineEndpoint(engine_proc.url, "n1")], [RankPlace(0, "n1")], "cpu", lora=True)
-        assert routes.transport == "adapter"
-        sender = make_sender(routes, 0, bucket_bytes=1 << 20, timeout_s=120, master_address="127.0.0.1",
+        plan = plan_senders("auto", [EngineEndpoint(engine_proc.url, "n1")], [RankPlace(0, "n1")], "cpu", lora=True)
+        assert plan.transport == "adapter"
+        sender = make_sender(plan, 0, bucket_bytes=1 << 20, timeout_s=120, master_address="127.0.0.1",
                              disk_root="/nonexistent", cuda=False, adapter_config=trainer.adapter_config())
         assert isinstance(sender, AdapterSender)
         await sender.connect()
@@ -150,8 +150,8 @@ def test_requests_must_name_the_adapter_and_bad_adapter_calls_are_400(engine_pro
 
 
 def test_an_engine_without_a_trainer_rank_on_its_node_is_refused_naming_trainer_lora():
-    with pytest.raises(WeightRouteError, match="^trainer.lora: the adapter goes to each engine"):
-        plan_routes("auto", [EngineEndpoint("http://x", "n2")], [RankPlace(0, "n1")], "cpu", lora=True)
+    with pytest.raises(WeightPlanError, match="^trainer.lora: the adapter goes to each engine"):
+        plan_senders("auto", [EngineEndpoint("http://x", "n2")], [RankPlace(0, "n1")], "cpu", lora=True)
 
 
 def test_a_client_sees_the_loaded_adapters_error_message(engine_proc):

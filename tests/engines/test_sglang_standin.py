@@ -354,7 +354,7 @@ def test_versions_per_token_across_an_abort_and_continue_on_sglangs_response_sha
         try:
             task = asyncio.ensure_future(router.generate("s1", PROMPT, MEDIUM))
             await _until_running(strict.url)
-            router.pause()  # the gateway holds (TrajectoryManager.hold_llm_calls)
+            router.pause()  # the gateway holds (GatewayShard.hold_llm_calls)
             await client.pause_generation("abort")
             await client.wait_idle(30.0)
             handles = HandleSender([EngineTarget(client)], bucket_bytes=1 << 20)

@@ -88,7 +88,7 @@ def _client(store) -> dist.TCPStore:
 
 
 def _pair(url: str, store, session: str, gpus=GPUS, timeout_s: float = 30.0) -> tuple[HandleSender, HandleSender]:
-    """The sender on TP rank 0's GPU (posts) and the one on TP rank 1's (contributes), as routes.py makes them."""
+    """The sender on TP rank 0's GPU (posts) and the one on TP rank 1's (contributes), as plan.py makes them."""
     poster = HandleSender([EngineTarget(EngineClient(url), 2, exchange_key=0)], bucket_bytes=1 << 20,
                           exchange=PayloadExchange(_client(store), session, timeout_s), gpu_id=gpus[0],
                           timeout_s=timeout_s)

@@ -1,7 +1,7 @@
 """Weight transfer without disk, trainer process -> a real CPU engine server process.
 
 The trainer (this test process, a TorchTrainer after real GRPO steps) pushes its weights through
-SGLang's endpoints, with the sender rayrl/weights/routes.py builds for each transport: a gloo broadcast
+SGLang's endpoints, with the sender rayrl/weights/plan.py builds for each transport: a gloo broadcast
 group (``/init_weights_update_group`` + ``/update_weights_from_distributed``, the NCCL path's code on
 CPU), shared-memory handles (``/update_weights_from_tensor`` in SGLang's serialized form) and a
 safetensors directory in shared memory (``/update_weights_from_disk``). Afterwards the engine's greedy
@@ -28,7 +28,7 @@ from rayrl.types import Sample
 from rayrl.weights.broadcast import BroadcastSender
 from rayrl.weights.disk import DiskSender
 from rayrl.weights.handles import HandleSender
-from rayrl.weights.routes import EngineEndpoint, RankPlace, make_sender, plan_routes
+from rayrl.weights.plan import EngineEndpoint, RankPlace, make_sender, plan_senders
 from rayrl.weights.shm import owner_tag, shared_memory_root
 from rayrl.weights.transfer import EngineTarget, WeightTransferError, iter_buckets
 from rayrl.weights.wire import bucket_classes, serialize_for_engine
@@ -84,8 +84,8 @@ def test_iter_buckets_sizes_and_dtypes():
 
 def _sender(mode: str, url: str, tmp_path, node: str = "n1"):
     """The sender a run builds for ``mode``: rank 0 on node n1, the engine on ``node``."""
-    routes = plan_routes(mode, [EngineEndpoint(url, node)], [RankPlace(0, "n1")], "cpu")
-    return make_sender(routes, 0, bucket_bytes=BUCKET, timeout_s=120, master_address="127.0.0.1",
+    plan = plan_senders(mode, [EngineEndpoint(url, node)], [RankPlace(0, "n1")], "cpu")
+    return make_sender(plan, 0, bucket_bytes=BUCKET, timeout_s=120, master_address="127.0.0.1",
                        disk_root=tmp_path / "weights", cuda=False)
 
 

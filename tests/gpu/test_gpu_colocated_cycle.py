@@ -3,7 +3,7 @@ SGLang 0.5.9's own receive path: the engine is our engine on CUDA as the strict 
 (``python -m rayrl.engines.cpu --device cuda --strict-sglang``: payloads through SGLang's MultiprocessingSerializer with
 its patched CUDA rebuild, buckets cut by SGLang's FlattenedTensorBucket), the trainer is the torch
 backend with ``trainer.memory_saver`` (parameters, gradients and Adam's moments in a torch_memory_saver
-region). The cycle is colocated_async's (rayrl/pipeline/schedules.py): engines pause and release;
+region). The cycle is colocated_async's (rayrl/orchestration/schedules.py): engines pause and release;
 trainer onload; a GRPO step; engines resume their weights; the push from the trainer's live memory over
 CUDA IPC; trainer offload; engines resume the KV cache and continue. It checks that nothing reads
 unmapped memory (no CUDA error, the process goes on) and that the engine then computes exactly what the

@@ -2,7 +2,7 @@
 server is a real subprocess (``python -m rayrl.engines.cpu --device cuda``); the torch trainer
 on the same GPU loads the same checkpoint (the engine's log-probs equal the trainer's: the engine runs
 correctly on CUDA), takes GRPO steps (now they differ: the weights moved), and the sender the pipeline
-builds for a colocated GPU layout (``plan_routes`` -> ``tensor`` -> HandleSender) posts its weights as
+builds for a colocated GPU layout (``plan_senders`` -> ``tensor`` -> HandleSender) posts its weights as
 CUDA IPC handles to ``/update_weights_from_tensor``. Afterwards the engine's greedy tokens carry the new
 version and their log-probs equal the trainer's own for the same tokens again. Figures in
 $OUT/engine_ipc.json."""
@@ -22,7 +22,7 @@ from rayrl.engines.launcher import EngineProcess
 from rayrl.trainers.torch_backend import TorchTrainer
 from rayrl.types import Sample
 from rayrl.weights.handles import HandleSender
-from rayrl.weights.routes import EngineEndpoint, RankPlace, make_sender, plan_routes
+from rayrl.weights.plan import EngineEndpoint, RankPlace, make_sender, plan_senders
 
 pytestmark = pytest.mark.gpu
 
@@ -65,11 +65,11 @@ def test_cuda_ipc_weight_update_into_our_engine_on_cuda(smollm2_gpu_dir, tmp_pat
         for _ in range(STEPS):  # away from the engine's greedy answer
             metrics = trainer.train_step([_on_policy(trainer, prompt, stale_ids)], [-1.0])
         before = np.abs(stale.output_logprobs - _logprobs(trainer, prompt, stale_ids)).max()
-        routes = plan_routes("auto", [EngineEndpoint(engine.url, "node", bundles=(0,))],
+        plan = plan_senders("auto", [EngineEndpoint(engine.url, "node", bundles=(0,))],
                              [RankPlace(0, "node", bundle=0)], "sglang")  # the colocated GPU layout
-        sender = make_sender(routes, 0, bucket_bytes=64 << 20, timeout_s=120, master_address="127.0.0.1",
+        sender = make_sender(plan, 0, bucket_bytes=64 << 20, timeout_s=120, master_address="127.0.0.1",
                              disk_root=tmp_path / "weights", cuda=True)  # fmt: skip
-        assert routes.transport == "tensor" and isinstance(sender, HandleSender)
+        assert plan.transport == "tensor" and isinstance(sender, HandleSender)
         await sender.connect()
         stats = await sender.send(trainer.named_weights(torch.float32), version=1)
         await sender.close()

@@ -81,7 +81,7 @@ class ScriptedGateway:
             return json.load(resp)["choices"][0]["message"]
 
     def finish(self, session_id: str, reward: float) -> tuple[list, dict[str, Any]]:
-        tree = describe_session(self.gateway.sessions, session_id)  # as the trajectory manager does
+        tree = describe_session(self.gateway.sessions, session_id)  # as the gateway does
         samples = self.loop.run(self.gateway.finish_session(session_id, reward, {"reward": reward}))
         return samples, tree
 

@@ -145,7 +145,7 @@ def _lose_an_engine_node(pipe, cluster, caplog) -> None:
     slot = next(s for s in pipe.engines.slots if s.info["node_id"] not in (driver_node, rank.node_id))
     node = next(n for n in cluster.worker_nodes if n.node_id == slot.info["node_id"])
     restarts, counted = slot.restarts, pipe.failure_counts["engine_restarts"]
-    caplog.set_level(logging.WARNING, logger="rayrl.pipeline")
+    caplog.set_level(logging.WARNING, logger="rayrl")
     caplog.clear()
 
     def kill() -> None:
@@ -234,8 +234,8 @@ def test_colocated_layout_spread_over_three_nodes(three_nodes, tiny_model_dir, t
             assert info["bundles"] == [placement.trainer_bundle(j)]  # engine j shares rank j's bundle
             assert info["node_id"] == ranks[j].node_id
         assert {e["node_id"] for e in engines} == {p.node_id for p in ranks} == all_nodes  # one pair per node
-        routes = pipe.weights.routes
-        assert routes.transport == "tensor" and routes.by_rank == {0: (0,), 1: (1,), 2: (2,)}  # node-local
+        plan = pipe.weights.plan
+        assert plan.transport == "tensor" and plan.by_rank == {0: (0,), 1: (1,), 2: (2,)}  # node-local
 
         _steps_with_versions(pipe, 2)
         served = pipe.engines.work_stats()

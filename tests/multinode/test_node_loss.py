@@ -135,7 +135,7 @@ def test_a_node_lost_in_any_phase_stops_the_run_cleanly_and_it_resumes_exactly(t
                                                                                  tmp_path, monkeypatch, capfd):
     from actors.trainer import TrainerGroup
     from actors.weight_sync import WeightSync
-    from rayrl.pipeline.schedules import Schedule
+    from rayrl.orchestration.schedules import Schedule
 
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps({"id": f"t-{i}", "prompt": f"What is {i} + 1?",
@@ -159,7 +159,7 @@ def test_a_node_lost_in_any_phase_stops_the_run_cleanly_and_it_resumes_exactly(t
     monkeypatch.setattr(Schedule, "collect", killer.during_rollout(Schedule.collect))
     # "offload" and "weight push" are armed by the trainer step (the schedule also offloads when it starts, and
     # a resume pushes the loaded weights): the colocated step goes train -> push -> offload
-    # (rayrl/pipeline/schedules.py), so the step's own push or offload after its train is the one killed
+    # (rayrl/orchestration/schedules.py), so the step's own push or offload after its train is the one killed
     after_train = {"offload-next": "offload", "push-next": "weight push"}
     train = killer.before("train", TrainerGroup.train)
     monkeypatch.setattr(TrainerGroup, "train", killer.after(train, after_train))

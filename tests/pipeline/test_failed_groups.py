@@ -37,7 +37,7 @@ def test_agent_bugs_score_infrastructure_failures_rerun_and_every_attempt_is_wri
         "rollout.max_tokens=8", "rollout.min_group_episodes=2", "pipeline.max_group_reruns=2", "trainer.steps=1",
         "pipeline.checkpoint_interval=-1", "logging.tensorboard=false", "logging.plot=false",
     ])
-    caplog.set_level(logging.WARNING, logger="rayrl.pipeline")
+    caplog.set_level(logging.WARNING, logger="rayrl")
     pipeline = Pipeline(cfg)
     try:
         [metrics] = pipeline.run()

@@ -193,7 +193,7 @@ def test_colocated_async_two_steps_pauses_engines_in_order(ray_local, tiny_model
         assert all(h["pipeline/staleness_max"] <= 1 for h in history)
         # episodes kept doing sandbox work during training; their LLM calls waited at the gateway
         assert history[-1]["gateway/queued"] >= 1
-        stats = pipeline.trajectories.stats()
+        stats = pipeline.gateway.stats()
         assert all(s["router_queue_depth"] == 0 for s in stats)  # nothing left waiting after resume
         for step in (1, 2):
             assert all(r["status"] == "ok" for r in _episodes(cfg, step))

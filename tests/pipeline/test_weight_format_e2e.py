@@ -32,7 +32,7 @@ def test_packed_engine_falls_back_to_float32_past_the_gap_bound(ray_local, tiny_
     try:
         url = pipe.engine_urls[0]
         assert _engine_state(url)["weight_format"] == "fp16-packed"
-        with caplog.at_level(logging.WARNING, logger="rayrl.pipeline"):
+        with caplog.at_level(logging.WARNING, logger="rayrl"):
             first = pipe.run_step()
             second = pipe.run_step()
         state = _engine_state(url)

@@ -40,7 +40,7 @@ class EngineBackend:
 
     ``on_gpu``: its engines hold GPU memory: an engine with no shared placement asks Ray for
     ``engine.tp_size`` GPUs, ``engine.dtype: auto`` is bfloat16, and weight payloads for it are made on
-    its GPUs (rayrl/weights/routes.py). ``sglang_wire``: its weight endpoints unpickle SGLang's own bucket
+    its GPUs (rayrl/weights/plan.py). ``sglang_wire``: its weight endpoints unpickle SGLang's own bucket
     classes only (rayrl/weights/wire.py), so senders must never fall back to ours. ``weight_formats``: the
     ``engine.weight_format`` values it takes beyond ``auto`` (empty: it has no such setting; its own flags
     go in ``engine.extra_args``); ``extra_routes``: the routes it serves beyond rayrl/engines/api.py's

@@ -1,7 +1,7 @@
-"""TrajectoryManager: a Ray actor hosting the gateway and its per-session trajectory trees.
+"""GatewayShard: a Ray actor hosting the gateway and its per-session trajectory trees.
 
 Sessions are sharded over N actors by session id: a session id starts with ``s<shard>-``, so
-``TrajectoryManagers`` routes each call to the actor that owns the session without a lookup table.
+``GatewayShards`` routes each call to the actor that owns the session without a lookup table.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from rayrl.types import Sample
 
 
 @ray.remote(num_cpus=0)
-class TrajectoryManager:
+class GatewayShard:
     """Gateway server + sessions for one shard (an async actor: the HTTP server shares its loop)."""
 
     def __init__(self, cfg: RunConfig, model_path: str, engine_urls: list[str], shard: int = 0) -> None:
@@ -94,7 +94,7 @@ class TrajectoryManager:
         return {**gateway_stats(self.gateway), **self.totals, **router}
 
     async def set_engines(self, urls: list[str]) -> None:
-        """Route LLM calls to exactly these engines (rayrl/pipeline/membership.py calls this as engines die
+        """Route LLM calls to exactly these engines (rayrl/orchestration/membership.py calls this as engines die
         and return)."""
         self.router.set_engines(urls)
 
@@ -118,15 +118,15 @@ class TrajectoryManager:
         await self.router.close()
 
 
-class TrajectoryManagers:
+class GatewayShards:
     """Client-side handle over the shards: new sessions round-robin, calls routed by session id; to the
-    schedules it is the gateway (rayrl/pipeline/parts.py Gateway): where LLM calls go and whether they
+    schedules it is the gateway (rayrl/orchestration/parts.py Gateway): where LLM calls go and whether they
     wait."""
 
     def __init__(self, handles: list[Any]) -> None:
         self.handles = handles
         self._next = itertools.count()
-        self.starting: list[Any] = []  # the shards' pending start() calls (start_trajectory_managers)
+        self.starting: list[Any] = []  # the shards' pending start() calls (start_gateway_shards)
 
     def started(self) -> list[str]:
         """Wait until every shard serves; their gateway URLs."""
@@ -143,7 +143,7 @@ class TrajectoryManagers:
             shard = int(session_id.split("-", 1)[0][1:])
             return self.handles[shard]
         except (ValueError, IndexError):
-            raise KeyError(f"session id {session_id!r} names no trajectory-manager shard") from None
+            raise KeyError(f"session id {session_id!r} names no gateway shard") from None
 
     def open_session(self, metadata: dict[str, Any]) -> SessionInfo:
         handle = self.handles[next(self._next) % len(self.handles)]
@@ -188,17 +188,17 @@ class TrajectoryManagers:
         return [h.shutdown.remote() for h in self.handles]
 
 
-def start_trajectory_managers(cfg: RunConfig, model_path: str, engine_urls: list[str],
-                              wait: bool = True) -> TrajectoryManagers:
-    """The shards, serving once :meth:`TrajectoryManagers.started` returns (at once with ``wait``). The
+def start_gateway_shards(cfg: RunConfig, model_path: str, engine_urls: list[str],
+                         wait: bool = True) -> GatewayShards:
+    """The shards, serving once :meth:`GatewayShards.started` returns (at once with ``wait``). The
     handles are usable before that: the run's start hands them to the rollout workers while the shards
     load their tokenizer, and gives them the engines' addresses (``set_engines``) once the engines are up."""
     handles = [
-        TrajectoryManager.options(name=f"rayrl-{cfg.exp_id}-trajectory-{i}", **on_driver_node()).remote(
+        GatewayShard.options(name=f"rayrl-{cfg.exp_id}-gateway-{i}", **on_driver_node()).remote(
             cfg, model_path, engine_urls, i)
         for i in range(cfg.trajectory.num_shards)
     ]
-    managers = TrajectoryManagers(handles)
+    managers = GatewayShards(handles)
     managers.starting = [h.start.remote() for h in handles]
     if wait:
         managers.started()

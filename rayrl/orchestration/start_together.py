@@ -6,7 +6,7 @@ template, sandboxes being made), and none of that needs another part, so started
 run waits for the sum of them, started together for the longest. What does depend on another part is
 said where it is: a part's function may wait on another's :meth:`Part.result` (the colocated trainer
 waits for the engines to release their memory), and what joins two parts (the engines' addresses for the
-gateway, the weight routes) runs after :meth:`StartTogether.wait`.
+gateway, the weight plan) runs after :meth:`StartTogether.wait`.
 
 Each part's function runs on a daemon thread of the driver and returns the part (its handle); the Ray
 work is in the part's own actors, so the threads only wait. Plain threads, no Ray: the tests drive it
@@ -26,7 +26,7 @@ from rayrl.startup import READY, StartupClock
 
 T = TypeVar("T")
 
-logger = logging.getLogger("rayrl.pipeline")
+logger = logging.getLogger(__name__)
 
 
 class Part(Generic[T]):

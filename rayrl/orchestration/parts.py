@@ -17,7 +17,7 @@ from rayrl.rl.groups import Group
 from rayrl.types import Sample, Task
 
 if TYPE_CHECKING:  # the weight path imports torch; the schedules only name its types
-    from rayrl.weights.routes import EngineEndpoint, RankPlace, WeightRoutes
+    from rayrl.weights.plan import EngineEndpoint, RankPlace, WeightPlan
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Trainer(Protocol):
 
     def places(self) -> list[RankPlace]: ...
 
-    def connect_weights(self, routes: WeightRoutes, disk_root: str, timeout_s: float) -> None: ...
+    def connect_weights(self, plan: WeightPlan, disk_root: str, timeout_s: float) -> None: ...
 
     def push_weights(self, dtype: str) -> list[Any]: ...
 
@@ -134,13 +134,13 @@ class Engines(Protocol):
 
 class Weights(Protocol):
     """Trainer -> engines weight updates to the endpoints it is given (actors/weight_sync.py WeightSync):
-    ``push`` raises WeightSyncError when the engines' side fails (rayrl/pipeline/failures.py).
+    ``push`` raises WeightSyncError when the engines' side fails (rayrl/orchestration/part_failures.py).
     ``adapter_only``: the updates are a LoRA adapter (trainer.lora), which engines need even at policy
     version 0 (requests name it)."""
 
     adapter_only: bool
 
-    def connect(self, endpoints: list[EngineEndpoint]) -> Optional[WeightRoutes]: ...
+    def connect(self, endpoints: list[EngineEndpoint]) -> Optional[WeightPlan]: ...
 
     def push(self, version: int, endpoints: list[EngineEndpoint]) -> dict[str, Any]: ...
 
@@ -148,8 +148,8 @@ class Weights(Protocol):
 
 
 class Gateway(Protocol):
-    """The gateway shards' routers: where LLM calls go and whether they wait (actors/trajectory_manager.py
-    TrajectoryManagers)."""
+    """The gateway shards' routers: where LLM calls go and whether they wait (actors/gateway_shard.py
+    GatewayShards)."""
 
     def set_engines(self, urls: list[str]) -> None: ...
 

@@ -19,10 +19,10 @@ import logging
 from collections import Counter
 from typing import Any, Callable
 
-from rayrl.pipeline.failures import WeightSyncError
-from rayrl.pipeline.parts import Engines, Gateway, Weights
+from rayrl.orchestration.part_failures import WeightSyncError
+from rayrl.orchestration.parts import Engines, Gateway, Weights
 
-logger = logging.getLogger("rayrl.pipeline")
+logger = logging.getLogger(__name__)
 
 
 class EngineMembership:

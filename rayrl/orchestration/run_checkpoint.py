@@ -23,12 +23,12 @@ from typing import Any, Optional
 
 from rayrl.checkpoint import CheckpointError, CheckpointStore
 from rayrl.data import TaskSampler
-from rayrl.pipeline.failures import TrainerFailure
-from rayrl.pipeline.parts import Dispatcher, Trainer
-from rayrl.pipeline.schedules import Schedule
+from rayrl.orchestration.part_failures import TrainerFailure
+from rayrl.orchestration.parts import Dispatcher, Trainer
+from rayrl.orchestration.schedules import Schedule
 from rayrl.rl.groups import Group
 
-logger = logging.getLogger("rayrl.pipeline")
+logger = logging.getLogger(__name__)
 
 
 class RunCheckpoints:

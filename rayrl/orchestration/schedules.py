@@ -1,7 +1,7 @@
 """The three schedules: how rollout and training share time. One class each, one interface.
 
 Episodes run as groups (``rollout.group_size`` episodes of one task) that a GroupDispatcher
-(actors/dispatch.py; here the ``Dispatcher`` protocol of rayrl/pipeline/parts.py) keeps moving on the
+(actors/dispatch.py; here the ``Dispatcher`` protocol of rayrl/orchestration/parts.py) keeps moving on the
 rollout workers; each step takes ``prompts_per_step`` completed groups. The pipeline (actors/pipeline.py)
 picks the class once from ``pipeline.schedule`` and then only calls :meth:`Schedule.collect` and
 :meth:`Schedule.train`. One step of each:
@@ -60,7 +60,7 @@ picks the class once from ``pipeline.schedule`` and then only calls :meth:`Sched
     3. without training, then 4. (the engines lost their weights at the release, so they are pushed).
 
 While any schedule waits, :meth:`Schedule.tick` keeps the dispatch going and lets the engine membership
-(rayrl/pipeline/membership.py) tend the engines: an engine that died is taken out of the routers and
+(rayrl/orchestration/membership.py) tend the engines: an engine that died is taken out of the routers and
 replaced on its bundle; the replacement gets the current weights before the routers learn its address
 (colocated: only once the devices are back). "Hold LLM calls" below is the gateway's routers queueing
 new calls; "pause_generation" is always the engines' own SGLang call.
@@ -77,13 +77,13 @@ from typing import Any, Callable
 import numpy as np
 from tqdm import tqdm
 
-from rayrl.pipeline.membership import EngineMembership
-from rayrl.pipeline.parts import RunParts
+from rayrl.orchestration.membership import EngineMembership
+from rayrl.orchestration.parts import RunParts
 from rayrl.rl.batch import Batch
 from rayrl.rl.groups import Group, equal_reward, split_short, split_stale
 from rayrl.types import Task
 
-logger = logging.getLogger("rayrl.pipeline")
+logger = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how long one dispatch turn waits for finished episodes
 
@@ -99,7 +99,7 @@ class Schedule:
     tis_cap = 0.0  # algorithm.tis_cap when unset: off where no sample is stale (a narrow-band loss turns it on)
 
     # whether the trainer is built only once the engines are up and :meth:`before_trainer` ran; otherwise the
-    # two start together (actors/pipeline.py, rayrl/pipeline/start_together.py)
+    # two start together (actors/pipeline.py, rayrl/orchestration/start_together.py)
     trainer_after_engines = False
 
     @staticmethod
@@ -339,7 +339,7 @@ class Schedule:
 
     def state_dict(self) -> dict[str, Any]:
         """``episodes_counted: queued`` marks the count's meaning since the budget became exact (checkpoints
-        before it counted groups when taken: rayrl/pipeline/run_checkpoint.py adds their untrained groups)."""
+        before it counted groups when taken: rayrl/orchestration/run_checkpoint.py adds their untrained groups)."""
         return {"schedule": self.name, "group_seq": self.state.group_seq, "episodes": self.state.episodes,
                 "episodes_counted": "queued"}
 

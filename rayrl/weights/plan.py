@@ -24,9 +24,9 @@ Every torch rank holds the full weights after a step (data parallel), and every 
 gathered export, so any rank can send.
 
 ``auto`` takes the fastest transport that reaches every engine: ``tensor`` (CUDA IPC on GPU; shared-memory
-handles on CPU: 6.5x faster than ``disk`` and 5x faster than a gloo broadcast for SmolLM2-135M,
-bench/weight_transfer.py) when every engine can be fed that way (on GPUs: every GPU of every engine has a
-trainer rank; on CPU: every engine has one on its node), else ``distributed`` (NCCL or gloo). ``disk`` is
+handles on CPU, the fastest here: bench/weight_transfer.py, docs/benchmarks.md) when every engine can be
+fed that way (on GPUs: every GPU of every engine has a trainer rank; on CPU: every engine has one on its
+node), else ``distributed`` (NCCL or gloo). ``disk`` is
 there to be asked for (it needs nothing but a shared-memory directory). One transport per run, so a rank
 holds at most one sender and the trainer never asks which.
 """
@@ -53,7 +53,7 @@ TRANSPORTS: tuple[str, ...] = ("disk", "tensor", "distributed")
 NODE_LOCAL: tuple[str, ...] = ("disk", "tensor")
 
 
-class WeightRouteError(ValueError):
+class WeightPlanError(ValueError):
     """A transport that cannot reach some engine; the message names ``pipeline.weight_transfer``."""
 
 
@@ -77,7 +77,7 @@ class RankPlace:
 
 
 @dataclass(frozen=True)
-class WeightRoutes:
+class WeightPlan:
     """The resolved transport and, per sending rank, the engines (indices into ``engines``) it feeds."""
 
     transport: Transport
@@ -141,21 +141,21 @@ def resolve_transport(
     if mode in TRANSPORTS:
         return mode  # type: ignore[return-value]
     if mode != "auto":
-        raise WeightRouteError(f"pipeline.weight_transfer: {mode!r} is not one of auto, {', '.join(TRANSPORTS)}")
+        raise WeightPlanError(f"pipeline.weight_transfer: {mode!r} is not one of auto, {', '.join(TRANSPORTS)}")
     return "tensor" if all(_tensor_reaches(e, ranks, engine_backend) for e in engines) else "distributed"
 
 
-def plan_routes(
+def plan_senders(
     mode: str, engines: Sequence[EngineEndpoint], ranks: Sequence[RankPlace], engine_backend: str,
     lora: bool = False,
-) -> WeightRoutes:
-    """Which rank feeds which engine; raises WeightRouteError when a node-local transport was asked for
+) -> WeightPlan:
+    """Which rank feeds which engine; raises WeightPlanError when a node-local transport was asked for
     and some engine has no trainer rank to feed it (``tensor`` on GPUs: on each of its GPUs). ``lora``:
     the updates are LoRA adapters (transport ``adapter``, node-local)."""
     if not engines:
-        raise WeightRouteError("no engines to send weights to")
+        raise WeightPlanError("no engines to send weights to")
     if not ranks:
-        raise WeightRouteError("no trainer ranks to send weights from")
+        raise WeightPlanError("no trainer ranks to send weights from")
     transport: Transport = "adapter" if lora else resolve_transport(mode, engines, ranks, engine_backend)
     by_rank: dict[int, list[int]] = {}
     tp_ranks: dict[int, tuple[int, ...]] = {}
@@ -166,7 +166,7 @@ def plan_routes(
         if transport == "tensor" and _on_gpus(engine, engine_backend):
             found = _gpu_ranks(engine, ranks)
             if found is None:
-                raise WeightRouteError(
+                raise WeightPlanError(
                     f"pipeline.weight_transfer: tensor hands each tensor-parallel rank of the engine at {engine.url} "
                     f"a payload made on that rank's GPU, but its GPUs (bundles {list(engine.bundles)}) do not all "
                     "have a trainer rank (the colocated layout gives them one); use distributed or auto"
@@ -176,24 +176,24 @@ def plan_routes(
             continue
         rank = _local_sender_rank(engine, ranks)
         if rank is None and transport == "adapter":
-            raise WeightRouteError(
+            raise WeightPlanError(
                 f"trainer.lora: the adapter goes to each engine as shared-memory handles from a trainer rank on "
                 f"its node (SGLang's /load_lora_adapter_from_tensors), but the engine at {engine.url} (node "
                 f"{engine.node_id[:12]}) has none; place a trainer rank on every engine node or train full weights"
             )
         if rank is None:
-            raise WeightRouteError(
+            raise WeightPlanError(
                 f"pipeline.weight_transfer: {transport} hands weights over on one node, but the engine at "
                 f"{engine.url} (node {engine.node_id[:12]}) has no trainer rank on its node; use distributed "
                 "or auto"
             )
         by_rank.setdefault(rank, []).append(i)
-    return WeightRoutes(transport, tuple(engines), {r: tuple(v) for r, v in by_rank.items()}, engine_backend,
+    return WeightPlan(transport, tuple(engines), {r: tuple(v) for r, v in by_rank.items()}, engine_backend,
                         {i: r for i, r in tp_ranks.items() if len(r) > 1})
 
 
 def make_sender(
-    routes: WeightRoutes,
+    plan: WeightPlan,
     rank: int,
     *,
     bucket_bytes: int,
@@ -205,34 +205,34 @@ def make_sender(
     gpu_id: Optional[str] = None,
     adapter_config: Optional[Mapping[str, Any]] = None,
 ) -> Optional[WeightSender]:
-    """The sender rank ``rank`` needs under ``routes`` (None: it feeds no engine). ``connect()`` it before
+    """The sender rank ``rank`` needs under ``plan`` (None: it feeds no engine). ``connect()`` it before
     the first ``send``. ``disk_root`` is this run's directory for the disk transport (a per-rank directory
     is made under it); ``master_address`` is the address other nodes reach this rank at (broadcast);
     ``disk_root``'s per-rank directory is ``rank<r>-<pid>-<start>`` (rayrl/weights/shm.py: swept when its
     owner is killed); ``store``: the trainer world's TCP store, where the TP ranks' payloads of an engine meet
     (rayrl/weights/tp_payloads.py); ``gpu_id``: the logical GPU a CPU rank stands for (marked on its
     handle payloads); ``adapter_config``: the LoRA adapter's adapter_config.json (transport ``adapter``)."""
-    fed = routes.by_rank.get(rank, ())
-    contributes = routes.contributions_of(rank)
+    fed = plan.by_rank.get(rank, ())
+    contributes = plan.contributions_of(rank)
     if not fed and not contributes:
         return None
-    targets = [EngineTarget(EngineClient(routes.engines[i].url, timeout_s=timeout_s), routes.engines[i].tp_size,
-                            i if i in routes.tp_ranks else None) for i in fed]
-    if routes.transport == "adapter":
+    targets = [EngineTarget(EngineClient(plan.engines[i].url, timeout_s=timeout_s), plan.engines[i].tp_size,
+                            i if i in plan.tp_ranks else None) for i in fed]
+    if plan.transport == "adapter":
         if adapter_config is None:
-            raise WeightRouteError("trainer.lora: the adapter transport needs the adapter's config from the trainer")
+            raise WeightPlanError("trainer.lora: the adapter transport needs the adapter's config from the trainer")
         return AdapterSender(targets, adapter_config, timeout_s=timeout_s)
-    if routes.transport == "disk":
+    if plan.transport == "disk":
         return DiskSender(targets, Path(disk_root) / f"rank{rank}-{owner_tag()}", timeout_s=timeout_s)
-    if routes.transport == "tensor":
+    if plan.transport == "tensor":
         exchange = None
-        if routes.tp_ranks:
+        if plan.tp_ranks:
             if store is None:
-                raise WeightRouteError("pipeline.weight_transfer: tensor to tensor-parallel engines gathers each "
+                raise WeightPlanError("pipeline.weight_transfer: tensor to tensor-parallel engines gathers each "
                                        "engine's payloads over the trainer ranks' store, and this rank has none")
-            exchange = PayloadExchange(store, routes.session, timeout_s)
+            exchange = PayloadExchange(store, plan.session, timeout_s)
         return HandleSender(targets, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
-                            sglang_engines=backends.engine_backend(routes.engine_backend).sglang_wire,
+                            sglang_engines=backends.engine_backend(plan.engine_backend).sglang_wire,
                             exchange=exchange, contributes=contributes, gpu_id=gpu_id)
     return BroadcastSender(targets, backend="nccl" if cuda else "gloo", master_address=master_address,
                            bucket_bytes=bucket_bytes, timeout_s=timeout_s)

@@ -1,4 +1,4 @@
-"""How the pipeline's parts fail, as the schedules, the engine membership and the checkpoints see it:
+"""How the run's parts fail, as the schedules, the engine membership and the checkpoints see it:
 TrainerFailure (a trainer rank died) and WeightSyncError (a weight update to the engines failed)."""
 
 from __future__ import annotations
