@@ -36,7 +36,7 @@ $(TDEPS): $(DEPS)
 	$(BIN)/pip install --quiet -e '.[test,verifiers]'
 	# the pinned GPU libraries' own code, for tests/contracts/ on CPU: --no-deps, so no CUDA torch comes along
 	# (triton: sglang.srt.utils imports it at module level; 3.5.1 is torch 2.9.1's, the pinned stack's;
-	# torch_memory_saver: its own LD_PRELOAD reading, tests/test_memory_saver_cpu.py; it loads nothing until used)
+	# torch_memory_saver: its own LD_PRELOAD reading, tests/trainers/test_memory_saver_cpu.py; it loads nothing until used)
 	$(BIN)/pip install --quiet --no-deps sglang==0.5.9 megatron-core==0.15.3 mbridge==0.15.1 triton==3.5.1 \
 		torch_memory_saver==0.0.9
 	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.__version__.endswith('+cpu') else 'torch is no longer the CPU build')"

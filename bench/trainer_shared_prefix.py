@@ -6,7 +6,7 @@ schemas), then the task's question (shared inside a group) and each episode's ow
 (``--response-tokens``). One optimizer step (forward, backward, AdamW) on the real model. The two
 trainers (plain, shared) take turns step by step (bench/measure.py), so load elsewhere on the machine
 hits both alike; reported: seconds per step (median and spread) and the per-step ratio. The gradients
-are the same either way (tests/test_trainer_weight_sync.py checks that).
+are the same either way (tests/trainers/test_trainer_weight_sync.py checks that).
 
 The "padded-token bound" column is the most sharing can save by token count alone: a micro-batch pads
 every row to the longest, so the plain step computes n x longest positions and the shared step

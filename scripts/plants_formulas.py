@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from scripts.mutation_check import Plant
 
-FORMULA_TESTS = ("tests/test_advantages.py", "tests/test_policy_losses.py", "tests/test_objective.py",
-                 "tests/test_formula_pins.py", "tests/test_rl_groups.py", "tests/test_guards.py")
+FORMULA_TESTS = ("tests/rl/test_advantages.py", "tests/rl/test_policy_losses.py", "tests/rl/test_objective.py",
+                 "tests/rl/test_formula_pins.py", "tests/rl/test_rl_groups.py", "tests/rl/test_guards.py")
 ADV, LOSS, OBJ = "rayrl/rl/advantages.py", "rayrl/rl/policy_losses.py", "rayrl/rl/objective.py"
 RES, LR, SHAPE, UPD = ("rayrl/resolve.py", "rayrl/trainers/lr_schedule.py", "rayrl/rl/shaping.py",
                        "rayrl/rl/updates.py")

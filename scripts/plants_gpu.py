@@ -10,7 +10,7 @@ from __future__ import annotations
 from scripts.mutation_check import Plant
 
 STANDIN = "tests/engines/test_sglang_standin.py"
-PHASES = "tests/test_schedule_phases.py"
+PHASES = "tests/orchestration/test_schedule_phases.py"
 SCHEDULES = "tests/pipeline/test_schedules_e2e.py"
 CLIENT_CONTRACT = "tests/contracts/test_sglang_contract.py"
 COLOCATED = f"{SCHEDULES}::test_colocated_async_two_steps_pauses_engines_in_order"
@@ -69,7 +69,7 @@ PLANTS = (
           '    return {"LD_PRELOAD": hook}',
           '    return {"LD_PRELOAD": ":".join([hook, *others])}',
           "the saver's hook prepended to an existing LD_PRELOAD (G): torch_memory_saver loads it as one library",
-          fast=("tests/test_memory_saver_cpu.py::test_preload_env_gives_torch_memory_saver_exactly_its_own_library",)),
+          fast=("tests/trainers/test_memory_saver_cpu.py::test_preload_env_gives_torch_memory_saver_exactly_its_own_library",)),
     Plant("unknown-field", "rayrl/engines/client.py",
           '            "flush_cache": flush_cache,\n            "abort_all_requests": abort_all_requests,\n        }\n'
           "        if weight_version is not None:\n            payload[\"weight_version\"] = str(weight_version)\n"

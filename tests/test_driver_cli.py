@@ -111,7 +111,7 @@ def test_bad_data_rows_are_named_with_file_and_line(tmp_path, capsys):
 
 def test_a_file_with_other_field_names_is_named_once_and_mapped_by_data_fields(tmp_path, capsys):
     """Issue 43: a question/answer JSONL is refused with the field, the file and what it has; data.fields maps
-    it (tests/test_data_formats.py reads every format with the mapping)."""
+    it (tests/data/test_data_formats.py reads every format with the mapping)."""
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(f'{{"question": "What is {i} + {i}?", "answer": {2 * i}}}\n' for i in range(3)))
     out = run_main(capsys, UNIT, f"data.train_path={data}")

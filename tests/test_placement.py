@@ -183,7 +183,7 @@ def test_pipeline_places_trainer_and_engines_on_one_bundle(ray_with_8_logical_gp
     (each with its fraction of its GPU), weights go by shared-memory handles, and a colocated_async step
     runs there."""
     from actors.pipeline import Pipeline
-    from tests.pipeline.test_schedules_e2e import pipeline_config
+    from tests.pipeline.run_config import pipeline_config
 
     cfg = pipeline_config(tmp_path, tiny_model_dir, "exp_id=placed", "placement.mode=colocated",
                           "placement.num_gpus=1", "placement.cpus_per_bundle=1", "pipeline.schedule=colocated_async",

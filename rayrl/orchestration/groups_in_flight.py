@@ -5,7 +5,7 @@ is in flight at most once (:meth:`GroupsInFlight.submit` refuses one already que
 complete; adding a checkpoint's groups next to the same groups still in flight is how one group came to
 be trained twice in one step), completed groups are taken oldest first, and a checkpoint's untrained
 groups replace whatever is in flight (:meth:`GroupsInFlight.restore`). actors/dispatch.py's
-GroupDispatcher runs the episodes on the rollout workers on top of it; tests/test_schedule_phases.py's
+GroupDispatcher runs the episodes on the rollout workers on top of it; tests/orchestration/test_schedule_phases.py's
 fake dispatcher completes them in-process on top of the same bookkeeping.
 """
 

@@ -1,6 +1,6 @@
 """What a schedule, the engine membership and the run's checkpoints drive, as protocols.
 
-actors/ implements each with a Ray shell (named beside each protocol); tests/test_schedule_phases.py
+actors/ implements each with a Ray shell (named beside each protocol); tests/orchestration/test_schedule_phases.py
 implements them with plain fakes, so the phase order of every schedule, the rerun and drop rules and the
 way back after a trainer failure are tested in milliseconds without Ray.
 """

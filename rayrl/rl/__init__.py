@@ -20,7 +20,7 @@ plan: the trainer group makes it, the objective and the backends follow it).
 Why here: the pipeline (actors/pipeline.py), the dispatcher and the trainer group are Ray shells that
 move data between processes; what they compute (which groups train, with what advantages, on which
 rank, and what a step reports) is decided here, once for sync, async and colocated schedules alike,
-and tested without starting Ray (tests/test_rl_*.py).
+and tested without starting Ray (tests/rl/).
 
 This package face imports none of its modules: an agent that imports ``rayrl.rl.failures`` should not load
 the batch builder, whose sample selection reads the policy losses' table (and so imports torch).

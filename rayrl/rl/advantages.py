@@ -32,7 +32,7 @@ Per-token terms come later and are the same for every estimator: on-policy disti
 trainer ranks, where the reference log-probs are). GAE needs a value model per token, which no backend
 holds yet; the resolve step refuses it (:data:`NOT_AVAILABLE`).
 
-Formulas and papers: docs/algorithms.md. Hand-computed tests: tests/test_advantages.py.
+Formulas and papers: docs/algorithms.md. Hand-computed tests: tests/rl/test_advantages.py.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ every loss keeps:
 - Masks are already applied: every token given is trained. Nothing may be reduced over tokens except
   within a sequence (GSPO's sequence ratio).
 
-Formulas and papers: docs/algorithms.md. Hand-computed tests: tests/test_policy_losses.py.
+Formulas and papers: docs/algorithms.md. Hand-computed tests: tests/rl/test_policy_losses.py.
 """
 
 from __future__ import annotations

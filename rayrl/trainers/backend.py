@@ -2,7 +2,7 @@
 
 A trainer rank (actors/trainer.py ``TrainerRank``, and the offload/onload order in
 rayrl/trainers/process_groups.py) holds its backend only as a :class:`TrainerBackend` and calls nothing
-else on it. tests/test_trainer_backend.py holds the signatures of ``TorchTrainer`` and
+else on it. tests/trainers/test_trainer_backend.py holds the signatures of ``TorchTrainer`` and
 ``MegatronTrainer`` to this class (names, kinds, defaults and type hints of every parameter) and reads
 the rank's code for every attribute it touches on its backend, so a call one backend lacks (the
 ``save_checkpoint(..., as_rank=...)`` that made every Megatron run end in a trainer failure) fails a

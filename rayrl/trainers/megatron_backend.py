@@ -31,7 +31,7 @@ takes no packed sequences). Checkpoints are rayrl/trainers/megatron_checkpoint.p
 
 Nothing here is imported unless ``trainer.backend`` is ``megatron``; :func:`require_megatron` names what
 is missing. The packing and the loss path are plain torch and are tested on CPU
-(tests/test_megatron_packing.py); the trainer itself runs only on CUDA (tests/gpu/).
+(tests/trainers/test_megatron_packing.py); the trainer itself runs only on CUDA (tests/gpu/).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def logp_and_entropy(logits: torch.Tensor, targets: torch.Tensor,
     ``vocab_parallel_cross_entropy``, which works on its input in place: it gets a copy when the entropy
     still needs the logits) and, on request, the entropy there (all-reduced over the tensor-parallel
     group with the gradient passed through). Runs wherever megatron-core's parallel state is set up,
-    on CPU too (tests/test_megatron_packing.py)."""
+    on CPU too (tests/trainers/test_megatron_packing.py)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy

@@ -10,7 +10,7 @@ context parallelism keeps every input beside its token.
 :func:`packed_loss` is what the Megatron trainer's loss function returns for a micro-batch, from the
 log-probs Megatron computed at every position: the trained tokens go through the same
 :class:`~rayrl.rl.objective.Objective` as the torch backend's, so both backends give the same
-loss on the same batch (tests/test_megatron_packing.py).
+loss on the same batch (tests/trainers/test_megatron_packing.py).
 """
 
 from __future__ import annotations

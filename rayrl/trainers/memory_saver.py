@@ -23,7 +23,7 @@ both against a plain pinned copy (docs/gpu.md, docs/gpu-validation.md).
 
 On CPU, or with the saver turned off, every method is a no-op and a single log line says why, so the
 same trainer code runs everywhere. :class:`HostBackup` (the copy logic) is plain torch and is tested on
-CPU (tests/test_memory_saver_cpu.py).
+CPU (tests/trainers/test_memory_saver_cpu.py).
 
 Hook mode: torch_memory_saver intercepts CUDA allocations either by ``LD_PRELOAD`` of its hook library
 (which must be set when the process starts) or through torch's pluggable allocator ("torch" mode, no
@@ -367,7 +367,7 @@ def init_optimizer_state(optimizer: Any) -> int:
     pause cannot free it.
 
     torch Adam/AdamW get exactly the state their first step would make, so the steps that follow are
-    bit for bit those of a lazily initialised optimizer (tests/test_memory_saver_cpu.py). A Megatron
+    bit for bit those of a lazily initialised optimizer (tests/trainers/test_memory_saver_cpu.py). A Megatron
     optimizer (chained or not) runs its own ``init_state_fn``: the zeroed moments Megatron itself makes
     before loading a checkpoint. Parameters that already have state are left alone.
     """

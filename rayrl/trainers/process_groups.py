@@ -295,7 +295,7 @@ class TrainerWorld:
         """Leave every group at once, for good, after this rank failed in a step: its connections close, so a
         peer waiting on it inside a collective fails now instead of at the collective timeout (30 min). On
         gloo the peers raise within milliseconds (a peer of a dead rank can otherwise be left waiting on a
-        live one that already gave up; tests/ops/test_trainer_failure.py); NCCL communicators are aborted,
+        live one that already gave up; tests/pipeline/test_trainer_failure.py); NCCL communicators are aborted,
         which frees this rank (its peers still rely on the driver's grace). The run stops on the failure, so
         nothing is made again; this rank keeps its state and can still write a checkpoint. Returns whether
         there was anything to leave."""

@@ -5,7 +5,7 @@ trainer rank does) is killed with SIGKILL, which no cleanup code survives: its f
 which leaves a live owner's files alone. A pid the kernel reused for another process does not protect a
 dead owner's file, and an owner that exits or closes removes its own. The engine opens a buffer only by
 a name of that form. That trainer ranks and engine actors sweep when they start is checked where they
-start anyway: tests/ops/test_trainer_failure.py and tests/engines/test_engine_fleet.py.
+start anyway: tests/pipeline/test_trainer_failure.py and tests/engines/test_engine_fleet.py.
 """
 
 from __future__ import annotations

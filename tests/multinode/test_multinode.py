@@ -21,7 +21,6 @@ count, one log line. tests/multinode/test_node_loss.py loses a trainer node in e
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -31,7 +30,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from tests.pipeline.test_schedules_e2e import pipeline_config
+from tests.pipeline.run_config import pipeline_config, step_episodes
 
 pytestmark = pytest.mark.slow
 
@@ -72,11 +71,6 @@ def _config(tmp_path: Path, tiny_model_dir: Path, *overrides: str):
         tmp_path, tiny_model_dir, "rollout.group_size=4", "engine.host=0.0.0.0", "engine.num_threads=1",
         "trainer.num_threads=1", "placement.num_gpus=3", "placement.cpus_per_bundle=1", "sandbox_pool.min_warm=4",
         "trainer.steps=6", *overrides)
-
-
-def _episodes(cfg, step: int) -> list[dict]:
-    path = cfg.run_dir / "episodes" / f"step{step:06d}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _one_step_of_8_each_episode_once(rows: list[dict]) -> None:
@@ -130,7 +124,7 @@ def _kill_an_engine_mid_rollout(pipe, driver_node: str) -> None:
     assert slot.url != old_url and slot.url in pipe.engine_urls
     assert set(pipe.engines.weight_versions().values()) == {str(pipe.version)}  # current weights
     for step in range(first, pipe.step + 1):
-        _one_step_of_8_each_episode_once(_episodes(pipe.cfg, step))
+        _one_step_of_8_each_episode_once(step_episodes(pipe.cfg, step))
 
 
 def _lose_an_engine_node(pipe, cluster, caplog) -> None:
@@ -177,7 +171,7 @@ def _lose_an_engine_node(pipe, cluster, caplog) -> None:
     down = [r for r in caplog.records if "is down" in r.getMessage()]
     assert len(down) == 1 and f"engine {slot.index} " in down[0].getMessage(), [r.getMessage() for r in down]
     for step in range(first, pipe.step + 1):
-        _one_step_of_8_each_episode_once(_episodes(pipe.cfg, step))
+        _one_step_of_8_each_episode_once(step_episodes(pipe.cfg, step))
 
 
 @pytest.mark.timeout(1500)  # a loaded 2-core machine: the pipeline's start, ~10 steps, an engine node's loss

@@ -33,7 +33,7 @@ import pytest
 from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 
-from tests.pipeline.test_schedules_e2e import pipeline_config
+from tests.pipeline.run_config import pipeline_config
 
 pytestmark = pytest.mark.slow
 

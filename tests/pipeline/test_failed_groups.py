@@ -16,10 +16,10 @@ import logging
 import pytest
 
 from rayrl.config import load_config
-from tests.pipeline.test_schedules_e2e import ROOT
+from tests.pipeline.run_config import ROOT
 
 
-# ~45 s, a whole pipeline; fast: tests/test_rl_groups.py (scoring vs rerun per failure kind) and
+# ~45 s, a whole pipeline; fast: tests/rl/test_rl_groups.py (scoring vs rerun per failure kind) and
 # test_schedule_phases.py::test_the_agents_own_failures_are_scored_never_run_again
 @pytest.mark.slow
 def test_agent_bugs_score_infrastructure_failures_rerun_and_every_attempt_is_written(ray_local, tiny_model_dir,

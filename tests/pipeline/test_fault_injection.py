@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from tests.pipeline.test_schedules_e2e import ROOT, _engine_version, _episodes, pipeline_config
+from tests.pipeline.run_config import ROOT, engine_version, pipeline_config, step_episodes
 
 # ~2.5 min for the module (one pipeline shared by its faults); fast: test_schedule_phases (engine membership,
 # reruns), engines/test_router_engine_loss and gateway/test_engine_loss (an engine killed mid-call)
@@ -66,7 +66,7 @@ def test_rollout_worker_killed_mid_episode_requeues_its_episodes(pipeline):
     assert pipeline.workers[0] != victim  # replaced
     assert metrics["failures/rollout_worker_deaths"] == 1  # counted once, however many episodes it had
     assert metrics["failures/episodes_requeued"] >= 1
-    rows = _episodes(pipeline.cfg, pipeline.step)
+    rows = step_episodes(pipeline.cfg, pipeline.step)
     assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)  # none lost
     assert len({(r["group_id"], r["index"]) for r in rows}) == 4  # none counted twice
 
@@ -91,12 +91,12 @@ def test_engine_killed_mid_step_is_restarted(pipeline):
     # every episode is accounted for and none failed: the generation the engine was running continued on
     # the new engine; calls made while it was down waited at the gateway
     for step in range(step_before + 1, pipeline.step + 1):
-        rows = _episodes(pipeline.cfg, step)
+        rows = step_episodes(pipeline.cfg, step)
         assert len(rows) == 4 and len({(r["group_id"], r["index"]) for r in rows}) == 4
         assert all(r["status"] == "ok" for r in rows), rows
     assert metrics["gateway/engine_waits"] + metrics["gateway/reconnect_waits"] >= 1
     # the new engine got the newest weights back
-    assert _engine_version(pipeline.engine_urls[0]) == str(pipeline.version)
+    assert engine_version(pipeline.engine_urls[0]) == str(pipeline.version)
 
 
 def test_hung_weight_transfer_times_out_with_a_clear_error(pipeline):

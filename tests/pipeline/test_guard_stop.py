@@ -4,7 +4,7 @@ driver.py runs as a real subprocess with its own local Ray on the tiny random mo
 8-token limit cuts: with ``guards.truncation: stop`` (its default threshold, 0.5) the guard fires in step 1.
 The run must print the guard's line and the stop line with the
 resume command, leave the step-1 checkpoint and guards.jsonl, and exit 4; the printed command, with the
-guard set to warn, resumes from that checkpoint and finishes. The fast twins: tests/test_guards.py
+guard set to warn, resumes from that checkpoint and finishes. The fast twins: tests/rl/test_guards.py
 (stop, warn, off on hand-built steps), tests/gateway/test_guards_gateway.py (each failure planted in real
 episodes).
 """

@@ -5,7 +5,7 @@ The agent is a program written with the Anthropic SDK 2.x that passes ``temperat
 JSONL (question/answer, mapped by data.fields). driver.py runs as a real subprocess with its own local Ray
 on the tiny random model. Before: 16 tracebacks a step, nothing trained, a checkpoint, exit 0. Now: the
 traceback once with its count, the one_cause_failures guard's one line (the cause, an example episode),
-a checkpoint, exit code 4, step 2 never starts. The fast twins: tests/test_failure_log.py (the log and the
+a checkpoint, exit code 4, step 2 never starts. The fast twins: tests/rl/test_failure_log.py (the log and the
 guard on hand-built steps), tests/pipeline/test_dry_run.py (the same agent in a dry run).
 """
 

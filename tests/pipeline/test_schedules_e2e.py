@@ -19,48 +19,13 @@ import ray
 from rayrl.config import load_config
 from rayrl.engines.cpu.sglang_control import check_recorded_requests
 from rayrl.resolve import resolve
+from tests.pipeline.run_config import engine_version, pipeline_config, step_episodes
 from tests.ray_support import scrape_metrics
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def pipeline_config(tmp_path: Path, model_dir: Path, *overrides: str):
-    data = tmp_path / "tasks.jsonl"
-    rows = [{"id": f"t-{i}", "prompt": f"What is {i} + 1?", "metadata": {"question": f"What is {i} + 1?",
-             "answer": i + 1}} for i in range(16)]
-    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return load_config(
-        ROOT / "examples" / "calculator" / "config.yaml",
-        [
-            f"model.path={model_dir}",
-            f"logging.output_dir={tmp_path / 'runs'}",
-            f"data.train_path={data}",
-            "data.shuffle=false",
-            "engine.dtype=float32",
-            "rollout.agent=tests.pipeline.pipeline_support:SlowToolAgent",
-            "rollout.reward=tests.pipeline.pipeline_support:index_reward",
-            "rollout.prompts_per_step=2",
-            "rollout.group_size=2",
-            "rollout.max_tokens=8",
-            "rollout.episode_timeout_s=60",
-            "trainer.steps=2",
-            "trainer.micro_batch_tokens=2048",
-            "sandbox_pool.min_warm=2",
-            "logging.tensorboard=false",
-            "logging.plot=false",
-            *overrides,
-        ],
-    )
 
 
 def strict(tmp_path: Path) -> str:
     """The engines as the strict stand-in, recording every request they get under tmp_path/requests."""
     return f"engine.extra_args=[--strict-sglang,--record-requests,'{tmp_path / 'requests'}']"
-
-
-def _engine_version(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/model_info", timeout=10) as resp:
-        return json.load(resp)["weight_version"]
 
 
 def _assert_sglang_contract_kept(urls: list[str], tmp_path: Path, *sent: str) -> None:
@@ -78,14 +43,9 @@ def _assert_sglang_contract_kept(urls: list[str], tmp_path: Path, *sent: str) ->
     assert {"POST /generate", *sent} <= set(calls), sorted(calls)
 
 
-def _episodes(cfg, step: int) -> list[dict]:
-    path = cfg.run_dir / "episodes" / f"step{step:06d}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def _trained_rows(cfg, step: int) -> list[dict]:
     """The step's rows of the groups that trained (those set aside as stale are written beside them)."""
-    return [r for r in _episodes(cfg, step) if not r.get("discarded")]
+    return [r for r in step_episodes(cfg, step) if not r.get("discarded")]
 
 
 def _async_two_steps(tiny_model_dir, tmp_path, ray_local):
@@ -102,7 +62,7 @@ def _async_two_steps(tiny_model_dir, tmp_path, ray_local):
     try:
         history = pipeline.run()
         assert len(history) == 2 and pipeline.version == 2
-        assert all(_engine_version(u) == "2" for u in pipeline.engine_urls)
+        assert all(engine_version(u) == "2" for u in pipeline.engine_urls)
         _assert_sglang_contract_kept(pipeline.engine_urls, tmp_path, "POST /update_weights_from_tensor",
                                      "POST /pause_generation", "POST /continue_generation")
         # each update with nothing generating: SGLang would otherwise wait for running generations and let
@@ -120,7 +80,7 @@ def _async_two_steps(tiny_model_dir, tmp_path, ray_local):
             assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)
             assert len({(r["group_id"], r["index"]) for r in rows}) == 4
         # the dropped groups' episodes are recorded too, once, marked as set aside
-        stale = [r for r in _episodes(cfg, 2) if r.get("discarded")]
+        stale = [r for r in step_episodes(cfg, 2) if r.get("discarded")]
         assert len(stale) == 2 * history[1]["pipeline/dropped_stale_groups"]
         assert all(r["discarded"] == "stale" for r in stale)
         # the checkpoint holds every group not yet trained (queued, running, done): the dropped groups'
@@ -144,8 +104,8 @@ def test_async_two_steps_drops_stale_groups(ray_local, tiny_model_dir, tmp_path)
 
 @pytest.mark.slow  # ~40 s on top of the two steps (a second pipeline starts)
 def test_async_resume_runs_the_checkpoints_untrained_groups_first(ray_local, tiny_model_dir, tmp_path):
-    """In make test, tests/test_schedule_phases.py holds the order of the untrained groups on resume after
-    stale drops (no task trained twice, none skipped) and tests/test_e2e_pipeline.py a real resume."""
+    """In make test, tests/orchestration/test_schedule_phases.py holds the order of the untrained groups on resume after
+    stale drops (no task trained twice, none skipped) and tests/pipeline/test_e2e_pipeline.py a real resume."""
     from actors.pipeline import Pipeline
 
     cfg, untrained, trained = _async_two_steps(tiny_model_dir, tmp_path, ray_local)
@@ -174,7 +134,7 @@ def test_colocated_async_two_steps_pauses_engines_in_order(ray_local, tiny_model
     try:
         history = pipeline.run()
         assert len(history) == 2 and pipeline.version == 2
-        assert all(_engine_version(u) == "2" for u in pipeline.engine_urls)
+        assert all(engine_version(u) == "2" for u in pipeline.engine_urls)
         # the engine's own record of state-changing calls (weights come straight from the trainer rank)
         logged = ray.get(pipeline.engines.slots[0].actor.control_log.remote())
         calls = [c for i, c in enumerate(logged) if i == 0 or c != logged[i - 1]]  # one entry per bucket run
@@ -196,7 +156,7 @@ def test_colocated_async_two_steps_pauses_engines_in_order(ray_local, tiny_model
         stats = pipeline.gateway.stats()
         assert all(s["router_queue_depth"] == 0 for s in stats)  # nothing left waiting after resume
         for step in (1, 2):
-            assert all(r["status"] == "ok" for r in _episodes(cfg, step))
+            assert all(r["status"] == "ok" for r in step_episodes(cfg, step))
     finally:
         pipeline.shutdown()
 
@@ -220,17 +180,17 @@ def test_colocated_async_resume_loads_into_the_onloaded_trainer(ray_local, tiny_
     resumed = Pipeline(load_config(cfg.run_dir / "config.yaml", ["trainer.steps=2"]))
     try:
         assert resumed.resume() and (resumed.step, resumed.version) == (1, 1)
-        assert all(_engine_version(u) == "1" for u in resumed.engine_urls)  # pushed after the load
+        assert all(engine_version(u) == "1" for u in resumed.engine_urls)  # pushed after the load
         history = resumed.run()
         assert len(history) == 1 and resumed.version == 2
-        assert all(r["status"] == "ok" for r in _episodes(cfg, 2))
+        assert all(r["status"] == "ok" for r in step_episodes(cfg, 2))
         _assert_sglang_contract_kept(resumed.engine_urls, tmp_path, "POST /update_weights_from_tensor",
                                      "POST /release_memory_occupation", "POST /flush_cache")
     finally:
         resumed.shutdown()
 
 
-@pytest.mark.slow  # ~60 s; tests/test_process_groups.py is the fast test of the release mechanism
+@pytest.mark.slow  # ~60 s; tests/trainers/test_process_groups.py is the fast test of the release mechanism
 def test_colocated_async_releases_the_broadcast_group_before_the_trainer_lends_its_gpu(ray_local, tiny_model_dir,
                                                                                      tmp_path):
     """Issue 25 point 6: with the distributed transport, the broadcast group (NCCL memory on a GPU) is
@@ -244,7 +204,7 @@ def test_colocated_async_releases_the_broadcast_group_before_the_trainer_lends_i
     try:
         history = pipeline.run()
         assert len(history) == 2 and pipeline.weights.transport == "distributed"
-        assert all(_engine_version(u) == "2" for u in pipeline.engine_urls)
+        assert all(engine_version(u) == "2" for u in pipeline.engine_urls)
         logged = ray.get(pipeline.engines.slots[0].actor.control_log.remote())
         calls = [c for i, c in enumerate(logged) if i == 0 or c != logged[i - 1]]
         # the group formed when the weight path connects at start goes too, before the trainer's first offload
@@ -260,7 +220,7 @@ def test_colocated_async_releases_the_broadcast_group_before_the_trainer_lends_i
         pipeline.shutdown()
 
 
-@pytest.mark.slow  # ~3 min; fast: tests/test_e2e_pipeline.py (the sync schedule on the lenient CPU engine)
+@pytest.mark.slow  # ~3 min; fast: tests/pipeline/test_e2e_pipeline.py (the sync schedule on the lenient CPU engine)
 def test_sync_two_steps_on_the_strict_stand_in(ray_local, tiny_model_dir, tmp_path):
     """The sync schedule, every request it sends held to SGLang 0.5.9's own classes (recorded)."""
     from actors.pipeline import Pipeline
@@ -270,10 +230,10 @@ def test_sync_two_steps_on_the_strict_stand_in(ray_local, tiny_model_dir, tmp_pa
     try:
         history = pipeline.run()
         assert len(history) == 2 and pipeline.version == 2
-        assert all(_engine_version(u) == "2" for u in pipeline.engine_urls)
+        assert all(engine_version(u) == "2" for u in pipeline.engine_urls)
         _assert_sglang_contract_kept(pipeline.engine_urls, tmp_path, "POST /update_weights_from_tensor",
                                      "GET /model_info")
         for step in (1, 2):
-            assert all(r["status"] == "ok" for r in _episodes(cfg, step))
+            assert all(r["status"] == "ok" for r in step_episodes(cfg, step))
     finally:
         pipeline.shutdown()

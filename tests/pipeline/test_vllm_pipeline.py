@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from rayrl.models import build_tiny_model
-from tests.pipeline.test_schedules_e2e import pipeline_config
+from tests.pipeline.run_config import pipeline_config
 from tests.vllm_support import VLLM_PYTHON, needs_vllm
 
 

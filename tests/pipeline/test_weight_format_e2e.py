@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.pipeline.test_schedules_e2e import pipeline_config
+from tests.pipeline.run_config import pipeline_config
 
 
 def _engine_state(url: str) -> dict:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from rayrl.engines.client import EngineClient
 from tests.engines._engine_kit import forward_logprobs
-from tests.pipeline.test_schedules_e2e import _engine_version, pipeline_config
+from tests.pipeline.run_config import engine_version, pipeline_config
 
 PROMPT = [1, 15, 27, 300, 41, 9, 77]
 
@@ -44,7 +44,7 @@ def _trainer_model(pipe, tiny_model_dir, directory):
 
 def _assert_engine_has_trainer_weights(pipe, tiny_model_dir, directory) -> None:
     url = pipe.engine_urls[0]
-    assert _engine_version(url) == str(pipe.version)
+    assert engine_version(url) == str(pipe.version)
     output_ids, logprobs = _engine_logprobs(url)
     expected = forward_logprobs(_trainer_model(pipe, tiny_model_dir, directory), PROMPT, output_ids)
     torch.testing.assert_close(logprobs, expected, atol=1e-4, rtol=0)

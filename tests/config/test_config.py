@@ -10,7 +10,7 @@ import pytest
 from rayrl.config import ConfigError, RunConfig, SGLangConfig, TrainerConfig, load_config, to_yaml
 from rayrl.resolve import check, load_checked
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "calculator" / "config.yaml"
 
 

@@ -1,4 +1,4 @@
-"""The data file contract (JSONL; the other formats and the field mapping: tests/test_data_formats.py),
+"""The data file contract (JSONL; the other formats and the field mapping: tests/data/test_data_formats.py),
 the resumable sampler, and the numeric-answer reward."""
 
 import json

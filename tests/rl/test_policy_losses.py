@@ -136,14 +136,14 @@ def my_sequence_loss(x: PolicyLossInput) -> PolicyLossOutput:
     return gspo(x)
 
 
-MINE = "algorithm.policy_loss=tests.test_policy_losses:"
+MINE = "algorithm.policy_loss=tests.rl.test_policy_losses:"
 MACHINE = Machine(cores=2, cuda=False)
 
 
 def test_a_loss_of_ones_own_and_unknown_names():
     assert set(POLICY_LOSSES) == {"ppo_clip", "gspo", "cispo", "sft"}
     cfg = load_checked(None, [MINE + "my_loss", "algorithm.clip_eps=0.1", "algorithm.clip_eps_high=0.3"])
-    assert cfg.algorithm.policy_loss == "tests.test_policy_losses:my_loss"
+    assert cfg.algorithm.policy_loss == "tests.rl.test_policy_losses:my_loss"
     with pytest.raises(ConfigError,
                        match="^algorithm.policy_loss: unknown 'ppo'; registered: cispo, gspo, ppo_clip, sft"):
         load_checked(None, ["algorithm.policy_loss=ppo"])
@@ -151,7 +151,7 @@ def test_a_loss_of_ones_own_and_unknown_names():
 
 def test_a_loss_of_ones_own_gets_no_band_it_did_not_declare():
     """A loss of one's own used to get ppo_clip's band (0.2, 0.28) silently; undeclared, the run must set it."""
-    with pytest.raises(ConfigError, match="^algorithm.clip_eps: the policy loss tests.test_policy_losses:my_loss "
+    with pytest.raises(ConfigError, match="^algorithm.clip_eps: the policy loss tests.rl.test_policy_losses:my_loss "
                                           "declares no clip band"):
         load_checked(None, [MINE + "my_loss"])
     with pytest.raises(ConfigError, match="^algorithm.clip_eps_high: the policy loss"):
@@ -159,7 +159,7 @@ def test_a_loss_of_ones_own_gets_no_band_it_did_not_declare():
     algo = resolve(load_checked(None, [MINE + "my_loss", "algorithm.clip_eps=0.1", "algorithm.clip_eps_high=0.3"]),
                    MACHINE).algorithm
     assert (algo.clip_eps, algo.clip_eps_high, algo.loss_agg, algo.tis_cap) == (0.1, 0.3, "token_mean", 0.0)
-    assert policy_loss("tests.test_policy_losses:my_loss").dual_clip  # dual_clip_c is passed on, as before
+    assert policy_loss("tests.rl.test_policy_losses:my_loss").dual_clip  # dual_clip_c is passed on, as before
 
 
 def test_a_loss_of_ones_own_declares_its_traits():
@@ -167,11 +167,11 @@ def test_a_loss_of_ones_own_declares_its_traits():
     narrow band (TIS on in a sync run)."""
     algo = resolve(load_checked(None, [MINE + "my_sequence_loss"]), MACHINE).algorithm
     assert (algo.clip_eps, algo.clip_eps_high, algo.loss_agg, algo.tis_cap) == (0.1, 0.15, "seq_mean_token_mean", 2.0)
-    with pytest.raises(ConfigError, match="^algorithm.policy_loss: tests.test_policy_losses:my_sequence_loss's "
+    with pytest.raises(ConfigError, match="^algorithm.policy_loss: tests.rl.test_policy_losses:my_sequence_loss's "
                                           "sequence-level ratio needs whole sequences"):
         load_checked(None, [MINE + "my_sequence_loss", "trainer.backend=megatron", "trainer.cp_size=2",
                             "trainer.num_ranks=2", "trainer.megatron_layer_spec=transformer_engine"])
-    row = policy_loss("tests.test_policy_losses:my_sequence_loss")
+    row = policy_loss("tests.rl.test_policy_losses:my_sequence_loss")
     assert row.fn.__name__ == "my_sequence_loss" and not row.supervised and row.dual_clip
     with pytest.raises(ConfigError, match="^algorithm.dual_clip_c: applies to ppo_clip only"):
         load_checked(None, ["algorithm.policy_loss=gspo", "algorithm.dual_clip_c=3"])

@@ -2,7 +2,7 @@
 driver.py ...` with the real CLIs, on a run whose agent and reward are the user's own modules
 (examples/unit_convert: they reach the job through the working dir). The run's files are where the
 driver said they are: an absolute path on the driver's node, outside Ray's temporary copy of the working
-dir. The fast check of the path rule is tests/test_output_paths.py.
+dir. The fast check of the path rule is tests/config/test_output_paths.py.
 
 The head node gets its own HOME (so its auth token and the run's `~/runs` are the test's own), free
 ports and its own temp dir; it is stopped on every exit path, and the test fails if any process that

@@ -1,6 +1,6 @@
 """``pipeline.episode_budget`` is exact in every schedule: a group starts only if the budget has room for all its
 episodes, groups queued ahead (async prefetch) are counted when queued, and the step that runs out stops
-drawing and trains on what it kept. Driven with tests/test_schedule_phases.py's fakes (no Ray): each fake
+drawing and trains on what it kept. Driven with tests/orchestration/schedule_fakes.py (no Ray): each fake
 group completes at the next poll, so the episodes started are exactly the groups submitted x group size.
 
 Before this rule the budget was checked after each step, so a dynamic-sampling step went on drawing past it
@@ -21,7 +21,7 @@ from rayrl.rl.failures import ENGINE_ERROR
 from rayrl.rl.groups import Group
 from rayrl.rl.step_metrics import EngineWork, step_metrics
 from rayrl.types import Episode
-from tests.test_schedule_phases import Run, _episode, make_run, scored_by_index
+from tests.orchestration.schedule_fakes import Run, _episode, make_run, scored_by_index
 
 Step = tuple[list[Group], Counter, Optional[dict[str, Any]]]
 
@@ -182,7 +182,7 @@ def test_a_resumed_run_keeps_to_the_budget(old_format, tmp_path):
     # without counting them again and starts two more: six groups in all. A checkpoint written before the count
     # meant "queued" (no ``episodes_counted``, episodes = those taken: 4) counts its restored groups on resume,
     # so the resumed run can end early but never runs over.
-    from tests.test_schedule_phases import make_checkpoints, run_steps
+    from tests.orchestration.test_schedule_phases import make_checkpoints, run_steps
 
     schedule = ("pipeline.schedule=async", "pipeline.groups_in_flight=4", "pipeline.max_staleness=4",
                 "pipeline.episode_budget=12")

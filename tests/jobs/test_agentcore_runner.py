@@ -13,9 +13,8 @@ import pytest
 
 from jobs.agentcore_runner import AgentCoreRunner
 from rayrl.config import ConfigError
-from tests.test_runner import ray_head  # noqa: F401  (the fixture: a real `ray start --head`)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARN = "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/math_agent-AbCdEf1234"
 
 
@@ -129,7 +128,7 @@ def test_train_checks_the_config_before_submitting_anything():
 
 
 @pytest.mark.slow  # a Ray head with its dashboard starts slowly on 2 cores (make test-slow)
-def test_train_submits_a_job_that_trains_through_local_agentcore(ray_head, tiny_model_dir):  # noqa: F811
+def test_train_submits_a_job_that_trains_through_local_agentcore(ray_head, tiny_model_dir):
     pytest.importorskip("moto")
     pytest.importorskip("bedrock_agentcore")
     r = runner(exp_id="agentcore-job", address=ray_head, model_dir=str(tiny_model_dir), model_type="smollm2",

@@ -18,7 +18,7 @@ from rayrl.placement import plan_placement
 from rayrl.resolve import load_checked, resolve
 from rayrl.rewards import get_reward_fn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "gsm8k"
 
 

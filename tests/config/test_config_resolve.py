@@ -12,7 +12,7 @@ from rayrl.config import ConfigError, load_config, to_yaml
 from rayrl.machine import Machine
 from rayrl.resolve import capacity_warnings, resolve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "calculator" / "config.yaml"
 CPU = Machine(cores=8, cuda=False)
 

@@ -17,7 +17,7 @@ from rayrl.trainers.backend import TrainerBackend
 from rayrl.trainers.megatron_backend import MegatronTrainer
 from rayrl.trainers.torch_backend import TorchTrainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = [TorchTrainer, MegatronTrainer]
 
 

@@ -18,7 +18,7 @@ from rayrl.config import load_config
 from rayrl.startup import read_starts
 from tests.ray_support import scrape_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def two_steps(metrics_port: int, model_dir: Path, tmp_path: Path) -> tuple[Path, list[str], int]:

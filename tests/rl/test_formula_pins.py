@@ -6,7 +6,7 @@ and requires these tests to fail for each): dual-clip reaching positive advantag
 clamp, a gradient through the KL penalty in the reward, the KL loss weighted by TIS, every default of the
 algorithm section (loss aggregation auto, the clip bands, the Dr.GRPO constant, TIS by schedule), and the
 learning-rate schedule's total with several epochs per rollout. REINFORCE++-baseline's whitening, GRPO's
-epsilon and the exact zeros are pinned in tests/test_advantages.py.
+epsilon and the exact zeros are pinned in tests/rl/test_advantages.py.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def test_loss_agg_auto(estimator, loss, agg):
 
 
 @pytest.mark.parametrize("loss, band", [("ppo_clip", (0.2, 0.28)), ("gspo", (3e-4, 4e-4)), ("cispo", (1.0, 4.0)),
-                                        ("sft", (0.2, 0.28)), ("tests.test_objective:recording_ppo", (0.2, 0.28))])
+                                        ("sft", (0.2, 0.28)), ("tests.rl.test_objective:recording_ppo", (0.2, 0.28))])
 def test_clip_bands(loss, band):
     assert clip_range(AlgorithmConfig(policy_loss=loss)) == band
     assert clip_range(AlgorithmConfig(policy_loss=loss, clip_eps=0.1)) == (0.1, band[1])

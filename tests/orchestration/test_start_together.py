@@ -1,7 +1,7 @@
 """The run's parts start together (rayrl/orchestration/start_together.py) and its start is recorded
 (rayrl/startup.py): plain threads and functions, no Ray; a second.
 
-tests/test_e2e_pipeline.py checks the same on the real pipeline: every part began before any was ready.
+tests/pipeline/test_e2e_pipeline.py checks the same on the real pipeline: every part began before any was ready.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from rayrl.data.reasoning_gym import ReasoningGymTasks, extract_answer, load_spl
 from rayrl.preflight import preflight
 from rayrl.rewards import get_reward_fn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "reasoning_gym" / "config.yaml"
 SUMS = {"min_terms": 2, "max_terms": 3, "min_digits": 2, "max_digits": 3}
 

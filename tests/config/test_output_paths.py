@@ -2,7 +2,7 @@
 
 Under ``ray job submit --working-dir`` the driver runs in Ray's temporary copy of the working dir, which
 Ray deletes after the job: relative outputs go to the home directory there instead. The end-to-end check
-with a real head node and the real ``ray job submit`` is tests/ops/test_ray_job_submit.py (slow).
+with a real head node and the real ``ray job submit`` is tests/pipeline/test_ray_job_submit.py (slow).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from rayrl.config import load_config
 from rayrl.config.paths import absolute_outputs, in_ray_working_dir_copy, output_base
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COPY = "ray/session_2026-11-26_10-00-00_000000_1/runtime_resources/working_dir_files/_ray_pkg_0123abcd"
 
 

@@ -92,11 +92,11 @@ def test_an_estimator_of_ones_own_declares_its_traits():
     from rayrl.machine import Machine
     from rayrl.resolve import resolve
 
-    mine = "algorithm.advantage_estimator=tests.test_advantages:"
-    plain = advantage_estimator("tests.test_advantages:leave_best")
+    mine = "algorithm.advantage_estimator=tests.rl.test_advantages:"
+    plain = advantage_estimator("tests.rl.test_advantages:leave_best")
     assert not plain.grouped and plain.aggregation is None
     load_checked(None, [mine + "leave_best", "rollout.group_size=1"])  # no group needed
-    with pytest.raises(ConfigError, match="^rollout.group_size: tests.test_advantages:grouped_best measures each "
+    with pytest.raises(ConfigError, match="^rollout.group_size: tests.rl.test_advantages:grouped_best measures each "
                                           "episode against its group"):
         load_checked(None, [mine + "grouped_best", "rollout.group_size=1"])
     algo = resolve(load_checked(None, [mine + "grouped_best"]), Machine(cores=2, cuda=False)).algorithm
@@ -111,12 +111,12 @@ def bad_shape(x: EstimatorInput) -> np.ndarray:
 
 
 def test_an_estimator_of_ones_own_by_module_path():
-    cfg = load_config(None, ["algorithm.advantage_estimator=tests.test_advantages:leave_best"])
+    cfg = load_config(None, ["algorithm.advantage_estimator=tests.rl.test_advantages:leave_best"])
     assert _run(cfg.algorithm.advantage_estimator).tolist() == [1, 0, 0, 0, 0, 0, 0, 1]
     with pytest.raises(ValueError, match="returned shape"):
-        _run("tests.test_advantages:bad_shape")
+        _run("tests.rl.test_advantages:bad_shape")
     with pytest.raises(ConfigError, match="^algorithm.advantage_estimator: cannot load"):
-        load_checked(None, ["algorithm.advantage_estimator=tests.test_advantages:missing"])
+        load_checked(None, ["algorithm.advantage_estimator=tests.rl.test_advantages:missing"])
     with pytest.raises(ConfigError, match="^algorithm.advantage_estimator: unknown 'grp0'; registered: dr_grpo"):
         load_checked(None, ["algorithm.advantage_estimator=grp0"])
     with pytest.raises(ConfigError, match="^algorithm.advantage_estimator: gae needs a critic"):

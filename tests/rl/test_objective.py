@@ -216,7 +216,7 @@ def recording_ppo(x: PolicyLossInput) -> PolicyLossOutput:
 def test_several_updates_use_the_proximal_policy_and_the_reference(tiny_model_dir):
     from rayrl.trainers.torch_backend import TorchTrainer
 
-    algo = AlgorithmConfig(policy_loss="tests.test_objective:recording_ppo", tis_cap=2.0, kl_loss_coef=0.05)
+    algo = AlgorithmConfig(policy_loss="tests.rl.test_objective:recording_ppo", tis_cap=2.0, kl_loss_coef=0.05)
     cfg = TrainerConfig(lr=1e-2, micro_batch_tokens=4096, compute_dtype="float32", num_steps_per_rollout=2,
                         epochs_per_rollout=2, steps=3)
     trainer = TorchTrainer(tiny_model_dir, cfg, algorithm=algo, seed=0, device="cpu")
@@ -227,7 +227,7 @@ def test_several_updates_use_the_proximal_policy_and_the_reference(tiny_model_di
         tokens = rng.integers(10, 4000, size=20).astype(np.int32)
         samples.append(Sample(tokens=tokens, prompt_length=8, loss_mask=np.ones(12), policy_versions=np.zeros(12),
                               rollout_logprobs=np.full(12, -20.0, np.float32)))
-    recorded = importlib.import_module("tests.test_objective").RECORDED  # the module the seam imported
+    recorded = importlib.import_module("tests.rl.test_objective").RECORDED  # the module the seam imported
     recorded.clear()
     (keep, plan), = plan_updates(samples, [1.0, -1.0, 1.0, -1.0], algo, num_minibatches=2, epochs=2)
     metrics = trainer.train_step([samples[i] for i in keep], [[1.0, -1.0, 1.0, -1.0][i] for i in keep], plan)
