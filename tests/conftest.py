@@ -67,6 +67,23 @@ def vllm_engine(smollm2_dir, tmp_path_factory):
     proc.stop()
 
 
+@pytest.fixture(scope="module")
+def two_engines(tiny_model_dir, tmp_path_factory):
+    """Two real CPU engine server processes on the tiny model, made but not started (a test starts them,
+    ``tests.engine_procs.start_together``, and may kill one): weight versions 1 and 2, so each token's policy
+    version says which engine made it. Shared by the router's and the gateway's engine-loss tests."""
+    from rayrl.config import EngineConfig
+    from rayrl.engines.launcher import EngineProcess
+
+    cfg = EngineConfig(dtype="float32", max_batch_size=4, context_length=4096, num_threads=1, startup_timeout_s=180)
+    logs = tmp_path_factory.mktemp("two-engines")
+    procs = [EngineProcess(cfg, str(tiny_model_dir), logs / f"engine-{i}.log", weight_version=str(i + 1))
+             for i in range(2)]
+    yield procs
+    for p in procs:
+        p.stop()
+
+
 @pytest.fixture
 def loop_thread():
     lt = LoopThread()

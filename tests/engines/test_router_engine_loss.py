@@ -16,11 +16,11 @@ import signal
 
 import pytest
 
-from rayrl.config import EngineConfig
 from rayrl.engines.client import EngineUnavailable
 from rayrl.engines.launcher import EngineProcess
 from rayrl.engines.router import Router
 from tests.engine_kill import kept_and_continued, kill_after_tokens
+from tests.engine_procs import start_together
 
 # ~70 s (two engines restarted per test); fast: tests/gateway/test_engine_loss.py, the same loss seen through the
 # gateway, plain and streamed
@@ -31,23 +31,11 @@ N = LONG["max_new_tokens"]
 PROMPT = [5, 17, 42, 99, 7, 3]
 
 
-@pytest.fixture(scope="module")
-def engine_processes(tiny_model, tmp_path_factory):
-    cfg = EngineConfig(dtype="float32", max_batch_size=4, context_length=4096, num_threads=1, startup_timeout_s=180)
-    logs = tmp_path_factory.mktemp("router-loss")
-    procs = [EngineProcess(cfg, str(tiny_model), logs / f"engine-{i}.log", weight_version=str(i + 1))
-             for i in range(2)]
-    yield procs
-    for p in procs:
-        p.stop()
-
-
 @pytest.fixture
-def two_processes(engine_processes):
+def two_processes(two_engines):
     """Both engines up (a test before may have killed one or both: started again on their ports)."""
-    for p in engine_processes:
-        p.start()
-    return engine_processes
+    start_together(two_engines)
+    return two_engines
 
 
 def _key_for(router: Router, url: str) -> str:

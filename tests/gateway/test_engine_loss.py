@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from rayrl.config import EngineConfig, GatewayConfig, TrajectoryConfig
+from rayrl.config import GatewayConfig, TrajectoryConfig
 from rayrl.engines.launcher import EngineProcess
 from rayrl.engines.router import Router
 from rayrl.gateway.app import Gateway
@@ -28,23 +28,12 @@ N = 400  # tokens per call: far more than are generated before the kill
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_model_dir, tmp_path_factory):
-    cfg = EngineConfig(dtype="float32", max_batch_size=4, context_length=4096, num_threads=1, startup_timeout_s=180)
-    logs = tmp_path_factory.mktemp("gateway-engine-loss")
-    procs = [EngineProcess(cfg, str(tiny_model_dir), logs / f"engine-{i}.log", weight_version=str(i + 1))
-             for i in range(2)]
-    yield procs
-    for p in procs:
-        p.stop()
-
-
 @pytest.fixture
-def stack(engines, tiny_tokenizer):
+def stack(two_engines, tiny_tokenizer):
     """Both engines up (the test before killed one), a fresh router and gateway in front of them."""
-    start_together(engines)
+    start_together(two_engines)
     loop = LoopThread()
-    router = Router([p.url for p in engines])
+    router = Router([p.url for p in two_engines])
     gateway = Gateway(GatewayConfig(tool_parser="hermes"), TrajectoryConfig(),
                       tiny_tokenizer, router, model_name="tiny")
     loop.run(gateway.start())
@@ -105,14 +94,14 @@ def _check_recorded(loop: LoopThread, gateway: Gateway, router: Router, session:
     assert sample.rollout_logprobs.tolist() == turn.response_logprobs.tolist()
 
 
-def test_a_plain_call_keeps_its_tokens_when_its_engine_dies(stack, engines):
+def test_a_plain_call_keeps_its_tokens_when_its_engine_dies(stack, two_engines):
     loop, gateway, router = stack
-    session, answer, logprobs, finish, victim, survivor = _call(loop, gateway, router, engines, stream=False)
+    session, answer, logprobs, finish, victim, survivor = _call(loop, gateway, router, two_engines, stream=False)
     _check_recorded(loop, gateway, router, session, answer, logprobs, finish, victim, survivor)
 
 
 @pytest.mark.slow  # ~11 s, two engines started again; fast twin: the plain call above (the same internal stream)
-def test_a_streamed_call_keeps_its_tokens_when_its_engine_dies(stack, engines):
+def test_a_streamed_call_keeps_its_tokens_when_its_engine_dies(stack, two_engines):
     loop, gateway, router = stack
-    session, answer, logprobs, finish, victim, survivor = _call(loop, gateway, router, engines, stream=True)
+    session, answer, logprobs, finish, victim, survivor = _call(loop, gateway, router, two_engines, stream=True)
     _check_recorded(loop, gateway, router, session, answer, logprobs, finish, victim, survivor)
