@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 
 from rayrl.agents.base import AgentResult, BaseHarness, Endpoint, EpisodeContext
 from rayrl.config import ConfigError, RolloutConfig
+from rayrl.config.rollout import ENVIRONMENT
 from rayrl.extensions import check_call, did_you_mean, load_reference
 from rayrl.rl.failures import InfrastructureError
 
@@ -114,7 +115,8 @@ class Harness:
     checking what it reads (None: the class, with no arguments). ``reads_command``: it runs
     ``rollout.agent_command``. ``run_launcher``: the run's AgentCore launcher actor builds it
     (actors/agentcore_launcher.py) and the ``agentcore`` section must say where it runs. ``uses_sandboxes``:
-    its episodes lease sandboxes from the pool (sandbox_pool.max_size bounds them).
+    its episodes lease sandboxes from the pool (sandbox_pool.max_size bounds them). ``from_environment``: the
+    harness ``rollout.environment`` sets (its rubric runs the episodes); ``rollout.agent`` does not name it itself.
     """
 
     name: str
@@ -123,6 +125,7 @@ class Harness:
     reads_command: bool = False
     run_launcher: bool = False
     uses_sandboxes: bool = True
+    from_environment: bool = False
 
     def harness_class(self) -> type:
         """The class that implements it (imported now)."""
@@ -140,9 +143,9 @@ HARNESSES: dict[str, Harness] = {row.name: row for row in (
     Harness("agentcore", "rayrl.agents.agentcore.harness:AgentCoreHarness", run_launcher=True, uses_sandboxes=False),
     Harness("command", "rayrl.agents.command_agent:CommandAgent", lambda rollout: _command_factory(rollout),
             reads_command=True),
-    Harness("environment", None, _environment),  # set by rollout.environment (rayrl/config/rollout.py)
+    Harness(ENVIRONMENT, None, _environment, from_environment=True),  # set by rollout.environment
 )}
-BUILT_IN = tuple(name for name in HARNESSES if name != "environment")  # what rollout.agent may name itself
+BUILT_IN = tuple(row.name for row in HARNESSES.values() if not row.from_environment)  # what rollout.agent may name
 
 
 def harness_row(name: str) -> Optional[Harness]:

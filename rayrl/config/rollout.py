@@ -6,11 +6,16 @@ comment beside each field is its documentation (docs/config.md is generated from
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional
 
 from rayrl.config.checks import ConfigError, non_negative, positive
 from rayrl.config.host_rules import parse_rules
+
+# rollout.agent and rollout.reward when rollout.environment runs and scores the episodes. A keyword of the config's
+# own, as "auto" is elsewhere: the harness and reward tables key their environment rows by it (rayrl/agents/,
+# rayrl/rewards/), and no plug-in's name is compared here.
+ENVIRONMENT = "environment"
 
 
 @dataclass
@@ -201,16 +206,17 @@ class RolloutConfig:
         """With an environment, it is the agent and the reward (left at their defaults or set to environment)."""
         if not self.environment:
             for name in ("agent", "reward"):
-                if getattr(self, name) == "environment":
-                    raise ConfigError(f"rollout.{name}: environment needs rollout.environment (e.g. verifiers:<env>)")
+                if getattr(self, name) == ENVIRONMENT:
+                    raise ConfigError(f"rollout.{name}: {ENVIRONMENT} needs rollout.environment (e.g. verifiers:<env>)")
             if self.environment_args:
                 raise ConfigError("rollout.environment_args: set without rollout.environment")
             return
-        for name, default in (("agent", "python_tool_agent"), ("reward", "calculator")):
-            if getattr(self, name) not in (default, "environment"):
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in ("agent", "reward"):
+            if getattr(self, name) not in (defaults[name], ENVIRONMENT):
                 raise ConfigError(f"rollout.{name}: rollout.environment runs the episodes and scores them; leave "
-                                  f"rollout.{name} unset (or environment), got {getattr(self, name)!r}")
-            setattr(self, name, "environment")
+                                  f"rollout.{name} unset (or {ENVIRONMENT}), got {getattr(self, name)!r}")
+            setattr(self, name, ENVIRONMENT)
 
 
 @dataclass
