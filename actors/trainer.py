@@ -81,12 +81,12 @@ class TrainerRank:
     def setup(self, master_addr: str, master_port: int) -> int:
         import torch
 
+        from rayrl.engines.backends.sglang import NCCL_ENV
         from rayrl.trainers.process_groups import TrainerWorld
-        from rayrl.weights.group import NCCL_ENV
 
         model_path, cfg, rank, world_size, seed = self.args
         kind = trainer_backend(cfg.backend)
-        os.environ.update(NCCL_ENV)  # as SGLang's engines have it (rayrl/weights/group.py), before any NCCL use
+        os.environ.update(NCCL_ENV)  # as SGLang's engines have it (engines.backends.sglang), before any NCCL use
         if world_size > 1 or kind.model_parallel:
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
             # logical GPUs (ray.init(num_gpus=...) on a CPU machine) have ids but no CUDA: gloo then. On NCCL

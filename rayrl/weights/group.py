@@ -24,12 +24,8 @@ import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
 
-# Every process in a weight group uses NCCL the same way: SGLang sets NCCL_CUMEM_ENABLE=0 in its engines
-# (entrypoints/engine.py, unless already set), so the trainer ranks set it too (actors/trainer.py) and the
-# launcher sets it for the engines explicitly (rayrl/engines/launcher.py). With cuMem on one side and off
-# on the other, the trainer's NCCL buffers are cuMem allocations the engines' NCCL maps differently, and
-# their memory is not what the colocated schedule's accounting expects.
-NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0"}
+# Every process in a weight group uses NCCL the same way, as SGLang's engines do: NCCL_ENV
+# (rayrl/engines/backends/sglang.py), which the trainer ranks set too (actors/trainer.py).
 
 
 class WeightGroupError(ValueError):

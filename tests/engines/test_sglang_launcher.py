@@ -51,8 +51,8 @@ def _env() -> dict[str, str]:
 def test_launch_health_and_teardown(tiny_model, tmp_path):
     """Launch, health wait, a generation, teardown and the log; and the process's environment: CUDA-graph
     memory is released only with SGLANG_MEMORY_SAVER_CUDA_GRAPH=1 in it, and NCCL_CUMEM_ENABLE must be what
-    the trainer ranks use (rayrl.weights.group.NCCL_ENV). One process for both: each start costs seconds."""
-    from rayrl.weights.group import NCCL_ENV
+    the trainer ranks use (rayrl.engines.backends.sglang.NCCL_ENV). One process for both: each start costs seconds."""
+    from rayrl.engines.backends.sglang import NCCL_ENV
 
     log = tmp_path / "sglang-0.log"
     proc = EngineProcess(_cfg(), str(tiny_model), log, backend="sglang", env=_env(), weight_version="3")

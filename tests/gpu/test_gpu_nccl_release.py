@@ -14,7 +14,7 @@ is measured:
   handles and the weights are intact; a second offload/onload cycle gives back as much again (no leak).
 
 Runs in a subprocess started with torch_memory_saver's preload hook and the trainers' NCCL environment
-(``NCCL_CUMEM_ENABLE=0``, rayrl/weights/group.py), as a GPU trainer rank is started. Figures:
+(``NCCL_CUMEM_ENABLE=0``, rayrl/engines/backends/sglang.py), as a GPU trainer rank is started. Figures:
 $OUT/nccl_release.json.
 """
 
@@ -124,8 +124,8 @@ def test_nccl_groups_give_their_memory_back_at_offload_and_work_after_onload(tmp
     from _gpu_kit import need, record
 
     need("torch_memory_saver")
+    from rayrl.engines.backends.sglang import NCCL_ENV
     from rayrl.trainers.memory_saver import preload_env
-    from rayrl.weights.group import NCCL_ENV
 
     out = tmp_path / "figures.json"
     env = {**os.environ, **NCCL_ENV, **preload_env(True)}

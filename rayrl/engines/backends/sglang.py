@@ -13,6 +13,13 @@ import sys
 from rayrl.config import EngineConfig
 from rayrl.engines.backends.base import EngineBackend
 
+# Every process in a weight group uses NCCL the same way: SGLang sets NCCL_CUMEM_ENABLE=0 in its engines
+# (entrypoints/engine.py, unless already set), so the trainer ranks set it too (actors/trainer.py) and the
+# launcher sets it for the engines explicitly (sglang_env below). With cuMem on one side and off on the other,
+# the trainer's NCCL buffers are cuMem allocations the engines' NCCL maps differently, and their memory is not
+# what the colocated schedule's accounting expects.
+NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0"}
+
 
 def sglang_command(
     cfg: EngineConfig, model_path: str, port: int, python: str = sys.executable, weight_version: str = "0"
@@ -51,12 +58,10 @@ def lora_args(cfg: EngineConfig) -> list[str]:
 
 
 def sglang_env(cfg: EngineConfig) -> dict[str, str]:
-    """Environment of an SGLang engine: NCCL as the trainer ranks use it (rayrl.weights.group.NCCL_ENV),
+    """Environment of an SGLang engine: NCCL as the trainer ranks use it (:data:`NCCL_ENV`),
     and with the memory saver on, CUDA-graph memory in torch_memory_saver too
     (``SGLANG_MEMORY_SAVER_CUDA_GRAPH``; without it /release_memory_occupation leaves the graphs' pools
     on the GPU through every training phase)."""
-    from rayrl.weights.group import NCCL_ENV
-
     env = dict(NCCL_ENV)
     if cfg.sglang.enable_memory_saver:
         env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
