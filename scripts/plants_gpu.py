@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from scripts.mutation_check import Plant
 
-STANDIN = "tests/engines/test_sglang_standin.py"
+STANDIN = "tests/engines/cpu/test_sglang_standin.py"
 PHASES = "tests/orchestration/test_schedule_phases.py"
 SCHEDULES = "tests/pipeline/test_schedules_e2e.py"
 CLIENT_CONTRACT = "tests/contracts/test_sglang_contract.py"

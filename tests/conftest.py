@@ -40,6 +40,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The tiny model with its weights re-drawn (seed 1) so greedy outputs vary: the engine and weight-path
+    tests compare tokens and log-probs, which the plain random init makes repetitive."""
+    from tests.engines._engine_kit import model_with_weights
+
+    base = build_tiny_model(tmp_path_factory.mktemp("tiny"))
+    return model_with_weights(base, tmp_path_factory.mktemp("tiny-varied"), seed=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir) -> Any:
     """The tiny model's tokenizer (SmolLM2's), loaded once: the gateway stacks only read it, and loading it
     for each of the hundred-odd tests that build one took most of their time."""

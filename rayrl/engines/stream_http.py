@@ -4,8 +4,8 @@ Why not aiohttp's client (which the rest of rayrl uses): every LLM call of every
 path, and aiohttp builds each request through cookie jars, header merging, URL objects, tracing hooks and
 timeouts meant for arbitrary servers. The engines are known servers on a private network (SGLang or the
 CPU engine) and the request is always the same shape: a JSON ``POST`` answered by a server-sent event
-stream. Written straight onto asyncio, a call costs about 40% less CPU (measured against the overhead
-bench's stub: bench/gateway_profile.py), which the gateway's throughput is bound by.
+stream. Written straight onto asyncio, a call costs far less CPU (docs/results/design_figures.md;
+bench/gateway_profile.py), which the gateway's throughput is bound by.
 
 Each connection is an ``asyncio.Protocol`` of its own (:class:`_Connection`), not a ``StreamReader``: the
 bytes go into the response as they arrive, the chunked framing decoded there, and the waiting task is

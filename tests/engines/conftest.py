@@ -1,4 +1,5 @@
-"""Fixtures for the engine tests: a tiny random model, in-process engines and real HTTP servers."""
+"""Fixtures for the engine tests: in-process engines and real HTTP servers over the tiny model
+(``tiny_model``: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,9 @@ from typing import Iterator
 
 import pytest
 import torch
-from _engine_kit import ServerThread, model_with_weights
+from _engine_kit import ServerThread
 
 from rayrl.engines.cpu.engine import CPUEngine
-from rayrl.models import build_tiny_model
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    """2-layer random Llama with SmolLM2's real tokenizer, re-drawn so greedy outputs vary."""
-    base = build_tiny_model(tmp_path_factory.mktemp("tiny"))
-    return model_with_weights(base, tmp_path_factory.mktemp("tiny-varied"), seed=1)
 
 
 @pytest.fixture(scope="session")

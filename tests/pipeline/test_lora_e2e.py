@@ -17,7 +17,7 @@ from rayrl.config import load_config
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # ~1-2 min; fast: tests/trainers/test_lora_trainer.py, tests/engines/test_lora_engine.py
+@pytest.mark.slow  # ~1-2 min; fast: tests/trainers/test_lora_trainer.py, tests/weights/test_lora_engine.py
 def test_two_lora_steps_end_to_end(ray_local, tiny_model_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

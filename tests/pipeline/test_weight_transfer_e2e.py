@@ -51,7 +51,7 @@ def _assert_engine_has_trainer_weights(pipe, tiny_model_dir, directory) -> None:
 
 
 @pytest.mark.parametrize(("transfer", "schedule"), [
-    # ~35 s; tests/engines/test_weight_transfer.py covers gloo
+    # ~35 s; tests/weights/test_weight_transfer.py covers gloo
     pytest.param("distributed", "async", marks=pytest.mark.slow),
     # ~70 s; fast: the colocated_async e2e in test_schedules_e2e pushes over the same tensor transport
     pytest.param("tensor", "colocated_async", marks=pytest.mark.slow),

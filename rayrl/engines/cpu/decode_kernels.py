@@ -6,7 +6,7 @@ call setting up MKL's small-matrix GEMMs for two tiny matrices per (row, KV head
 ``decode_attention`` does each (row, KV head) as one task that reads the row's keys and values once for
 all of the GQA group's queries. ``rope_cache`` (RoPE on the query and key heads plus the cache column
 write), ``silu_mul`` and ``add_rms_norm`` (residual add and the next norm) each replace 2-4 torch ops
-with one pass. docs/results/cpu_engine_goals.md (2026-11-27, branch e26) has the measurements.
+with one pass. docs/results/cpu_engine_goals.md has the measurements.
 
 torch ships no such kernels and a pure-Python package cannot ship a compiled extension, so they are
 compiled with ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja) the first time a process asks

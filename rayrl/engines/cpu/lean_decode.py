@@ -19,8 +19,7 @@ This module is the same arithmetic in as few ops as the model allows:
   load, cached), the step's work between the matmuls runs on them: attention for few query rows
   (each row's keys and values read once for the whole GQA group, instead of SDPA's small-GEMM path),
   RoPE fused with the cache column write, silu * up, and each residual add fused with the next RMS
-  norm. On SmolLM2-135M in fp16-packed, 2 threads, that made the step 1.25x faster at batch 1 and 1.20x
-  at batch 8 (docs/results/cpu_engine_goals.md, 2026-11-27, branch e26). Elsewhere (no compiler, no
+  norm, which makes the step faster (docs/results/cpu_engine_goals.md has the figures). Elsewhere (no compiler, no
   AVX2/FMA, ``RAYRL_DECODE_KERNELS=off``) the same scripted function runs torch's ops and SDPA, chosen
   per call by a flag; :attr:`LeanDecoder.attention` (the engine's ``decode_attention`` stat) says which.
 - The head's output is the ``[rows, vocab]`` float32 logits the sampler takes as is.
@@ -36,7 +35,7 @@ This module is the same arithmetic in as few ops as the model allows:
 Prefill runs through the same weights (:meth:`LeanDecoder.prefill`: prompt columns in left-padded
 batches, or on top of cached prefixes, as prefill.py builds them), so a request's first token and the
 prompt's cached keys come from the format its decode steps use. The transformers model stays the
-reference (tests/engines/test_lean_decode.py holds this path's log-probs to it on the real SmolLM2).
+reference (tests/engines/cpu/test_lean_decode.py holds this path's log-probs to it on the real SmolLM2).
 Models this path does not cover (another architecture, a dynamic RoPE, sliding-window attention) run
 through transformers as before (:func:`unsupported_reason` says why).
 """

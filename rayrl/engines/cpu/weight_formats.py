@@ -8,12 +8,12 @@
   as fp16). Decode at batch 1-32 is bound by the bytes of weights it reads per step, so halving them
   is what speeds it up; bf16/fp16 ``F.linear`` and torch's int8/int4 weight kernels are slower than
   float32 on AVX2 (their vector kernels want bf16 activations). FBGEMM's dynamic int8 linear is faster
-  still but moves log-probs by 0.3-1.8 on average, and int8 weights alone by 0.04-0.06 whatever the
-  kernel, past ``engine.max_logprob_gap`` (measured: docs/results/cpu_engine_goals.md, 2026-11-27;
-  bench/weight_format_candidates.py). The copy is made at load and again after
-  every weight update (the packing is FBGEMM's, single-threaded per matrix, so matrices are packed in
-  parallel). Log-probs move by about 1e-3 against float32 (tests/engines/test_lean_decode.py states
-  the tolerance on the real SmolLM2); ``engine.max_logprob_gap`` is the guard that falls back to float32.
+  still but moves log-probs, as int8 weights alone do whatever the kernel, past
+  ``engine.max_logprob_gap`` (docs/results/design_figures.md; bench/weight_format_candidates.py). The
+  copy is made at load and again after every weight update (the packing is FBGEMM's, single-threaded per
+  matrix, so matrices are packed in parallel). Log-probs move by about 1e-3 against float32
+  (tests/engines/cpu/test_lean_decode.py states the tolerance on the real SmolLM2);
+  ``engine.max_logprob_gap`` is the guard that falls back to float32.
 
 Only the CPU engine reads this; SGLang on GPU has its own ``--dtype`` and quantisation flags.
 """

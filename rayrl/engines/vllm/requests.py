@@ -3,7 +3,7 @@
 ``translate_generate`` turns a ``/generate`` body (``input_ids``, SGLang's ``sampling_params``, ``rid``,
 ``return_logprob``, ``logprob_start_len``, ``stream``) into a request for vLLM's token-in/token-out route
 ``/inference/v1/generate`` (vllm/entrypoints/scale_out/token_in_token_out/protocol.py ``GenerateRequest``,
-its ``sampling_params`` vLLM's ``SamplingParams``); tests/engines/test_vllm_backend.py validates what it
+its ``sampling_params`` vLLM's ``SamplingParams``); tests/engines/vllm/test_vllm_backend.py validates what it
 makes with those classes themselves, in vLLM's interpreter. The answer comes back in SGLang's shape:
 cumulative ``output_ids`` and ``text``, ``meta_info.output_token_logprobs`` as ``[logprob, id, None]``,
 the finish reason as SGLang's ``{"type": ...}`` object, and the weight version from vLLM's

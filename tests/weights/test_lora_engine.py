@@ -17,7 +17,6 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from _engine_kit import forward_logprobs, post_json
 
 from rayrl.config import EngineConfig, LoraConfig, TrainerConfig
 from rayrl.engines.api import LORA_ADAPTER
@@ -28,6 +27,7 @@ from rayrl.types import Sample
 from rayrl.weights.adapter import AdapterSender
 from rayrl.weights.plan import EngineEndpoint, RankPlace, WeightPlanError, make_sender, plan_senders
 from rayrl.weights.wire import serialize_adapter
+from tests.engines._engine_kit import forward_logprobs, post_json
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from _engine_kit import forward_logprobs, random_weights
 
 from rayrl.config import EngineConfig
 from rayrl.engines.client import EngineClient
@@ -29,6 +28,7 @@ from rayrl.weights.handles import HandleSender
 from rayrl.weights.tp_payloads import PayloadExchange, check_tp_entries
 from rayrl.weights.transfer import EngineTarget, WeightTransferError
 from rayrl.weights.wire import WeightUpdateError
+from tests.engines._engine_kit import forward_logprobs, random_weights
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}

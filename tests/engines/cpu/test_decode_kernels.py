@@ -2,7 +2,7 @@
 replace in the step, and the step's fallback to torch's ops where they cannot be built.
 
 Tolerances, float32: attention 2e-5 max |kernel - SDPA| (another summation order and our own exp;
-measured up to 2.3e-6 on 2026-11-27), on cache-shaped inputs: queries as views of a fused qkv row, keys
+measured up to 2.3e-6), on cache-shaped inputs: queries as views of a fused qkv row, keys
 and values as column windows of a wider cache buffer; the pointwise ops 1e-5 (RoPE is exact up to the
 FMA's rounding, silu uses our exp, the norm sums in another order).
 """

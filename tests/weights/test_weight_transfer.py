@@ -18,7 +18,6 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from _engine_kit import forward_logprobs, post_json
 
 from rayrl.config import EngineConfig, TrainerConfig
 from rayrl.engines.client import EngineClient, EngineError
@@ -32,6 +31,7 @@ from rayrl.weights.plan import EngineEndpoint, RankPlace, make_sender, plan_send
 from rayrl.weights.shm import owner_tag, shared_memory_root
 from rayrl.weights.transfer import EngineTarget, WeightTransferError, iter_buckets
 from rayrl.weights.wire import bucket_classes, serialize_for_engine
+from tests.engines._engine_kit import forward_logprobs, post_json
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}

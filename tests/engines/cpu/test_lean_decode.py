@@ -8,7 +8,7 @@ Tolerances (max |engine - transformers| log-prob of each generated token, recomp
 transformers forward in float32):
 - float32 weights: 1e-4 (float32 rounding of fused matmuls and another attention kernel);
 - fp16-packed weights, on the real SmolLM2-135M-Instruct: 1e-2 at most and 2e-3 on average (measured
-  about 4e-3 and 9e-4 on 2026-11-26); on the random tiny models, whose logits are far larger than a
+  about 4e-3 and 9e-4); on the random tiny models, whose logits are far larger than a
   trained model's, 2e-2 (measured up to 7.5e-3).
 """
 
