@@ -1,36 +1,20 @@
-"""Shared fixtures: the tiny random model, the real SmolLM2 model, and servers on a background loop."""
+"""Shared fixtures: the tiny models, the real SmolLM2 model, two engine processes, the scripted gateway
+stack and servers on a background loop (tests/loop_support.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 from pathlib import Path
-from typing import Any, Awaitable
+from typing import Any, Callable
 
 import pytest
 
 from rayrl.models import build_tiny_model, provision_smollm2
+from tests.loop_support import LoopThread
 
 # Every Ray a test starts without an address is a fresh local one, never a cluster that happens to run on this
 # machine (another checkout's `ray start`, a multinode test's head): ray.init() would join that one otherwise.
 os.environ.setdefault("RAY_ADDRESS", "local")
-
-
-class LoopThread:
-    """An asyncio loop in a daemon thread, so sync clients (openai SDK) can call servers it runs."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Awaitable[Any], timeout: float = 120) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 @pytest.fixture(scope="session")
@@ -92,6 +76,40 @@ def two_engines(tiny_model_dir, tmp_path_factory):
     yield procs
     for p in procs:
         p.stop()
+
+
+@pytest.fixture
+def scripted(tiny_tokenizer):
+    """``scripted(script, cfg=None, token_delay_s=0)`` -> Stack over a ScriptedEngine (SmolLM2's
+    tokenizer unless ``tokenizer`` is given; ``chat_template``/``model_name`` go to the Gateway)."""
+    from rayrl.engines.router import Router
+    from tests.gateway.scripted_engine import ScriptedEngine
+    from tests.gateway.stacks import Stack, gateway_for
+
+    smollm2 = tiny_tokenizer
+    made: list[Stack] = []
+
+    def make(script: Callable[[str], str], cfg: Any = None, token_delay_s: float = 0.0,
+             context_length: int = 8192, tokenizer: Any = None, chat_template: str | None = None,
+             model_name: str = "tiny") -> Stack:
+        tokenizer = tokenizer or smollm2
+        loop = LoopThread()
+        engine = ScriptedEngine(tokenizer, script, token_delay_s)
+        url = loop.run(engine.start())
+        router = Router([url])
+        gateway = gateway_for(tokenizer, router, cfg, context_length, model_name, chat_template)
+        loop.run(gateway.start())
+        stack = Stack(loop, gateway, engine, router)
+        made.append(stack)
+        return stack
+
+    yield make
+    for stack in made:
+        stack.close_http()
+        stack.loop.run(stack.gateway.stop())
+        stack.loop.run(stack.router.close())
+        stack.loop.run(stack.engine.stop())
+        stack.loop.close()
 
 
 @pytest.fixture

@@ -1,10 +1,9 @@
-"""Fixtures of the environment tests: the scripted gateway stacks of tests/gateway, and a judge endpoint."""
+"""Fixtures of the environment tests: a judge endpoint (the scripted gateway stacks: tests/conftest.py)."""
 
 import pytest
 
-from tests.conftest import LoopThread
 from tests.environments.judge_server import JudgeServer
-from tests.gateway.conftest import scripted  # noqa: F401
+from tests.loop_support import LoopThread
 
 
 @pytest.fixture

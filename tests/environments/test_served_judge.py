@@ -17,8 +17,8 @@ from rayrl.ports import free_port
 from rayrl.rewards.judge import Judge, judge_reward, served_judge_config
 from rayrl.rl.failures import JudgeError
 from rayrl.types import Task
-from tests.conftest import LoopThread
 from tests.engines._engine_kit import ServerThread
+from tests.loop_support import LoopThread
 
 QUESTION = [{"role": "user", "content": "Is 2 + 2 equal to 4? Reply yes or no."}]
 

@@ -20,9 +20,9 @@ from rayrl.config import GatewayConfig, TrajectoryConfig
 from rayrl.engines.launcher import EngineProcess
 from rayrl.engines.router import Router
 from rayrl.gateway.app import Gateway
-from tests.conftest import LoopThread
 from tests.engine_kill import kept_and_continued, kill_after_tokens
 from tests.engine_procs import start_together
+from tests.loop_support import LoopThread
 
 N = 400  # tokens per call: far more than are generated before the kill
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]

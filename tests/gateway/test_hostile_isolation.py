@@ -25,10 +25,10 @@ import pytest
 from rayrl.config import GatewayConfig, TrajectoryConfig
 from rayrl.engines.router import Router
 from rayrl.gateway.app import Gateway
-from tests.conftest import LoopThread
 from tests.engines._engine_kit import model_with_weights
-from tests.gateway.conftest import Stack
 from tests.gateway.scripted_engine import ENGINE_ABORT, ENGINE_FAILURE
+from tests.gateway.stacks import Stack
+from tests.loop_support import LoopThread
 
 CHAT = {"messages": [{"role": "user", "content": "Tell me about the fox and the crow."}], "max_tokens": 6}
 MSGS = {"model": "claude-x", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]}

@@ -14,8 +14,8 @@ import pytest
 
 from rayrl.inspect.reader import RunReader
 from rayrl.inspect.server import start
-from tests.conftest import LoopThread
 from tests.inspect.scripted_run import build_run
+from tests.loop_support import LoopThread
 
 
 @pytest.fixture(scope="session")

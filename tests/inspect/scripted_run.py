@@ -33,8 +33,8 @@ from rayrl.rl.batch import build_batch
 from rayrl.rl.failures import SANDBOX_FAILED
 from rayrl.rl.step_metrics import EngineWork, step_metrics
 from rayrl.types import Episode
-from tests.conftest import LoopThread
 from tests.gateway.scripted_engine import ScriptedEngine, last_role
+from tests.loop_support import LoopThread
 
 SYSTEM = "You are a calculator agent. Use the calculator tool."
 SUB_SYSTEM = "You are a sub-agent that checks arithmetic."
