@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rayrl.config import EngineConfig
 from rayrl.engines.client import EngineClient, EngineError
 from rayrl.engines.launcher import EngineProcess
-from rayrl.weights.shm import sweep_quietly
+from rayrl.weights.owners import sweep_quietly
 
 logger = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ from rayrl.rl.updates import UpdatePlan, plan_updates
 from rayrl.trainers.backend import TrainerBackend, trainer_backend
 from rayrl.trainers.memory_saver import preload_env
 from rayrl.types import Sample
+from rayrl.weights.owners import sweep_quietly
 from rayrl.weights.plan import RankPlace, WeightPlan, make_sender
-from rayrl.weights.shm import sweep_quietly
 
 logger = logging.getLogger("rayrl.trainer")
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from rayrl.weights.shm import shared_memory_root
+from rayrl.weights.owners import shared_memory_root
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,8 @@ OWNER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     import torch
-    from rayrl.weights.shm import SharedBuffer, owner_tag
+    from rayrl.weights.owners import owner_tag
+    from rayrl.weights.shm import SharedBuffer
 
     buffer = SharedBuffer(1 << 20)
     buffer.typed(torch.float32, 4).copy_(torch.arange(4.0))

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rayrl.weights.shm import shared_memory_root
+from rayrl.weights.owners import shared_memory_root
 from rayrl.weights.wire import WeightUpdateError, check_names_and_shapes
 
 __all__ = ["export_state_dict", "read_checkpoint", "safetensors_files", "shared_memory_root", "write_weights"]

@@ -17,7 +17,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from rayrl.weights.shm import WEIGHT_BUFFERS, SharedBuffer
+from rayrl.weights.owners import WEIGHT_BUFFERS
+from rayrl.weights.shm import SharedBuffer
 from rayrl.weights.tp_payloads import PayloadExchange
 from rayrl.weights.transfer import (
     DEFAULT_BUCKET_BYTES,

@@ -44,7 +44,7 @@ from rayrl.weights.adapter import AdapterSender
 from rayrl.weights.broadcast import BroadcastSender
 from rayrl.weights.disk import DiskSender
 from rayrl.weights.handles import HandleSender
-from rayrl.weights.shm import owner_tag
+from rayrl.weights.owners import owner_tag
 from rayrl.weights.tp_payloads import PayloadExchange
 from rayrl.weights.transfer import EngineTarget, WeightSender
 

@@ -19,7 +19,8 @@ import uuid
 import pytest
 import torch
 
-from rayrl.weights.shm import SharedBuffer, owner_tag, shared_memory_root, sweep_dead_buffers
+from rayrl.weights.owners import owner_tag, shared_memory_root, sweep_dead_buffers
+from rayrl.weights.shm import SharedBuffer
 from rayrl.weights.wire import WeightUpdateError, deserialize_entry, flatten_bucket, serialize_for_engine
 from tests.shm_support import run_weights_dir, sigkill, start_owner
 

@@ -7,8 +7,8 @@ import pytest
 from rayrl.weights.broadcast import BroadcastSender
 from rayrl.weights.disk import DiskSender
 from rayrl.weights.handles import HandleSender
+from rayrl.weights.owners import owner_tag
 from rayrl.weights.plan import EngineEndpoint, RankPlace, WeightPlanError, make_sender, plan_senders
-from rayrl.weights.shm import owner_tag
 
 
 def _colocated(nodes: list[str]) -> tuple[list[EngineEndpoint], list[RankPlace]]:

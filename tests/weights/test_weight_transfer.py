@@ -27,8 +27,8 @@ from rayrl.types import Sample
 from rayrl.weights.broadcast import BroadcastSender
 from rayrl.weights.disk import DiskSender
 from rayrl.weights.handles import HandleSender
+from rayrl.weights.owners import owner_tag, shared_memory_root
 from rayrl.weights.plan import EngineEndpoint, RankPlace, make_sender, plan_senders
-from rayrl.weights.shm import owner_tag, shared_memory_root
 from rayrl.weights.transfer import EngineTarget, WeightTransferError, iter_buckets
 from rayrl.weights.wire import bucket_classes, serialize_for_engine
 from tests.engines._engine_kit import forward_logprobs, post_json

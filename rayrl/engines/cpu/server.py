@@ -41,7 +41,7 @@ from rayrl.engines.http_input import (
     request_charset,
 )
 from rayrl.weights.group import WeightGroups
-from rayrl.weights.shm import WEIGHT_BUFFERS
+from rayrl.weights.owners import WEIGHT_BUFFERS
 
 logger = logging.getLogger(__name__)
 

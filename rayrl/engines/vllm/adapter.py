@@ -68,7 +68,7 @@ from rayrl.engines.vllm.requests import (
     translate_generate,
 )
 from rayrl.ports import free_port
-from rayrl.weights.shm import WEIGHT_BUFFERS, sweep_quietly
+from rayrl.weights.owners import WEIGHT_BUFFERS, sweep_quietly
 
 logger = logging.getLogger("rayrl.engines.vllm.adapter")
 
