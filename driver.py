@@ -88,10 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
     pipeline = None
     try:
-        pipeline = Pipeline(cfg, startup=clock)
+        pipeline = Pipeline(cfg, startup=clock, resume=args.resume)  # resuming: the trainer loads as it starts
         if args.resume:
-            pipeline.resume()
-            clock.mark("checkpoint_loaded")
+            pipeline.resume()  # marks checkpoint_loaded
         pipeline.run()
     except TrainerFailure as failure:  # the pipeline printed the one line: cause, checkpoint, how to resume
         if pipeline is None:  # lost while the pipeline started: nothing trained in this run

@@ -57,7 +57,7 @@ from rayrl.metrics import CounterDeltas, MetricsLogger, summary_line
 from rayrl.models import resolve_model_path
 from rayrl.orchestration.part_failures import WeightSyncError
 from rayrl.orchestration.parts import RunParts, RunState
-from rayrl.orchestration.run_checkpoint import RunCheckpoints
+from rayrl.orchestration.run_checkpoint import PreloadedCheckpoint, RunCheckpoints, preload_checkpoint
 from rayrl.orchestration.schedules import make_schedule, schedule_kind
 from rayrl.orchestration.start_together import StartTogether
 from rayrl.preflight import preflight
@@ -80,9 +80,11 @@ logger = logging.getLogger("rayrl.pipeline")
 class Pipeline:
     """Builds every actor from one RunConfig and runs the training loop."""
 
-    def __init__(self, cfg: RunConfig, startup: StartupClock | None = None) -> None:
+    def __init__(self, cfg: RunConfig, startup: StartupClock | None = None, resume: bool = False) -> None:
         """``startup``: the clock of this start (the driver's counts from its process's start; without one,
-        from now); its record goes to the run directory's startup.json (rayrl/startup.py)."""
+        from now); its record goes to the run directory's startup.json (rayrl/startup.py). ``resume``: the
+        caller will :meth:`resume`; the trainer loads the newest checkpoint as it starts, while the engines
+        and the other parts still load (where the schedule keeps the trainer's memory live)."""
         self.startup = startup if startup is not None else StartupClock(from_process=False)
         preflight(cfg, data=False)  # the agent, reward and callback import (the datasets load below)
         # every auto value and output path made concrete, as config.yaml records it
@@ -103,6 +105,7 @@ class Pipeline:
                                 keep_last=cfg.pipeline.keep_checkpoints)
         store.verify()  # a bad bucket fails now, not at the first save
         self.state = RunState()
+        self._preloaded: PreloadedCheckpoint | None = None  # resume: what the trainer loaded as it started
         name = f"rayrl-{cfg.exp_id}"
 
         # 1. the placement
@@ -134,8 +137,11 @@ class Pipeline:
             if kind.trainer_after_engines:
                 start.after(engines)
                 kind.before_trainer(engines.result())
-            return TrainerGroup(cfg.trainer, self.model_path, seed=cfg.seed, name_prefix=name,
-                                placement=self.placement, algorithm=cfg.algorithm)
+            group = TrainerGroup(cfg.trainer, self.model_path, seed=cfg.seed, name_prefix=name,
+                                 placement=self.placement, algorithm=cfg.algorithm)
+            if resume and not kind.trainer_after_engines:
+                self._preloaded = preload_checkpoint(group, store)
+            return group
 
         trainer = start.part("trainer", start_trainer, stop=TrainerGroup.shutdown)
         # 4. the gateway: its shards load the tokenizer meanwhile; they learn the engines' addresses below
@@ -192,6 +198,8 @@ class Pipeline:
 
     def run(self) -> list[dict[str, Any]]:
         cfg, history = self.cfg, []
+        if self._preloaded is not None:  # built to resume, and the trainer holds the checkpoint: so must the rest
+            self.resume()
         eval_every, save_every = cfg.pipeline.eval_interval, cfg.pipeline.checkpoint_interval  # -1: never
         if eval_every and self.step == 0:
             self.metrics.log(0, self.evaluate(0))
@@ -327,12 +335,20 @@ class Pipeline:
         """Continue from the newest complete checkpoint: the next step takes exactly the next tasks. A trainer
         rank lost while loading it or pushing its weights stops the run with the one line, naming it."""
         try:
-            if not self.checkpoints.resume():
+            started = time.monotonic()
+            preloaded, self._preloaded = self._preloaded, None
+            if not self.checkpoints.resume(preloaded):
                 return False
+            loaded = time.monotonic()
             self.schedule.weights_loaded()
         except TrainerFailure as failure:
             self.checkpoints.after_trainer_failure(failure, save=False)
             raise
+        # what it waited for, for startup.json: the trainer loading the checkpoint (0 when it did as it
+        # started: ``preload_s`` then, overlapped with the other parts' start), the engines its weights
+        self.startup.mark("checkpoint_loaded", trainer_load_s=round(loaded - started, 3),
+                          weight_push_s=round(time.monotonic() - loaded, 3),
+                          **({"preload_s": preloaded.seconds} if preloaded is not None else {}))
         return True
 
     # -- what tests, notebooks and the driver look at ------------------------------------------------

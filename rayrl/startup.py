@@ -21,7 +21,10 @@ Phases the driver and the pipeline mark (absent when a start never reached them)
   (they start together, so each is its own finish time, not a share of a sum);
 - ``all_actors_ready``: every part up and wired (the engines' addresses given to the gateway, the weight
   plan connected);
-- ``checkpoint_loaded``: with ``--resume``, the checkpoint in the trainer and its weights in the engines;
+- ``checkpoint_loaded``: with ``--resume``, the checkpoint in the trainer and its weights in the engines (its
+  details: ``trainer_load_s`` and ``weight_push_s``, the waits after all actors were ready, and ``preload_s``
+  when the trainer loaded the checkpoint as it started, overlapped with the other parts: ``trainer_ready``
+  then includes it);
 - ``first_rollout_done``: the first step's groups collected; ``first_step_trained``: its line printed.
 """
 

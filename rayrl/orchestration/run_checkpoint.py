@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -29,6 +30,32 @@ from rayrl.orchestration.schedules import Schedule
 from rayrl.rl.groups import Group
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreloadedCheckpoint:
+    """A checkpoint the trainer loaded as it started (``--resume``): which step, the policy version it
+    holds, and the seconds it took (overlapped with the engines' and the other parts' start)."""
+
+    step: int
+    version: int
+    seconds: float
+
+
+def preload_checkpoint(trainer: Any, store: CheckpointStore) -> Optional[PreloadedCheckpoint]:
+    """Load the newest checkpoint into ``trainer`` right after it started, on the start's trainer thread
+    (rayrl/pipeline/start_together.py): on a resume this wait then overlaps the engines' start instead of
+    following it. None (nothing loaded; :meth:`RunCheckpoints.resume` then loads as before, with its
+    errors) when there is no checkpoint, or a trainer rank's node does not see the checkpoint directory."""
+    step = store.latest()
+    if step is None:
+        return None
+    started = time.monotonic()
+    directory = str(store.restore_dir(step).resolve())
+    if store.s3 is None and trainer.unseen_by(directory):
+        return None
+    version = trainer.load_checkpoint(directory, store=store, step=step)
+    return PreloadedCheckpoint(step, int(version), round(time.monotonic() - started, 3))
 
 
 class RunCheckpoints:
@@ -97,21 +124,25 @@ class RunCheckpoints:
         step = self.store.latest()
         return None if step is None else self.store.location_of(step)
 
-    def resume(self) -> bool:
+    def resume(self, preloaded: Optional[PreloadedCheckpoint] = None) -> bool:
         """Load the newest complete checkpoint and queue its untrained groups (fresh episodes: those in
         flight were lost, or, on a live pipeline, are dropped). The trainer loads where its memory is live
-        (the schedule's ``with_trainer_memory``); the caller has the schedule push the loaded weights to the
-        engines (``weights_loaded``)."""
+        (the schedule's ``with_trainer_memory``), unless it loaded this step as it started (``preloaded``);
+        the caller has the schedule push the loaded weights to the engines (``weights_loaded``)."""
         step = self.store.latest()
         if step is None:
             print(f"[rayrl] no checkpoint at {self.store.location}; starting fresh", flush=True)
             return False
         saved = self.store.read_state(step)
+
         def load() -> None:
             self.state.version = self.trainer.load_checkpoint(str(self.store.restore_dir(step).resolve()),
                                                               store=self.store, step=step)
 
-        self.schedule.with_trainer_memory(load)
+        if preloaded is not None and preloaded.step == step:
+            self.state.version = preloaded.version
+        else:
+            self.schedule.with_trainer_memory(load)
         self.state.step = int(saved["step"])
         self.sampler.load_state_dict(saved["sampler"])
         schedule = saved.get("schedule") or {}
