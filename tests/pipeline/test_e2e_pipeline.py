@@ -117,10 +117,12 @@ def test_two_steps_then_a_resume_runs_the_third_on_unseen_tasks(ray_local, tiny_
 
     run_dir, seen, version = two_steps(ray_local, tiny_model_dir, tmp_path)
     # resume: a new pipeline continues at step 3 with the restored weights and the next, unseen tasks
-    resumed = Pipeline(load_config(run_dir / "config.yaml", ["trainer.steps=3"]))
+    resumed = Pipeline(load_config(run_dir / "config.yaml", ["trainer.steps=3"]), resume=True)  # as driver.py
     try:
         assert resumed.resume()
         assert resumed.step == 2 and resumed.version == version
+        loaded = json.loads((run_dir / "startup.json").read_text())["starts"][-1]["details"]["checkpoint_loaded"]
+        assert loaded["preload_s"] > 0 and loaded["trainer_load_s"] < loaded["preload_s"]  # loaded as it started
         for url in resumed.engine_urls:
             with urllib.request.urlopen(f"{url}/get_weight_version", timeout=10) as resp:
                 assert json.load(resp)["weight_version"] == str(version if version else 0)
