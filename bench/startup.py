@@ -48,12 +48,13 @@ GOALS = (  # (run, figure, limit s, what)
 )
 
 
-def run_driver(args: list[str], env: dict[str, str], log: Path, timeout_s: float) -> dict[str, Any]:
-    """``python driver.py ARGS``; its start as the run recorded it (the last start in startup.json)."""
+def run_driver(args: list[str], env: dict[str, str], log: Path, timeout_s: float, cwd: Path = ROOT) -> dict[str, Any]:
+    """``python driver.py ARGS`` in checkout ``cwd``; its start as the run recorded it (the last start in
+    startup.json)."""
     cmd = [sys.executable, "driver.py", *args]
     started = time.time()
     with open(log, "w") as out:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s,
+        proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s,
                               check=False)
     text = log.read_text(errors="replace")
     if proc.returncode != 0:
