@@ -44,7 +44,7 @@ class PreloadedCheckpoint:
 
 def preload_checkpoint(trainer: Any, store: CheckpointStore) -> Optional[PreloadedCheckpoint]:
     """Load the newest checkpoint into ``trainer`` right after it started, on the start's trainer thread
-    (rayrl/pipeline/start_together.py): on a resume this wait then overlaps the engines' start instead of
+    (rayrl/orchestration/start_together.py): on a resume this wait then overlaps the engines' start instead of
     following it. None (nothing loaded; :meth:`RunCheckpoints.resume` then loads as before, with its
     errors) when there is no checkpoint, or a trainer rank's node does not see the checkpoint directory."""
     step = store.latest()
