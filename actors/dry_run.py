@@ -60,7 +60,7 @@ def run_one_episode(cfg: RunConfig, task: Task) -> Episode:
         judge = ServedJudge.start(cfg, name, str(logs))  # rollout.judge.serve: the reward asks it
         cfg = judge.run_config(cfg) if judge is not None else cfg
         gateway = start_gateway_shards(dataclasses.replace(cfg, exp_id=f"{cfg.exp_id}-dry-run"),
-                                                 model_path, engines.urls)
+                                       model_path, engines.urls)
         pool = SandboxPoolActor.options(name=f"{name}-sandbox-pool", **on_driver_node()).remote(
             cfg.sandbox, cfg.sandbox_pool)
         worker = RolloutWorker.options(name=f"{name}-rollout", max_concurrency=2, **on_driver_node()).remote(

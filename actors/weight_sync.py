@@ -54,7 +54,7 @@ class WeightSync:
             self.plan = None
             return None
         plan = plan_senders(self.cfg.pipeline.weight_transfer, endpoints, self._places, self.cfg.engine.backend,
-                             lora=self.cfg.trainer.lora.enabled)
+                            lora=self.cfg.trainer.lora.enabled)
         self.trainer.connect_weights(plan, self.disk_root, self.timeout_s)
         if self.plan is None or plan.describe() != self.plan.describe():
             logger.debug("weight plan: %s", plan.describe())

@@ -175,7 +175,7 @@ class Gateway:
         self.upstream = StreamingUpstream(router, timeout_s=getattr(router, "timeout_s", 600.0))
         self.cpu = WorkLock()  # one piece of request work at a time (module docstring, work_lock.py)
         self.turns = TurnRunner(cfg, self.renderer, self.tool_parser, self.reasoning_parser, router,
-                                  self.upstream, context_length, self.counters, self.cpu)
+                                self.upstream, context_length, self.counters, self.cpu)
         self.durations = {"record_turn": self.turns.record_times, "finish_session": self.sessions.finish_times}
         self.base_url = ""
         self._runner: web.AppRunner | None = None

@@ -189,7 +189,7 @@ def plan_senders(
             )
         by_rank.setdefault(rank, []).append(i)
     return WeightPlan(transport, tuple(engines), {r: tuple(v) for r, v in by_rank.items()}, engine_backend,
-                        {i: r for i, r in tp_ranks.items() if len(r) > 1})
+                      {i: r for i, r in tp_ranks.items() if len(r) > 1})
 
 
 def make_sender(
