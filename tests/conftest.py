@@ -113,6 +113,27 @@ def scripted(tiny_tokenizer):
 
 
 @pytest.fixture
+def judge_server():
+    """``judge_server(reply)`` -> a judge endpoint on loopback (tests/environments/judge_server.py) answering
+    ``reply(prompt)``; shared by the environment tests and the whole-pipeline judge run."""
+    from tests.environments.judge_server import JudgeServer
+
+    loop = LoopThread()
+    made: list[Any] = []
+
+    def make(reply: Callable[[str], str] = lambda prompt: "yes") -> Any:
+        server = JudgeServer(reply)
+        loop.run(server.start())
+        made.append(server)
+        return server
+
+    yield make
+    for server in made:
+        loop.run(server.stop())
+    loop.close()
+
+
+@pytest.fixture
 def loop_thread():
     lt = LoopThread()
     yield lt

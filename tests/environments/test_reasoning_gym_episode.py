@@ -12,7 +12,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "reasoning_gym" / "
 
 def test_an_episode_of_the_chat_agent_is_scored_by_the_dataset(scripted):
     """The example's agent and reward through the real gateway (a scripted engine answers): the pipeline's
-    episode path without Ray; tests/environments/test_environment_runs.py runs the example in a real run."""
+    episode path without Ray; tests/pipeline/test_environment_runs.py runs the example in a real run."""
     import re
 
     from rayrl.agents import agent_factory

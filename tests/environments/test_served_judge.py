@@ -1,7 +1,7 @@
 """A judge the run serves (``rollout.judge.serve``): rayrl/gateway/frozen.py's endpoint in front of a real CPU
 engine server of a tiny random model, asked over real HTTP on loopback by rayrl's Judge through the openai SDK,
 with the config the rollout workers get (served_judge_config). No Ray: actors/judge_server.py only starts and
-places these pieces; its run is in tests/environments/test_environment_runs.py (slow suite)."""
+places these pieces; its run is in tests/pipeline/test_environment_runs.py (slow suite)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import pytest
 from rayrl.config import load_config
 from rayrl.inspect.atif import episode_trajectory
 from rayrl.inspect.reader import RunReader
-from tests.inspect.test_atif import check_trajectory
+from tests.inspect.atif_check import check_trajectory
 
 ROOT = Path(__file__).resolve().parents[2]
 

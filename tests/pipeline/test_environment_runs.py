@@ -2,7 +2,7 @@
 workers, trainer and weight sync. Slow suite: each example on the tiny random model for two steps, and the
 reasoning-gym and verifiers examples as shipped on SmolLM2-135M-Instruct for three. Their fast twins,
 without Ray, are in the default suite: the same episode paths through the real gateway
-(test_verifiers_adapter.py, test_reasoning_gym_episode.py, test_judge_reward.py)."""
+in tests/environments/ (test_verifiers_adapter.py, test_reasoning_gym_episode.py, test_judge_reward.py)."""
 
 from __future__ import annotations
 
