@@ -30,8 +30,8 @@ def tokenizer_only_transformers() -> None:
     its config and chat template need no torch).
 
     Why: with torch installed, ``from transformers import AutoTokenizer`` imports torch too, some 2,500
-    modules instead of 640: about 3.5x the time (measured 7.6 s against 2.2 s on a loaded 2-core machine,
-    2026-11-29), spent in every shard's start while the engines and the trainer load on the same cores.
+    modules instead of 640, several times the time (docs/results/design_figures.md), spent in every shard's
+    start while the engines and the trainer load on the same cores.
     Only before transformers is first imported, and only in an actor's own process: set in a process that
     later loads a model through transformers, it would find no torch.
     """
