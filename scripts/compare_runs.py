@@ -75,6 +75,9 @@ def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
         evals = [(r["step"], r["eval/success_rate"]) for r in rows if "eval/success_rate" in r]
         if evals:
             ax.plot(*zip(*evals), marker="s", linestyle="--", color=f"C{k}", label=f"{name}: held-out success")
+        eval_rewards = [(r["step"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
+        if eval_rewards and any(v != s for (_, v), (_, s) in zip(eval_rewards, evals)):  # partial credit: apart
+            ax.plot(*zip(*eval_rewards), marker="^", linestyle=":", color=f"C{k}", label=f"{name}: held-out reward")
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("mean reward / success")
