@@ -111,7 +111,11 @@ RAYRL = textwrap.dedent('''
             pass
         print("ready", flush=True)
         await asyncio.Event().wait()
-    asyncio.run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
+    try:  # the loop the gateway's hosts run it on (a baseline checkout may predate event_loop.py)
+        from rayrl.gateway.event_loop import run
+    except ImportError:
+        run = asyncio.run
+    run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
 ''')
 
 RLLM = textwrap.dedent('''

@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gateway_overhead import MESSAGES, REPO, STUB, free_port, spawn, wait_up  # noqa: E402
 
+from rayrl.gateway import event_loop  # noqa: E402
+
 LOAD = """
 import asyncio, json, sys, time, aiohttp
 url, tokens, seconds = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
@@ -177,6 +179,9 @@ def summarize_raw(path: Path, top: int) -> str:
                 f.startswith(("Handle._run (", "_run_once_handle")) for f in frames):
             idle += n  # the loop waiting for sockets
             continue
+        if frames[-1].startswith(("Runner.run (", "BaseEventLoop.run_until_complete (", "run (")):
+            idle += n  # uvloop: its C loop (waiting, or its own work between callbacks) has no Python frame
+            continue
         own[frames[-1]] = own.get(frames[-1], 0) + n
         leaf = _group(raw[-1])
         groups[leaf] = groups.get(leaf, 0) + n
@@ -206,7 +211,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S %z")
     load_start = os.getloadavg()
-    result = asyncio.run(profile(args))
+    result = event_loop.run(profile(args))  # the loop the gateway's hosts run it on
     rate = result["requests"] / result["seconds"]
     print(f"{started}; load average {load_start[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end; "
           f"{result['requests']} requests in {result['seconds']:.1f} s at {args.clients} clients "
