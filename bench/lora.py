@@ -212,6 +212,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", choices=("trainer", "engine"), help="run one part (default: both)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     add_common_args(parser)
     args = parser.parse_args()
@@ -223,18 +224,22 @@ def main() -> None:
     rounds = dict(min_rounds=2, max_rounds=2) if args.quick else dict(min_rounds=3, max_rounds=5, budget_s=900)
     record = Record("lora", f"Full weights vs LoRA rank {args.rank} (every linear layer), {args.model}",
                     quick=args.quick, record_dir=args.record_dir)
-    res = alternate({"full": lambda: run_side(args, 0), f"LoRA r{args.rank}": lambda: run_side(args, args.rank)},
-                    label="trainer sides", warmup=0, **rounds)  # each side's process warms itself up
-    full, lora = res["full"], res[f"LoRA r{args.rank}"]
-    rows = []
-    for key, label, digits in (("step_s", "trainer step, s", 2), ("peak_rss_mb", "peak trainer RSS, MB", 0),
-                               ("checkpoint_mb", "checkpoint, MB", 1), ("update_mb", "bytes per weight update, MB", 1)):
-        rows.append([label, full[key].fmt(digits), lora[key].fmt(digits), paired_ratio(lora[key], full[key]).fmt(3)])
-    record.table(f"Trainer, {GROUPS}x{GROUP_SIZE} samples of {PROMPT}+{RESPONSE} tokens ({TRAINED} trained), "
-                 f"{args.threads} threads, "
-                 f"{args.steps} steps per side per round", ["figure", "full", f"LoRA r{args.rank}", "LoRA / full"],
-                 rows)
-    engine_side(args, record, rounds)
+    if args.only != "engine":
+        res = alternate({"full": lambda: run_side(args, 0), f"LoRA r{args.rank}": lambda: run_side(args, args.rank)},
+                        label="trainer sides", warmup=0, **rounds)  # each side's process warms itself up
+        full, lora = res["full"], res[f"LoRA r{args.rank}"]
+        rows = []
+        for key, label, digits in (("step_s", "trainer step, s", 2), ("peak_rss_mb", "peak trainer RSS, MB", 0),
+                                   ("checkpoint_mb", "checkpoint, MB", 1),
+                                   ("update_mb", "bytes per weight update, MB", 1)):
+            ratio = paired_ratio(lora[key], full[key]).fmt(3)
+            rows.append([label, full[key].fmt(digits), lora[key].fmt(digits), ratio])
+        record.table(f"Trainer, {GROUPS}x{GROUP_SIZE} samples of {PROMPT}+{RESPONSE} tokens ({TRAINED} trained), "
+                     f"{args.threads} threads, "
+                     f"{args.steps} steps per side per round", ["figure", "full", f"LoRA r{args.rank}", "LoRA / full"],
+                     rows)
+    if args.only != "trainer":
+        engine_side(args, record, rounds)
     print(record.save())
 
 
