@@ -43,6 +43,11 @@ def python_agent_options(rollout: RolloutConfig) -> dict[str, Any]:
     return options
 
 
+def chat_agent_options(rollout: RolloutConfig) -> dict[str, Any]:
+    """The chat agent's constructor arguments from ``rollout.*``: its worked examples as (user, assistant) pairs."""
+    return {"example_turns": [(turn["user"], turn["assistant"]) for turn in rollout.example_turns]}
+
+
 def _check_tools(rollout: RolloutConfig) -> None:
     from rayrl.agents.toolbox import TOOLS
 
@@ -61,10 +66,17 @@ def _class_factory(cls: type, rollout: RolloutConfig, ref: str) -> Callable[[], 
     if inspect.isabstract(cls):
         raise ConfigError(f"{FIELD}: {ref} does not implement run(task, ctx)")
     check_call(cls.run, FIELD, f"{ref}.run", ("self", "task", "ctx"), "harness.run(task, ctx) -> AgentResult")
+    from rayrl.agents.chat_agent import ChatAgent
+
     kwargs: dict[str, Any] = {}
     if issubclass(cls, PythonToolAgent):
         _check_tools(rollout)
         kwargs = python_agent_options(rollout)
+    elif issubclass(cls, ChatAgent):
+        kwargs = chat_agent_options(rollout)
+    elif rollout.example_turns:
+        raise ConfigError(f"rollout.example_turns: {ref} does not read it (only the chat agent and its subclasses "
+                          "do); unset it or put the examples in your agent")
     try:
         inspect.signature(cls).bind(**kwargs)
     except TypeError as err:
@@ -98,6 +110,13 @@ def _python_tool_agent(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
     return lambda: PythonToolAgent(**options)
 
 
+def _chat_agent(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
+    from rayrl.agents.chat_agent import ChatAgent
+
+    options = chat_agent_options(rollout)
+    return lambda: ChatAgent(**options)
+
+
 def _environment(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
     """rollout.environment runs the episodes (rayrl/environments/)."""
     from rayrl.environments import harness_factory, parse_ref
@@ -117,6 +136,7 @@ class Harness:
     (actors/agentcore_launcher.py) and the ``agentcore`` section must say where it runs. ``uses_sandboxes``:
     its episodes lease sandboxes from the pool (sandbox_pool.max_size bounds them). ``from_environment``: the
     harness ``rollout.environment`` sets (its rubric runs the episodes); ``rollout.agent`` does not name it itself.
+    ``reads_example_turns``: it sends ``rollout.example_turns`` before the task (set for any other, a config error).
     """
 
     name: str
@@ -126,6 +146,7 @@ class Harness:
     run_launcher: bool = False
     uses_sandboxes: bool = True
     from_environment: bool = False
+    reads_example_turns: bool = False
 
     def harness_class(self) -> type:
         """The class that implements it (imported now)."""
@@ -137,7 +158,7 @@ class Harness:
 
 HARNESSES: dict[str, Harness] = {row.name: row for row in (
     Harness("python_tool_agent", "rayrl.agents.python_agent:PythonToolAgent", _python_tool_agent),
-    Harness("chat", "rayrl.agents.chat_agent:ChatAgent"),
+    Harness("chat", "rayrl.agents.chat_agent:ChatAgent", _chat_agent, reads_example_turns=True),
     Harness("claude_code", "rayrl.agents.claude_code:ClaudeCodeHarness"),
     Harness("codex", "rayrl.agents.codex:CodexHarness"),
     Harness("agentcore", "rayrl.agents.agentcore.harness:AgentCoreHarness", run_launcher=True, uses_sandboxes=False),
@@ -169,6 +190,9 @@ def agent_factory(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
     if inspect.isclass(obj):
         return _class_factory(obj, rollout, name)
     check_call(obj, FIELD, name, ("task", "endpoint"), "agent(task, endpoint) -> str")
+    if rollout.example_turns:
+        raise ConfigError(f"rollout.example_turns: {name} does not read it (a function agent builds its own "
+                          "messages); unset it or put the examples in your agent")
     from rayrl.agents.function_agent import FunctionAgent
 
     return lambda: FunctionAgent(obj, name)
@@ -186,6 +210,9 @@ def make_harness(name: str, **kwargs: Any) -> BaseHarness:
 def check_agent(rollout: RolloutConfig) -> None:
     """Import and check ``rollout.agent`` (and ``rollout.agent_command``) at load; ConfigError otherwise."""
     row = harness_row(rollout.agent)
+    if rollout.example_turns and row is not None and not row.reads_example_turns:
+        raise ConfigError(f"rollout.example_turns: the {rollout.agent} agent does not read it (the chat agent "
+                          "does); unset it")
     if row is None or not row.run_launcher:
         agent_factory(rollout)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -62,6 +62,17 @@ def _describe(err: OmegaConfBaseException) -> str:
     return f"{key}: {msg}" if key else msg
 
 
+def _merge(base: Any, other: Any, where: str) -> Any:
+    """``OmegaConf.merge`` whose errors name a field: the node's own key, else ``where`` (the override's key or
+    the file); a list given where a mapping belongs (or the reverse) is a TypeError in OmegaConf."""
+    try:
+        return OmegaConf.merge(base, other)
+    except TypeError as err:
+        raise ConfigError(f"{where}: {err} (a list where a mapping belongs, or the reverse)") from None
+    except OmegaConfBaseException as err:
+        raise ConfigError(_describe(err) if getattr(err, "full_key", None) else f"{where}: {_describe(err)}") from None
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """Load ``path`` (YAML), apply dotted ``overrides`` (``trainer.steps=3``), validate, return dataclasses.
 
@@ -84,10 +95,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
                 raise ConfigError(f"override {item!r}: expected dotted.key=value")
         _check_removed(loaded, overrides)
         if loaded is not None:
-            merged = OmegaConf.merge(merged, loaded)
-        plain = [item for item in overrides if "[" not in item.split("=", 1)[0]]
-        if plain:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(plain))
+            merged = _merge(merged, loaded, str(path))
+        for item in overrides:  # one at a time, so an error without a key of its own names the override's
+            if "[" not in item.split("=", 1)[0]:
+                merged = _merge(merged, OmegaConf.from_dotlist([item]), item.split("=", 1)[0])
         for item in overrides:  # a list entry's field (data.reasoning_gym[0].size=50): set in place, typed
             key, value = item.split("=", 1)
             if "[" in key:

@@ -172,6 +172,9 @@ class RolloutConfig:
     max_tokens: int = 96  # per LLM call
     system_prompt: Optional[str] = None  # the system prompt of the python agent (overrides its own) and the chat agent
     few_shot_examples: int = 2  # worked tool-use examples the python agent puts before the question
+    example_turns: list[dict[str, str]] = field(default_factory=list)  # the chat agent's worked examples, sent as
+    # earlier turns ({user: ..., assistant: ...} each) between the system prompt and the task; unlike
+    # few_shot_examples (a count of the python agent's built-in tool-use demos) these are the examples themselves
     tool_delay_s: list[float] = field(default_factory=list)  # [min, max]: each tool call also sleeps that long
     # (uniform) in the sandbox, as slow real tools do; [] none
     step_deadline_s: float = 0.0  # a step stops waiting for episodes after this (0: no deadline)
@@ -194,6 +197,7 @@ class RolloutConfig:
         if delay and (len(delay) != 2 or not 0.0 <= delay[0] <= delay[1]):
             raise ConfigError(f"rollout.tool_delay_s: need [] or [min, max] with 0 <= min <= max, "
                               f"got {delay}")
+        self._check_example_turns()
         self._check_environment()
         if self.reward == "judge" and not (self.judge.base_url or self.judge.serve):
             raise ConfigError("rollout.judge.base_url: rollout.reward: judge needs the judge's OpenAI-compatible "
@@ -201,6 +205,19 @@ class RolloutConfig:
         if self.judge.serve and self.reward != "judge" and not self.environment:
             raise ConfigError("rollout.judge.serve: nothing asks the judge (rollout.reward is not judge and there is "
                               "no rollout.environment); unset it")
+
+    def _check_example_turns(self) -> None:
+        """Each entry is exactly {user: ..., assistant: ...}, both non-empty text."""
+        for i, turn in enumerate(self.example_turns):
+            where = f"rollout.example_turns[{i}]"
+            if not isinstance(turn, dict):
+                raise ConfigError(f"{where}: need {{user: ..., assistant: ...}}, got {turn!r}")
+            extra = sorted(set(turn) - {"user", "assistant"})
+            if extra:
+                raise ConfigError(f"{where}.{extra[0]}: unknown key; an example turn has only user and assistant")
+            for name in ("user", "assistant"):
+                if not isinstance(turn.get(name), str) or not turn[name].strip():
+                    raise ConfigError(f"{where}.{name}: must be a non-empty string")
 
     def _check_environment(self) -> None:
         """With an environment, it is the agent and the reward (left at their defaults or set to environment)."""
