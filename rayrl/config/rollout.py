@@ -157,8 +157,9 @@ class RolloutConfig:
     # (docs/agents.md)
     tools: list[str] = field(default_factory=lambda: ["calculator"])  # tools of the python agent
     reward: str = "calculator"  # reward function: calculator | math | gsm8k | agent_reported | hidden_tests |
-    # reasoning_gym (the task's dataset's own score_answer) | environment (rollout.environment's own score) | judge
-    # (rollout.judge's model grades the final answer) |
+    # reasoning_gym (the task's dataset's own score_answer on the text in <answer> tags, 0 without them, as
+    # reasoning-gym's trainer scores) | reasoning_gym_lenient (the same, a reply without tags scored whole) |
+    # environment (rollout.environment's own score) | judge (rollout.judge's model grades the final answer) |
     # package.module:function (reward(task, result) -> float); docs/agents.md
     prompts_per_step: int = 4  # distinct tasks per training step
     group_size: int = 4  # episodes per task (GRPO group)

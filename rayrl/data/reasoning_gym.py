@@ -22,7 +22,7 @@ import logging
 import re
 import time
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -175,12 +175,21 @@ _TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 
 
 def extract_answer(text: str | None) -> str:
-    """The text inside the last ``<answer>...</answer>`` (reasoning-gym's own answer format, the one its
-    system prompts ask for), or the whole reply stripped when it has no such tags."""
+    """``reasoning_gym_lenient``'s reading: the text inside the last ``<answer>...</answer>`` (any case), or
+    the whole reply stripped when it has no such tags."""
     if not text:
         return ""
     found = _TAG.findall(text)
     return (found[-1] if found else text).strip()
+
+
+def strict_answer(text: str | None) -> str | None:
+    """``reasoning_gym``'s reading, reasoning-gym's own (``reasoning_gym.utils.extract_answer``, as its GRPO
+    trainer scores): the last ``<answer>...</answer>``, case-sensitive; None without tags, which its
+    ``score_answer`` scores 0."""
+    from reasoning_gym.utils import extract_answer as their_extract
+
+    return their_extract(text, tag_name="answer") if text else None
 
 
 @lru_cache(maxsize=256)
@@ -191,9 +200,7 @@ def _scorer(name: str, config_json: str) -> Any:
     return reasoning_gym.create_dataset(name, **json.loads(config_json), size=1, seed=0)
 
 
-def reasoning_gym_reward(task: Task, result: Any) -> float:
-    """``rollout.reward: reasoning_gym``: the dataset's own ``score_answer`` on the agent's final answer
-    (the text in its last <answer> tags, else all of it). 0.0 for an agent that failed."""
+def _score(task: Task, result: Any, answer_of: Callable[[str | None], str | None]) -> float:
     payload = task.metadata.get("reasoning_gym") if isinstance(task.metadata, dict) else None
     if not isinstance(payload, dict) or "entry" not in payload:
         raise ValueError(f"task {task.task_id} is not a reasoning-gym task (no metadata.reasoning_gym); "
@@ -201,4 +208,16 @@ def reasoning_gym_reward(task: Task, result: Any) -> float:
     if getattr(result, "status", "completed") == "error":
         return 0.0
     scorer = _scorer(payload["dataset"], json.dumps(payload.get("config") or {}, sort_keys=True))
-    return float(scorer.score_answer(extract_answer(getattr(result, "final_answer", None)), payload["entry"]))
+    return float(scorer.score_answer(answer_of(getattr(result, "final_answer", None)), payload["entry"]))
+
+
+def reasoning_gym_reward(task: Task, result: Any) -> float:
+    """``rollout.reward: reasoning_gym``: the dataset's own ``score_answer`` on the answer as reasoning-gym
+    reads it (:func:`strict_answer`: a reply without ``<answer>`` tags scores 0). 0.0 for an agent that failed."""
+    return _score(task, result, strict_answer)
+
+
+def reasoning_gym_lenient_reward(task: Task, result: Any) -> float:
+    """``rollout.reward: reasoning_gym_lenient``: the same score on :func:`extract_answer`'s reading (a reply
+    without tags is scored whole, so a sentence that contains the answer earns partial credit)."""
+    return _score(task, result, extract_answer)

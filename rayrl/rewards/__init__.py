@@ -17,7 +17,7 @@ from typing import Callable
 from rayrl.agents.base import AgentResult
 from rayrl.config import ConfigError, RolloutConfig
 from rayrl.config.rollout import ENVIRONMENT
-from rayrl.data.reasoning_gym import reasoning_gym_reward
+from rayrl.data.reasoning_gym import reasoning_gym_lenient_reward, reasoning_gym_reward
 from rayrl.environments import environment_reward
 from rayrl.extensions import check_call, did_you_mean, load_reference
 from rayrl.rewards.gsm8k import agent_reported_reward, gsm8k_reward
@@ -34,6 +34,7 @@ REWARDS: dict[str, RewardFn] = {
     "agent_reported": agent_reported_reward,
     "hidden_tests": hidden_tests_reward,
     "reasoning_gym": reasoning_gym_reward,
+    "reasoning_gym_lenient": reasoning_gym_lenient_reward,
     ENVIRONMENT: environment_reward,  # set by rollout.environment: its rubric scores the episodes
 }
 BUILT_WITH_CONFIG = ("judge",)  # built by reward_fn_for from their rollout section

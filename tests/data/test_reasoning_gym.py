@@ -13,7 +13,7 @@ import pytest
 from rayrl.agents.base import AgentResult
 from rayrl.config import ConfigError, ReasoningGymSource, load_config
 from rayrl.data.dataset import TaskSampler
-from rayrl.data.reasoning_gym import ReasoningGymTasks, extract_answer, load_splits
+from rayrl.data.reasoning_gym import ReasoningGymTasks, extract_answer, load_splits, strict_answer
 from rayrl.preflight import preflight
 from rayrl.rewards import get_reward_fn
 
@@ -89,7 +89,12 @@ def test_the_reward_is_the_datasets_own_score_answer():
     task = ReasoningGymTasks([source(size=1, seed=9)])[0]
     answer = task.metadata["reasoning_gym"]["entry"]["answer"]
     assert reward(task, AgentResult(final_answer=f"Let me add.\n<answer> {answer} </answer>")) == 1.0
-    assert reward(task, AgentResult(final_answer=answer)) == 1.0  # no tags: the whole reply
+    assert reward(task, AgentResult(final_answer=answer)) == 0.0  # no tags: reasoning-gym's own rule scores 0
+    assert reward(task, AgentResult(final_answer=f"<ANSWER>{answer}</ANSWER>")) == 0.0  # its tags are lower case
+    lenient = get_reward_fn("reasoning_gym_lenient")
+    assert lenient(task, AgentResult(final_answer=answer)) == 1.0  # no tags: the whole reply
+    assert lenient(task, AgentResult(final_answer=f"<ANSWER>{answer}</ANSWER>")) == 1.0
+    assert 0.0 < lenient(task, AgentResult(final_answer=f"The sum is {answer}.")) < 1.0  # partial credit
     assert reward(task, AgentResult(final_answer=f"<answer>{int(answer) + 1}</answer>")) == 0.0
     assert reward(task, AgentResult(final_answer=f"<answer>{answer}</answer>", status="error")) == 0.0
     # a dataset whose score gives partial credit keeps it
@@ -101,6 +106,8 @@ def test_the_reward_is_the_datasets_own_score_answer():
 def test_extract_answer_takes_the_last_tagged_answer():
     assert extract_answer("<answer>1</answer> then <ANSWER>\n2\n</ANSWER>") == "2"
     assert extract_answer(None) == "" and extract_answer("  7 ") == "7"
+    assert strict_answer("<answer>1</answer> then <answer> 2 </answer>") == "2"
+    assert strict_answer("7") is None and strict_answer(None) is None and strict_answer("<ANSWER>7</ANSWER>") is None
 
 
 def test_a_task_from_elsewhere_is_refused_by_the_reward():

@@ -48,7 +48,7 @@ def test_without_examples_the_task_follows_the_system_prompt(scripted, tiny_toke
     from rayrl.types import Task
     from tests.gateway.episode_kit import InProcessSessions
 
-    cfg = load_config(EXAMPLE, ["rollout.reward=calculator"])
+    cfg = load_config(EXAMPLE, ["rollout.reward=calculator", "rollout.example_turns=[]"])
     stack = scripted(lambda prompt: "<answer>7</answer>")
     runner = EpisodeRunner(agent_factory(cfg.rollout)(), reward_fn_for(cfg.rollout), InProcessSessions(stack), None,
                            cfg.rollout, "tiny")
