@@ -2,8 +2,9 @@
 
 A judge as small as SmolLM2-135M cannot grade: asked "is the student answer correct? yes or no", it said
 "no" to right and wrong answers alike, so every group's rewards were equal and nothing trained. It can
-read, though: shown two worked examples, it copies the final number out of a free-form reply ("The answer
-is 41." -> 41) reliably. So this function asks the judge only for that number and compares it with the
+read, though: shown worked examples as earlier turns, it copies the final number out of a free-form reply ("The answer
+is 41." -> 41) reliably; a worked example in prose keeps it copying, not chatting, when the reply
+is a paragraph. So this function asks the judge only for that number and compares it with the
 task's reference answer itself. The same split (a model that extracts, code that checks) suits any judge
 that reads better than it reasons; a judge that can grade needs no function (examples/judge/endpoint.yaml).
 
@@ -21,7 +22,8 @@ from rayrl.rl.failures import JudgeError
 from rayrl.types import Task
 
 INSTRUCTION = "Copy the final number from the text. Reply with the number only, or none if it has no number."
-WORKED = [("The answer is 41.", "41"), ("12", "12"), ("I am not sure.", "none")]
+WORKED = [("The answer is 41.", "41"), ("12", "12"), ("I am not sure.", "none"),
+          ("To find 7 + 5, we add them. So 7 + 5 = 12, which is the result.", "12")]
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 

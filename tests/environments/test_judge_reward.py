@@ -203,4 +203,4 @@ def test_the_judge_example_s_function_reads_the_number_and_compares_it(judge_ser
         reward(task, answer("shrug"))  # the judge's own reply says nothing: no verdict, never a 0
     sent = server.requests[0]["messages"]
     assert sent[0]["role"] == "system" and sent[-1] == {"role": "user", "content": "The answer is 42."}
-    assert [m["role"] for m in sent[1:-1]] == ["user", "assistant"] * 3  # the worked examples as turns
+    assert [m["role"] for m in sent[1:-1]] == ["user", "assistant"] * 4  # the worked examples as turns
