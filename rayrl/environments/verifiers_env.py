@@ -144,6 +144,14 @@ def _check_args(fn: Any, target: str, args: dict[str, Any]) -> None:
         pass
 
 
+def _from_the_hub(err: BaseException) -> bool:
+    """A hub download failed: by the error's type, or by a message that names one of those types or the Hub
+    (datasets re-raises LocalEntryNotFoundError as "ConnectionError: Couldn't reach '<repo>' on the Hub")."""
+    text = str(err)
+    return (type(err).__name__ in HUB_ERRORS or any(name in text for name in HUB_ERRORS)
+            or "offline" in text.lower() or "on the hub" in text.lower())
+
+
 def _guarded(target: str, fn: Any) -> Any:
     """Run ``fn``; an exception becomes a one-line ConfigError (a hub download says so)."""
     try:
@@ -155,7 +163,7 @@ def _guarded(target: str, fn: Any) -> Any:
         while cause is not None and len(chain) < 10:
             chain.append(cause)
             cause = cause.__cause__ or cause.__context__
-        if any(type(e).__name__ in HUB_ERRORS or "offline" in str(e).lower() for e in chain):
+        if any(_from_the_hub(e) for e in chain):
             raise ConfigError(f"{FIELD}: {target} loads its data from the Hugging Face Hub, which rayrl does not "
                               "reach at run time; use an environment that builds its data in code (or from local "
                               f"files): {type(chain[0]).__name__}: {' '.join(str(chain[0]).split())[:200]}") from None
