@@ -19,6 +19,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayrl.config import RayConfig
+from rayrl.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +75,7 @@ def free_dashboard_port(host: str, port: int) -> int:
             return port
         except OSError:
             pass
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        free = probe.getsockname()[1]
+    free = free_port(host)
     logger.warning("ray.dashboard_port %d on %s is in use (another Ray's dashboard?): this run's dashboard is on "
                    "port %d (set ray.dashboard_port to choose one)", port, host, free)
     return free
