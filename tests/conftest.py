@@ -83,6 +83,7 @@ def scripted(tiny_tokenizer):
     """``scripted(script, cfg=None, token_delay_s=0)`` -> Stack over a ScriptedEngine (SmolLM2's
     tokenizer unless ``tokenizer`` is given; ``chat_template``/``model_name`` go to the Gateway)."""
     from rayrl.engines.router import Router
+    from rayrl.gateway.event_loop import new_event_loop as gateway_loop  # the loop Ray hosts a gateway on
     from tests.gateway.scripted_engine import ScriptedEngine
     from tests.gateway.stacks import Stack, gateway_for
 
@@ -93,7 +94,7 @@ def scripted(tiny_tokenizer):
              context_length: int = 8192, tokenizer: Any = None, chat_template: str | None = None,
              model_name: str = "tiny") -> Stack:
         tokenizer = tokenizer or smollm2
-        loop = LoopThread()
+        loop = LoopThread(gateway_loop)
         engine = ScriptedEngine(tokenizer, script, token_delay_s)
         url = loop.run(engine.start())
         router = Router([url])

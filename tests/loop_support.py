@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable
 
 
 class LoopThread:
-    """An asyncio loop in a daemon thread, so sync clients (openai SDK) can call servers it runs."""
+    """An asyncio loop in a daemon thread, so sync clients (openai SDK) can call servers it runs; ``new_loop``
+    makes it (the gateway stacks pass rayrl.gateway.event_loop's, the loop Ray would host them on)."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, new_loop: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop) -> None:
+        self.loop = new_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 

@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 from rayrl.config import GatewayConfig, TrajectoryConfig
+from rayrl.gateway import event_loop
 
 logger = logging.getLogger("rayrl.gateway")
 
@@ -129,7 +130,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(args))
+    event_loop.run(serve(args))  # Ray's loop for async actors: uvloop when installed
     return 0
 
 

@@ -1,10 +1,10 @@
 """The event loop a gateway runs on: uvloop where it is installed, the one Ray gives its async actors.
 
-Why: the TrajectoryManager actor hosts the gateway on the loop Ray makes for async actors, and Ray makes a
+Why: the GatewayShard actor hosts the gateway on the loop Ray makes for async actors, and Ray makes a
 uvloop loop whenever uvloop is importable and ``RAY_USE_UVLOOP`` does not turn it off
-(``ray._private.async_compat.get_new_event_loop``). The gateway benches (bench/gateway_overhead.py,
-gateway_profile.py, gateway_calls.py) use :func:`new_event_loop` so they run the gateway on that same loop,
-and what they measure is what a training run serves with. On uvloop the per-read and per-write
+(``ray._private.async_compat.get_new_event_loop``). The standalone host (``python -m rayrl.gateway``), the
+benches and the tests' gateway stacks use :func:`new_event_loop` so they run the gateway on that same loop,
+and what they measure and check is what a training run serves with. On uvloop the per-read and per-write
 work of the loop and its socket transports (a streamed answer from the engine arrives in one read per
 token) is C instead of Python (docs/results/gateway_hot_path.md, ninth pass).
 

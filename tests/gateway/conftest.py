@@ -1,4 +1,5 @@
-"""Gateway stacks for the tests: real HTTP servers on loopback, on a background event loop.
+"""Gateway stacks for the tests: real HTTP servers on loopback, on a background event loop of the kind Ray hosts
+the gateway on (uvloop when installed: rayrl/gateway/event_loop.py), so the tests check what training runs.
 
 ``tiny_stack``: the CPU engine serving the tiny random model (real token ids and log-probs, random
 text), SmolLM2's tokenizer and chat template. ``scripted`` (a gateway in front of
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from rayrl.engines.router import Router
+from rayrl.gateway.event_loop import new_event_loop as gateway_loop  # the loop Ray hosts the gateway on
 from tests.gateway.stacks import Stack, gateway_for
 from tests.loop_support import LoopThread
 
@@ -20,7 +22,7 @@ def tiny_stack(tiny_model_dir, tiny_tokenizer):
     from rayrl.engines.cpu.engine import CPUEngine
     from rayrl.engines.cpu.server import EngineServer
 
-    loop = LoopThread()
+    loop = LoopThread(gateway_loop)
     engine = CPUEngine(tiny_model_dir, dtype="float32", max_batch_size=8, context_length=4096).start()
     server = EngineServer(engine)
     url = loop.run(server.start())

@@ -20,6 +20,7 @@ from rayrl.config import GatewayConfig, TrajectoryConfig
 from rayrl.engines.launcher import EngineProcess
 from rayrl.engines.router import Router
 from rayrl.gateway.app import Gateway
+from rayrl.gateway.event_loop import new_event_loop as gateway_loop  # the loop Ray hosts it on
 from tests.engine_kill import kept_and_continued, kill_after_tokens
 from tests.engine_procs import start_together
 from tests.loop_support import LoopThread
@@ -32,7 +33,7 @@ MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse
 def stack(two_engines, tiny_tokenizer):
     """Both engines up (the test before killed one), a fresh router and gateway in front of them."""
     start_together(two_engines)
-    loop = LoopThread()
+    loop = LoopThread(gateway_loop)
     router = Router([p.url for p in two_engines])
     gateway = Gateway(GatewayConfig(tool_parser="hermes"), TrajectoryConfig(),
                       tiny_tokenizer, router, model_name="tiny")

@@ -1,5 +1,5 @@
-"""The loop the gateway runs on (rayrl/gateway/event_loop.py): the one Ray makes for the TrajectoryManager
-actor that hosts it, so the benches run what training runs.
+"""The loop the gateway runs on (rayrl/gateway/event_loop.py): the one Ray makes for the GatewayShard
+actor that hosts it, so the standalone host, the benches and the tests' gateway stacks run what training runs.
 """
 
 from __future__ import annotations
@@ -37,3 +37,15 @@ def test_run_runs_the_coroutine_on_that_loop(monkeypatch):
     made.close()
     assert event_loop.run(kind()) is type(made)
 
+
+def test_the_gateway_test_stacks_run_on_it(scripted):
+    stack = scripted(lambda prompt: "Noted.")
+    made = event_loop.new_event_loop()
+    made.close()
+    assert type(stack.loop.loop) is type(made)
+    info = stack.open()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    answer = stack.http.post(stack.gateway.base_url + "/chat/completions",
+                             headers={"Authorization": f"Bearer {info.token}"}, json=body)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "Noted."
+    assert len(stack.gateway._lean) == 1  # the lean front serves it on this loop

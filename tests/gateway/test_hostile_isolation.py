@@ -25,6 +25,7 @@ import pytest
 from rayrl.config import GatewayConfig, TrajectoryConfig
 from rayrl.engines.router import Router
 from rayrl.gateway.app import Gateway
+from rayrl.gateway.event_loop import new_event_loop as gateway_loop  # the loop Ray hosts it on
 from tests.engines._engine_kit import model_with_weights
 from tests.gateway.scripted_engine import ENGINE_ABORT, ENGINE_FAILURE
 from tests.gateway.stacks import Stack
@@ -77,7 +78,7 @@ def varied_stack(tiny_model_dir, tmp_path_factory):
     from rayrl.engines.cpu.server import EngineServer
 
     path = model_with_weights(tiny_model_dir, tmp_path_factory.mktemp("varied"), seed=5)
-    loop = LoopThread()
+    loop = LoopThread(gateway_loop)
     engine = CPUEngine(path, dtype="float32", max_batch_size=16).start()
     server = EngineServer(engine)
     router = Router([loop.run(server.start())])
