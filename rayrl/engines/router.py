@@ -431,11 +431,11 @@ class Router:
         stream = StreamFold(url)
         try:
             try:
-                async with self._http().post(url, "/generate", wire_json.dumps(payload)) as resp:
+                hold = 1 if on_text is not None else stream.hold_bytes  # not streamed: woken once per bound
+                async with self._http().post(url, "/generate", wire_json.dumps(payload), hold) as resp:
                     if resp.status >= 300:
                         raise EngineError(resp.status, error_message(await resp.read()), url)
                     rest, done = b"", False
-                    hold = 1 if on_text is not None else stream.hold_bytes  # not streamed: woken once per bound
                     while (block := await resp.next_block(hold)) is not None:
                         if done:
                             continue  # read to the body's end, so the connection can be reused

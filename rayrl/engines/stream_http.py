@@ -65,6 +65,9 @@ class _Connection(asyncio.Protocol):
         self.head = b""  # the response head being read (bytes after it go to the response)
         self.response: Optional["StreamResponse"] = None  # the response whose body is being read
         self.waiting_head = False
+        self.head_error: Optional[Exception] = None  # the response head could not be read
+        self.request: Optional[tuple["StreamingHTTP", tuple[str, int], int]] = None  # (client, key, hold) of
+        # the request whose head is awaited: the response is made here, as its head arrives
         self.closed = False  # the server closed it, it broke, or it was aborted
         self.stray = False  # bytes came while no request was waiting for them: never reused
         self.paused = False  # reading paused: the reader has not taken what it holds (flow control)
@@ -94,10 +97,41 @@ class _Connection(asyncio.Protocol):
                 self.transport.pause_reading()
         elif self.waiting_head:
             self.head += data
-            if self.waiter is not None and (b"\r\n\r\n" in self.head or len(self.head) > _MAX_HEAD):
-                self._wake()
+            if b"\r\n\r\n" in self.head or len(self.head) > _MAX_HEAD:
+                self._head_done()
         else:
             self.stray = True
+
+    def _head_done(self) -> None:
+        """The response head has arrived (or grown too long): the response is made now and fed what came
+        after the head; the sender is woken once the response holds what it asked for
+        (:meth:`StreamingHTTP.send`'s ``hold``), not at the head alone."""
+        self.waiting_head = False
+        head, self.head = self.head, b""
+        request, self.request = self.request, None
+        end = head.find(b"\r\n\r\n")
+        if request is None:  # not awaited (the sender gave up): nobody reads it
+            self.stray = True
+            return
+        client, key, hold = request
+        try:
+            if end < 0:
+                raise ValueError("a response head longer than 64 KiB")
+            resp = _parse_head(client, key, self, head[:end])
+        except ValueError as err:
+            self.head_error = err
+            self._wake()
+            return
+        resp._hold = hold
+        self.response = resp
+        rest = head[end + 4:]
+        if rest:
+            resp.feed(rest)
+        if resp.ready():
+            self._wake()
+        elif not self.paused and resp.over_high_water() and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
 
     def eof_received(self) -> Optional[bool]:
         self.closed = True
@@ -330,13 +364,29 @@ class StreamResponse:
             self._conn.close()
 
 
+def _parse_head(client: "StreamingHTTP", key: tuple[str, int], conn: _Connection, head: bytes) -> "StreamResponse":
+    """The response a head (status line and headers, without the blank line) announces."""
+    lines = head.split(b"\r\n")
+    version, code = lines[0].split(b" ", 2)[:2]
+    headers: dict[bytes, bytes] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    status = int(code)
+    chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+    length = None if chunked or b"content-length" not in headers else int(headers[b"content-length"])
+    keep_alive = version == b"HTTP/1.1" and headers.get(b"connection", b"").lower() != b"close"
+    return StreamResponse(client, key, conn, status, chunked, length, keep_alive)
+
+
 class _Request:
-    def __init__(self, client: "StreamingHTTP", url: str, path: str, body: bytes) -> None:
-        self.client, self.url, self.path, self.body = client, url, path, body
+    def __init__(self, client: "StreamingHTTP", url: str, path: str, body: bytes, hold: int) -> None:
+        self.client, self.url, self.path, self.body, self.hold = client, url, path, body, hold
         self.response: Optional[StreamResponse] = None
 
     async def __aenter__(self) -> StreamResponse:
-        self.response = await self.client.send(self.url, self.path, self.body)
+        self.response = await self.client.send(self.url, self.path, self.body, self.hold)
         return self.response
 
     async def __aexit__(self, *exc: object) -> None:
@@ -357,8 +407,9 @@ class StreamingHTTP:
         self._heads: dict[tuple[str, int, str], bytes] = {}
         self._keys: dict[str, tuple[str, int]] = {}  # url -> (host, port), parsed once per engine
 
-    def post(self, url: str, path: str, body: bytes) -> _Request:
-        return _Request(self, url, path, body)
+    def post(self, url: str, path: str, body: bytes, hold: int = 1) -> _Request:
+        """The request as an async context manager giving its response (``hold``: see :meth:`send`)."""
+        return _Request(self, url, path, body, hold)
 
     def failure(self, conn: _Connection, err: BaseException) -> StreamHTTPError:
         conn.close()
@@ -421,10 +472,12 @@ class StreamingHTTP:
             self._heads[(*key, path)] = head
         return head
 
-    async def send(self, url: str, path: str, body: bytes) -> StreamResponse:
-        """Send the request, read the response head. A reused connection the server closed before reading
-        the request is never used (checked before writing); a connection that breaks after the request
-        was written is a lost connection (the engine may have started on it)."""
+    async def send(self, url: str, path: str, body: bytes, hold: int = 1) -> StreamResponse:
+        """Send the request; the response once its head has arrived and, with ``hold`` > 1, that many bytes
+        of its body or its end (a reader that will ask :meth:`StreamResponse.next_block` for the whole body
+        is woken once, not at the head and again at the body). A reused connection the server closed before
+        reading the request is never used (checked before writing); a connection that breaks after the
+        request was written is a lost connection (the engine may have started on it)."""
         key = self._keys.get(url)
         if key is None:
             key = self._keys[url] = _host_port(url)
@@ -432,37 +485,26 @@ class StreamingHTTP:
         loop = asyncio.get_running_loop()
         conn.arm(loop, self.read_timeout_s)
         try:
-            conn.head, conn.waiting_head = b"", True
+            conn.head, conn.waiting_head, conn.head_error = b"", True, None
+            conn.request = (self, key, max(1, hold))
             assert conn.transport is not None
             conn.transport.write(self._head(key, path) + str(len(body)).encode() + b"\r\n\r\n" + body)
-            while (end := conn.head.find(b"\r\n\r\n")) < 0:
-                if len(conn.head) > _MAX_HEAD:
-                    raise ValueError("a response head longer than 64 KiB")
+            while (resp := conn.response) is None or not resp.ready():
+                if conn.head_error is not None:
+                    raise conn.head_error
                 if conn.closed:
+                    if resp is not None:
+                        break  # the body's bytes so far, then the failure, come from next_block
                     raise ConnectionResetError("the connection closed before the response head")
                 await conn.wait()
-            head, rest = conn.head[:end], conn.head[end + 4:]
-            conn.head, conn.waiting_head = b"", False
-            lines = head.split(b"\r\n")
-            version, code = lines[0].split(b" ", 2)[:2]
-            headers: dict[bytes, bytes] = {}
-            for line in lines[1:]:
-                name, sep, value = line.partition(b":")
-                if sep:
-                    headers[name.strip().lower()] = value.strip()
-            status = int(code)
-            chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
-            length = None if chunked or b"content-length" not in headers else int(headers[b"content-length"])
         except (ConnectionError, OSError, ValueError) as err:
+            conn.waiting_head, conn.request = False, None
             raise self.failure(conn, err) from None
         except BaseException:  # cancelled mid-request: the connection cannot be reused
+            conn.waiting_head, conn.request = False, None
             conn.close()
             raise
-        keep_alive = version == b"HTTP/1.1" and headers.get(b"connection", b"").lower() != b"close"
-        resp = StreamResponse(self, key, conn, status, chunked, length, keep_alive)
-        conn.response = resp
-        if rest:
-            resp.feed(rest)
+        resp._hold = 1  # next_block sets the hold it wants
         return resp
 
     async def close(self) -> None:

@@ -315,6 +315,56 @@ def test_a_reader_that_waits_for_the_whole_body_is_woken_once():
     asyncio.run(run())
 
 
+def test_a_sender_that_asks_for_the_whole_body_is_woken_once_for_head_and_body(monkeypatch):
+    """``post(..., hold)``: the response is given once its head and the bytes held for (or its end) have
+    come, so the router's call that does not stream waits once, not for the head and again for the body."""
+    from rayrl.engines import stream_http
+
+    events = [b'data: {"n": %d}\n\n' % i for i in range(8)] + [b"data: [DONE]\n\n"]
+    wire = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        for i in range(0, len(wire), 30):  # the head in a read of its own, then the body in pieces
+            await asyncio.sleep(0.002)
+            writer.write(wire[i:i + 30])
+            await writer.drain()
+
+    waits = []
+    real_wait = stream_http._Connection.wait
+
+    async def counted(self):
+        waits.append(1)
+        await real_wait(self)
+
+    monkeypatch.setattr(stream_http._Connection, "wait", counted)
+
+    async def whole(http: StreamingHTTP, url: str, hold: int) -> list[bytes]:
+        got = []
+        async with http.post(url, "/x", b"{}", hold) as resp:
+            assert resp.status == 200
+            while (block := await resp.next_block(1 << 30)) is not None:
+                got.append(block)
+        return got
+
+    async def run():
+        server, url, _ = await _raw_server(answer)
+        http = StreamingHTTP(read_timeout_s=10)
+        try:
+            at_head = await whole(http, url, 1)
+            waits_at_head = len(waits)
+            waits.clear()
+            at_body = await whole(http, url, 1 << 30)
+        finally:
+            await http.close()
+            server.close()
+        assert b"".join(at_head) == b"".join(at_body) == b"".join(events)
+        assert waits_at_head == 2 and len(waits) == 1
+
+    asyncio.run(run())
+
+
 def test_a_reader_slower_than_the_engine_holds_the_engine_back():
     """Flow control: a streaming reader that does not take what arrives pauses the connection once a bound
     of bytes is held (the engine's sends then wait on TCP), and gets every byte when it reads again."""
