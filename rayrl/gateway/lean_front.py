@@ -36,8 +36,11 @@ from typing import Any, Awaitable, Callable, Optional
 import aiohttp
 from aiohttp import hdrs, web
 from aiohttp.base_protocol import BaseProtocol
-from aiohttp.http import HttpRequestParser, HttpVersion11, StreamWriter
+from aiohttp.client_exceptions import ClientConnectionResetError
+from aiohttp.helpers import EMPTY_BODY_STATUS_CODES, rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE, HttpRequestParser, HttpVersion11, StreamWriter
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_writer import _serialize_headers
 from aiohttp.tcp_helpers import tcp_keepalive
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
@@ -60,10 +63,38 @@ READ_BUFSIZE = 2**18
 KEEPALIVE_S = 3630.0
 LINGER_S = 10.0  # how long a body its handler did not read is read and dropped before the connection goes on
 MAX_QUEUED = 32  # pipelined requests parsed ahead of the one being answered before reading pauses
+WHOLE_BODY_BYTES = 65536  # a call whose body is no larger starts once the body is all in (_next)
 
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 _CRLF2 = b"\r\n\r\n"
 _REFUSED_HEADERS = (hdrs.TRANSFER_ENCODING, hdrs.EXPECT, hdrs.CONTENT_ENCODING, hdrs.UPGRADE)
+
+
+def plain_head(request: web.BaseRequest, response: web.StreamResponse) -> Optional[bytes]:
+    """The status line and headers aiohttp writes for ``response`` (a :class:`web.Response` whose body is
+    bytes, with no cookies, compression or chunking: every JSON answer of the gateway), made the way aiohttp's
+    ``prepare`` makes them (the same headers in the same order: its ``Content-Length``, ``Date``, ``Server``
+    and ``Connection`` rules, its own serializer), so the lean front writes head and body at once without
+    aiohttp's per-response writer machinery. None for any other response: aiohttp's ``prepare`` writes it.
+    The response's headers and keep-alive are updated as ``prepare`` would."""
+    if (type(response) is not web.Response or response.prepared or response._cookies or response._compression
+            or response.chunked or type(response._body) is not bytes or response.status in EMPTY_BODY_STATUS_CODES
+            or request.version != HttpVersion11):
+        return None
+    headers = response._headers
+    if hdrs.CONTENT_LENGTH not in headers:
+        headers[hdrs.CONTENT_LENGTH] = str(len(response._body))
+    if response._body:
+        headers.setdefault(hdrs.CONTENT_TYPE, "application/octet-stream")
+    if hdrs.DATE not in headers:
+        headers[hdrs.DATE] = rfc822_formatted_time()
+    headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
+    keep_alive = response._keep_alive
+    if keep_alive is None:
+        keep_alive = response._keep_alive = request.keep_alive
+    if not keep_alive and hdrs.CONNECTION not in headers:
+        headers[hdrs.CONNECTION] = "close"
+    return _serialize_headers(f"HTTP/1.1 {response.status} {response.reason}", headers)
 
 
 class LeanFront(BaseProtocol):
@@ -91,6 +122,7 @@ class LeanFront(BaseProtocol):
         self._skip = 0  # bytes still to come of a taken request's body (not kept: its payload holds them)
         self._queue: deque[tuple[Any, Any]] = deque()  # parsed requests not answered yet, in order
         self._task: Optional[asyncio.Task[None]] = None
+        self._waiting: Optional[tuple[Any, Any, int]] = None  # a call taken on, its body not all in yet
         self._refused = False  # the parser refused the bytes: aiohttp's server answers from the next request on
         self._closing = False
         self._idle_since = loop.time()
@@ -143,6 +175,9 @@ class LeanFront(BaseProtocol):
             self._idle_timer.cancel()
             self._idle_timer = None
         super().connection_lost(exc)
+        if self._waiting is not None:
+            self._waiting[1].feed_eof()
+            self._waiting = None
         for _, payload in self._queue:
             payload.feed_eof()
         self._queue.clear()
@@ -152,8 +187,19 @@ class LeanFront(BaseProtocol):
     # -- requests ----------------------------------------------------------------------------------------
 
     def _next(self) -> None:
-        """Answer the next request, or hand the connection over when it is not one of ours."""
+        """Answer the next request, or hand the connection over when it is not one of ours.
+
+        A call whose body is small (``WHOLE_BODY_BYTES``) starts once the body is all in: a client that
+        sends the head and the body in two writes (aiohttp's, httpx's) then costs the call one step of its
+        task, not one that stops at reading the body and a second one woken by the body's arrival."""
         if self._closing or self.transport is None:
+            return
+        if self._waiting is not None:
+            message, payload, end = self._waiting
+            if len(self._raw) < end:
+                return
+            self._waiting = None
+            self._start(message, payload, end)
             return
         if not self._queue:
             if self._refused:
@@ -166,6 +212,12 @@ class LeanFront(BaseProtocol):
         if end is None:
             self._hand_over()
             return
+        if len(self._raw) < end <= len(self._raw) + WHOLE_BODY_BYTES:
+            self._waiting = (message, payload, end)
+            return
+        self._start(message, payload, end)
+
+    def _start(self, message: Any, payload: Any, end: int) -> None:
         # taken on: its bytes are not needed again (a hand-over starts after it), so a large body is not
         # held twice (here and in the request's payload)
         self._skip = max(0, end - len(self._raw))
@@ -197,8 +249,17 @@ class LeanFront(BaseProtocol):
             request = web.BaseRequest(message, payload, self, writer, asyncio.current_task(loop),  # type: ignore
                                       loop, client_max_size=self._max_body)
             response = await self._answer(request, self._routes[message.path])
-            await response.prepare(request)
-            await response.write_eof()
+            head = plain_head(request, response)
+            if head is None:
+                await response.prepare(request)
+                await response.write_eof()
+            else:
+                transport = self.transport
+                if transport is None or transport.is_closing():  # as aiohttp's writer refuses it
+                    raise ClientConnectionResetError("Cannot write to closing transport")
+                transport.writelines((head, response._body))
+                if self._paused:  # a client that does not read: wait as aiohttp's writer would
+                    await self._drain_helper()
             keep_alive = bool(response.keep_alive) and await self._drained(payload)
         except asyncio.CancelledError:  # the client went away, the gateway stops, or its session finished
             if not self._closing and self.transport is not None:
@@ -261,7 +322,7 @@ class LeanFront(BaseProtocol):
         if self._closing or self.transport is None:
             return
         due = self._idle_since + KEEPALIVE_S
-        if self._task is None and not self._queue and self._loop.time() >= due:
+        if self._task is None and self._waiting is None and not self._queue and self._loop.time() >= due:
             self._closing = True
             self.transport.close()
             return

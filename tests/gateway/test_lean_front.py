@@ -108,6 +108,70 @@ def test_a_body_in_pieces_and_a_request_to_close(scripted):
         assert len(stack.gateway._lean) == 1  # not handed over: the second request was read from its first byte
 
 
+def test_a_small_call_starts_once_its_body_is_all_in(scripted):
+    """Head and body in two writes (as aiohttp's and httpx's clients send them): the call does not start on
+    the head alone (it would only stop at reading the body), but once the body has come, and is answered."""
+    stack = scripted(lambda prompt: "Noted.")
+    info = stack.open()
+    request = _chat_request(info.token)
+    head_end = request.index(b"\r\n\r\n") + 4
+    with _conn(stack) as sock:
+        sock.sendall(request[:head_end])
+        time.sleep(0.2)
+        assert stack.gateway.counters["requests"] == 0  # the handler has not started
+        sock.sendall(request[head_end:-1])
+        time.sleep(0.1)
+        assert stack.gateway.counters["requests"] == 0
+        sock.sendall(request[-1:])
+        (status, body), = _answers(sock, 1)
+        assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == "Noted."
+        assert stack.gateway.counters["requests"] == 1
+        sock.sendall(request)  # the connection goes on, from the next request's first byte
+        assert _answers(sock, 1)[0][0] == 200
+        assert len(stack.gateway._lean) == 1
+
+
+def _heads(sock: socket.socket, count: int) -> list[list[str]]:
+    """The status line and header lines of ``count`` Content-Length framed answers, ``Date`` left out."""
+    buf, out = b"", []
+    while len(out) < count:
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            lines = buf[:end].decode().split("\r\n")
+            length = int(next(line.split(":", 1)[1] for line in lines if line.lower().startswith("content-length:")))
+            if len(buf) >= end + 4 + length:
+                out.append([line for line in lines if not line.startswith("Date: ")])
+                buf = buf[end + 4 + length:]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed after {len(out)} answers"
+        buf += chunk
+    return out
+
+
+def test_answers_have_aiohttps_own_heads(scripted):
+    """The lean front writes a JSON answer's head itself (lean_front.plain_head): the same status line and
+    headers, in the same order, as aiohttp's server writes for the same calls (an answer, an error, a call
+    that asks to close)."""
+    stack = scripted(lambda prompt: "Noted.")
+    info = stack.open()
+    calls = _chat_request(info.token) + _chat_request("not-a-token")
+    closing = _chat_request(info.token, extra=b"Connection: close\r\n")
+    with _conn(stack) as sock:
+        sock.sendall(calls)
+        lean = _heads(sock, 2)
+        assert len(stack.gateway._lean) == 1  # the lean front answered them
+        sock.sendall(closing)
+        lean += _heads(sock, 1)
+    with _conn(stack) as sock:  # aiohttp's server from the first byte
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n" + calls + closing)
+        theirs = _heads(sock, 4)[1:]
+        assert not stack.gateway._lean
+    assert [head[0] for head in lean] == ["HTTP/1.1 200 OK", "HTTP/1.1 401 Unauthorized", "HTTP/1.1 200 OK"]
+    assert lean == theirs
+    assert any(line == "Connection: close" for line in lean[2]) and any(line.startswith("Server: ") for line in lean[0])
+
+
 def test_calls_aiohttps_server_must_read_are_handed_over(scripted):
     """A chunked body and a query string: aiohttp's server answers them, the same as on its own."""
     stack = scripted(lambda prompt: "Noted.")
