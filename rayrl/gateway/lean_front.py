@@ -122,7 +122,7 @@ class LeanFront(BaseProtocol):
         self._skip = 0  # bytes still to come of a taken request's body (not kept: its payload holds them)
         self._queue: deque[tuple[Any, Any]] = deque()  # parsed requests not answered yet, in order
         self._task: Optional[asyncio.Task[None]] = None
-        self._waiting: Optional[tuple[Any, Any, int]] = None  # a call taken on, its body not all in yet
+        self._waiting: Optional[tuple[Any, Any, int, int]] = None  # a call taken on, its body not all in yet
         self._refused = False  # the parser refused the bytes: aiohttp's server answers from the next request on
         self._closing = False
         self._idle_since = loop.time()
@@ -195,11 +195,11 @@ class LeanFront(BaseProtocol):
         if self._closing or self.transport is None:
             return
         if self._waiting is not None:
-            message, payload, end = self._waiting
+            message, payload, start, end = self._waiting
             if len(self._raw) < end:
                 return
             self._waiting = None
-            self._start(message, payload, end)
+            self._start(message, payload, start, end)
             return
         if not self._queue:
             if self._refused:
@@ -208,25 +208,30 @@ class LeanFront(BaseProtocol):
         message, payload = self._queue.popleft()
         if self._buffer_paused and len(self._queue) < MAX_QUEUED // 2:
             self._resume_reading_for_buffer()
-        end = self._extent(message)
-        if end is None:
+        extent = self._extent(message)
+        if extent is None:
             self._hand_over()
             return
+        start, end = extent
         if len(self._raw) < end <= len(self._raw) + WHOLE_BODY_BYTES:
-            self._waiting = (message, payload, end)
+            self._waiting = (message, payload, start, end)
             return
-        self._start(message, payload, end)
+        self._start(message, payload, start, end)
 
-    def _start(self, message: Any, payload: Any, end: int) -> None:
+    def _start(self, message: Any, payload: Any, start: int, end: int) -> None:
+        """Serve the request whose body is ``_raw[start:end]``. A small body that is all in is handed to the
+        request as read (aiohttp's ``BaseRequest.read`` returns it: the same bytes its payload holds), so
+        the handler does not read it again through the payload's stream."""
+        body = bytes(self._raw[start:end]) if end <= len(self._raw) and end - start <= WHOLE_BODY_BYTES else None
         # taken on: its bytes are not needed again (a hand-over starts after it), so a large body is not
         # held twice (here and in the request's payload)
         self._skip = max(0, end - len(self._raw))
         del self._raw[:end]
-        self._task = self._loop.create_task(self._serve(message, payload))
+        self._task = self._loop.create_task(self._serve(message, payload, body))
 
-    def _extent(self, message: Any) -> Optional[int]:
-        """Where in ``_raw`` the request ``message`` (the first one there) ends, when it is one this front
-        answers; None for anything aiohttp's server must answer."""
+    def _extent(self, message: Any) -> Optional[tuple[int, int]]:
+        """Where in ``_raw`` the body of the request ``message`` (the first one there) starts and where the
+        request ends, when it is one this front answers; None for anything aiohttp's server must answer."""
         handler_path = message.path if message.method == hdrs.METH_POST else None
         if handler_path not in self._routes or message.version != HttpVersion11 or message.upgrade:
             return None
@@ -239,15 +244,17 @@ class LeanFront(BaseProtocol):
         head = self._raw.find(_CRLF2)
         if head < 0 or not self._raw.startswith(b"POST "):  # blank lines before the request line: aiohttp's
             return None
-        return head + 4 + int(length)
+        return head + 4, head + 4 + int(length)
 
-    async def _serve(self, message: Any, payload: Any) -> None:
+    async def _serve(self, message: Any, payload: Any, body: Optional[bytes]) -> None:
         loop = self._loop
         keep_alive = False
         try:
             writer = StreamWriter(self, loop)
             request = web.BaseRequest(message, payload, self, writer, asyncio.current_task(loop),  # type: ignore
                                       loop, client_max_size=self._max_body)
+            if body is not None:
+                request._read_bytes = body
             response = await self._answer(request, self._routes[message.path])
             head = plain_head(request, response)
             if head is None:
