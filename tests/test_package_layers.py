@@ -7,8 +7,8 @@ ones inside functions included, so a lazy import cannot hide a dependency.
 - The engines: rayrl/engines keeps the engine-agnostic client side and imports neither engine package
   (its package face names them lazily, for ``from rayrl.engines import CPUEngine``); the CPU engine and the
   vLLM adapter import each other not at all; the weight path sends through the client side and imports no
-  engine package. The client side reaches into rayrl/weights once, for the payload encoder of
-  ``EngineClient.update_weights_from_tensor`` (rayrl/weights/wire.py), and nowhere else.
+  engine package; the client side imports nothing of rayrl/weights (payloads come to it encoded), so the
+  weight code and the client side depend one way only.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ CLIENT_SIDE = files(RAYRL / "engines", skip=("cpu", "vllm"))
     (files(RAYRL / "config"), ("rayrl",), ("rayrl.config", "rayrl.types")),
     (files(RAYRL / "rl"), ("rayrl.trainers",), ()),
     (CLIENT_SIDE, ("rayrl.engines.cpu", "rayrl.engines.vllm"), ()),
-    (CLIENT_SIDE, ("rayrl.weights",), ("rayrl.weights.wire",)),
+    (CLIENT_SIDE, ("rayrl.weights",), ()),
     (files(RAYRL / "engines" / "cpu"), ("rayrl.engines.vllm",), ()),
     (files(RAYRL / "engines" / "vllm"), ("rayrl.engines.cpu",), ()),
     (files(RAYRL / "weights"), ("rayrl.engines.cpu", "rayrl.engines.vllm"), ()),

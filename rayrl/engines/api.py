@@ -103,12 +103,6 @@ class EngineAPI(Protocol):
         """``/update_weights_from_disk``."""
         ...
 
-    async def update_weights_from_tensor(self, named_tensors: Mapping[str, Any], weight_version: Optional[str] = None,
-                                         *, flush_cache: bool = True,
-                                         abort_all_requests: bool = False) -> dict[str, Any]:
-        """``/update_weights_from_tensor`` in the CPU engine's safetensors form."""
-        ...
-
     async def update_weights_from_serialized(self, serialized_named_tensors: Sequence[str], *,
                                              load_format: Optional[str] = None, flush_cache: bool = True,
                                              weight_version: Optional[str] = None, abort_all_requests: bool = False,

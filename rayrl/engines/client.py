@@ -268,30 +268,6 @@ class EngineClient:
             payload["weight_version"] = str(weight_version)
         return await self._request("POST", "/update_weights_from_disk", payload)
 
-    async def update_weights_from_tensor(
-        self,
-        named_tensors: Mapping[str, Any],
-        weight_version: Optional[str] = None,
-        *,
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
-    ) -> dict[str, Any]:
-        """Send tensors in the CPU engine's safe form (base64 safetensors, ``load_format="safetensors"``).
-
-        SGLang on GPU expects CUDA-IPC handles instead; the GPU weight transfer lives in rayrl.weights.
-        """
-        from rayrl.weights.wire import encode_named_tensors  # torch only when weights are sent
-
-        payload: dict[str, Any] = {
-            "serialized_named_tensors": [encode_named_tensors(named_tensors)],
-            "load_format": "safetensors",
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-        }
-        if weight_version is not None:
-            payload["weight_version"] = str(weight_version)
-        return await self._request("POST", "/update_weights_from_tensor", payload)
-
     async def update_weights_from_serialized(
         self,
         serialized_named_tensors: Sequence[str],
@@ -302,8 +278,9 @@ class EngineClient:
         abort_all_requests: bool = False,
         timeout_s: Optional[float] = None,
     ) -> dict[str, Any]:
-        """``/update_weights_from_tensor`` in SGLang's form: one serialized payload per engine TP rank
-        (rayrl.weights.wire.serialize_for_engine; CUDA IPC handles on GPU, shared memory on CPU)."""
+        """``/update_weights_from_tensor``: one serialized payload per engine TP rank, already encoded by
+        the weight side (rayrl/weights/wire.py: SGLang's form, CUDA IPC handles on GPU and shared memory on
+        CPU, with ``load_format`` null; or ``"safetensors"``, bytes in the request: ``push_safetensors``)."""
         payload: dict[str, Any] = {
             "serialized_named_tensors": list(serialized_named_tensors),
             "load_format": load_format,

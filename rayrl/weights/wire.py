@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
+from rayrl.engines.api import EngineAPI
 from rayrl.weights.shm import buffer_ref, open_buffer
 
 
@@ -33,6 +34,19 @@ def encode_named_tensors(named_tensors: Mapping[str, torch.Tensor]) -> str:
     """``base64(safetensors bytes)`` of CPU, contiguous copies of ``named_tensors``."""
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors.items()}
     return base64.b64encode(save_bytes(tensors)).decode("ascii")
+
+
+async def push_safetensors(engine: EngineAPI, named_tensors: Mapping[str, torch.Tensor],
+                           weight_version: Optional[str] = None, *, flush_cache: bool = True,
+                           abort_all_requests: bool = False) -> dict[str, Any]:
+    """Load ``named_tensors`` into ``engine`` in one request, their bytes in it (``load_format="safetensors"``).
+
+    For a notebook or a test that holds a few tensors; a run's trainer sends through the senders of
+    rayrl/weights/transfer.py (buckets, every TP rank, the version reported once the last bucket is in).
+    """
+    return await engine.update_weights_from_serialized(
+        [encode_named_tensors(named_tensors)], load_format="safetensors", flush_cache=flush_cache,
+        weight_version=weight_version, abort_all_requests=abort_all_requests)
 
 
 def decode_named_tensors(payload: str | bytes) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ import torch
 from _engine_kit import forward_logprobs, random_weights
 
 from rayrl.engines.client import EngineClient, EngineError, EngineUnavailable, parse_generate_response
+from rayrl.weights.wire import push_safetensors
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 
@@ -306,7 +307,7 @@ def test_control_endpoints_and_client(server, reference_model):
 
         # weights from tensors (safetensors payload) and from disk
         new = random_weights(reference_model, seed=21)
-        r = await client.update_weights_from_tensor(new, "10")
+        r = await push_safetensors(client, new, "10")
         assert r["success"] is True and await client.get_weight_version() == "10"
         out = await client.generate([1, 2, 3], GREEDY)
         assert out.weight_version == "10" and out.versions is None
@@ -414,7 +415,7 @@ def test_versions_change_mid_generation_over_http(server, reference_model):
         task = asyncio.create_task(client.generate([1, 2, 3, 4], dict(GREEDY, max_new_tokens=400), rid="ver"))
         await wait_for_tokens(server.engine, "ver", 1)
         await client.pause_generation("in_place")
-        r = await client.update_weights_from_tensor(random_weights(reference_model, seed=31), "100")
+        r = await push_safetensors(client, random_weights(reference_model, seed=31), "100")
         assert r["success"]
         await client.continue_generation()
         out = await task
