@@ -63,6 +63,7 @@ from rayrl.engines.backends import BACKENDS, auto_backend, engine_backend
 from rayrl.machine import Machine, compute_dtype
 from rayrl.orchestration.schedules import SCHEDULES, schedule_kind
 from rayrl.placement import plan_placement
+from rayrl.rewards import check_reward
 from rayrl.rl.advantages import advantage_estimator
 from rayrl.rl.objective import clip_range, default_tis_cap, loss_aggregation
 from rayrl.rl.policy_losses import policy_loss
@@ -87,6 +88,7 @@ def check(cfg: RunConfig) -> RunConfig:
     _check_trainer(cfg)
     _check_algorithm(cfg)
     _check_agent(cfg)
+    check_reward(cfg.rollout)
     if schedule_kind(cfg.pipeline.schedule).runs_ahead:
         if 0 < cfg.pipeline.groups_in_flight < cfg.rollout.prompts_per_step:
             raise ConfigError("pipeline.groups_in_flight: must be 0 or at least rollout.prompts_per_step")

@@ -200,12 +200,6 @@ class RolloutConfig:
                               f"got {delay}")
         self._check_example_turns()
         self._check_environment()
-        if self.reward == "judge" and not (self.judge.base_url or self.judge.serve):
-            raise ConfigError("rollout.judge.base_url: rollout.reward: judge needs the judge's OpenAI-compatible "
-                              "endpoint (or rollout.judge.serve: a model the run serves as the judge)")
-        if self.judge.serve and self.reward != "judge" and not self.environment:
-            raise ConfigError("rollout.judge.serve: nothing asks the judge (rollout.reward is not judge and there is "
-                              "no rollout.environment); unset it")
 
     def _check_example_turns(self) -> None:
         """Each entry is exactly {user: ..., assistant: ...}, both non-empty text."""

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from rayrl.config import ConfigError, JudgeConfig
+from rayrl.config import ConfigError, JudgeConfig, RolloutConfig
 from rayrl.rl.failures import JudgeError
 from rayrl.types import Task
 
@@ -210,3 +210,8 @@ def judge_reward(cfg: JudgeConfig) -> JudgeReward:
         check_call(function, "rollout.judge.function", cfg.function, ("task", "result", "judge"),
                    "judge_fn(task, result, judge) -> float")
     return JudgeReward(cfg, function)
+
+
+def judge_reward_for(rollout: RolloutConfig) -> JudgeReward:
+    """``rollout.reward: judge``: the judge reward of the run's ``rollout.judge`` (its row in rayrl/rewards/)."""
+    return judge_reward(rollout.judge)

@@ -89,3 +89,11 @@ def test_numeric_reward():
     assert get_reward_fn("calculator") is numeric_answer_reward
     with pytest.raises(ValueError, match="rollout.reward"):
         get_reward_fn("nope")
+
+
+def test_every_reward_row_names_an_implementation_that_imports() -> None:
+    from rayrl.extensions import load_reference
+    from rayrl.rewards import REWARDS
+
+    for row in REWARDS.values():
+        assert callable(load_reference(row.implementation, "rollout.reward")), row.name

@@ -1,6 +1,6 @@
 """``rollout.environment`` takes over ``rollout.agent`` and ``rollout.reward`` (rayrl/config/rollout.py
 ``ENVIRONMENT``): the config's own keyword, which the harness and reward tables key their environment rows by;
-the harness row carries the trait (``from_environment``), so no plug-in's name is compared outside its table."""
+each table's row carries the trait (``from_environment``), so no plug-in's name is compared outside its table."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from rayrl.agents import BUILT_IN, HARNESSES, agent_factory
 from rayrl.config import ConfigError, RolloutConfig
 from rayrl.config.rollout import ENVIRONMENT
 from rayrl.environments import environment_reward
-from rayrl.rewards import REWARDS
+from rayrl.rewards import REWARDS, get_reward_fn
 
 
 def test_an_environment_takes_the_agent_and_the_reward_left_at_their_defaults() -> None:
     for given in ({}, {"agent": ENVIRONMENT, "reward": ENVIRONMENT}):
         cfg = RolloutConfig(environment="verifiers:sums", **given)
         assert (cfg.agent, cfg.reward) == (ENVIRONMENT, ENVIRONMENT)
-        assert HARNESSES[cfg.agent].from_environment and REWARDS[cfg.reward] is environment_reward
+        assert HARNESSES[cfg.agent].from_environment and REWARDS[cfg.reward].from_environment
+        assert get_reward_fn(cfg.reward) is environment_reward
 
 
 @pytest.mark.parametrize("given, message", [

@@ -13,6 +13,7 @@ import pytest
 
 from rayrl.agents.base import AgentResult
 from rayrl.config import ConfigError, JudgeConfig, RolloutConfig, load_config
+from rayrl.resolve import load_checked
 from rayrl.rewards import get_reward_fn, reward_fn_for
 from rayrl.rewards.judge import Judge, judge_reward
 from rayrl.rl.failures import INFRA_KINDS, JudgeError, is_scored
@@ -167,7 +168,7 @@ def test_judge_metrics_sum_the_calls():
 ])
 def test_config_mistakes_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
-        load_config(None, overrides)
+        load_checked(None, overrides)
 
 
 def test_a_judge_function_with_the_wrong_signature_fails_at_load(judge_server):

@@ -14,6 +14,7 @@ from rayrl.config import ConfigError, JudgeConfig, load_config
 from rayrl.engines.cpu.engine import CPUEngine
 from rayrl.gateway.frozen import FrozenEndpoint
 from rayrl.ports import free_port
+from rayrl.resolve import load_checked
 from rayrl.rewards.judge import Judge, judge_reward, served_judge_config
 from rayrl.rl.failures import JudgeError
 from rayrl.types import Task
@@ -115,7 +116,7 @@ def test_a_judge_whose_engine_is_gone_is_an_infrastructure_failure(tiny_model_di
 ])
 def test_config_mistakes_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
-        load_config(None, overrides)
+        load_checked(None, overrides)
 
 
 def test_the_driver_provisions_the_served_judge():

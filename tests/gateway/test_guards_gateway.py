@@ -18,7 +18,7 @@ from rayrl.agents.base import AgentResult
 from rayrl.agents.episode import EpisodeRunner, gateway_facts
 from rayrl.agents.python_agent import PythonToolAgent
 from rayrl.config import GatewayConfig, GuardsConfig, RolloutConfig
-from rayrl.rewards import numeric_answer_reward
+from rayrl.rewards.math import numeric_answer_reward
 from rayrl.rl.failures import JUDGE_FAILED, JudgeError
 from rayrl.rl.guards import StepView, check_guards
 from rayrl.types import Episode, Task

@@ -16,7 +16,7 @@ from rayrl.agents.base import AgentResult, EpisodeContext
 from rayrl.agents.episode import EpisodeRunner
 from rayrl.agents.python_agent import PythonToolAgent
 from rayrl.config import RolloutConfig
-from rayrl.rewards import numeric_answer_reward
+from rayrl.rewards.math import numeric_answer_reward
 from rayrl.rl.failures import ENGINE_ERROR, REWARD_FAILED, SANDBOX_FAILED, is_infra, is_scored
 from rayrl.types import Task
 from tests.gateway.episode_kit import InProcessSessions, LocalSandboxes

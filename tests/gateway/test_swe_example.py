@@ -16,7 +16,7 @@ from pathlib import Path
 from rayrl.agents.episode import EpisodeRunner
 from rayrl.agents.python_agent import PythonToolAgent
 from rayrl.config import RolloutConfig
-from rayrl.rewards import hidden_tests_reward
+from rayrl.rewards.hidden_tests import hidden_tests_reward
 from rayrl.types import Task
 from tests.gateway.episode_kit import InProcessSessions, LocalSandboxes
 
