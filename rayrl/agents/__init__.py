@@ -117,22 +117,15 @@ def _chat_agent(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
     return lambda: ChatAgent(**options)
 
 
-def _environment(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
-    """rollout.environment runs the episodes (rayrl/environments/)."""
-    from rayrl.environments import harness_factory, parse_ref
-
-    parse_ref(rollout.environment or "")
-    return harness_factory(rollout.environment or "", dict(rollout.environment_args), rollout.judge)
-
-
 @dataclass(frozen=True)
 class Harness:
     """One built-in harness (``rollout.agent``) and its traits (a row of :data:`HARNESSES`).
 
     ``implementation``: ``module:Class`` of its :class:`BaseHarness`, imported when one is built (None: it
     has no class of its own to build by name). ``factory``: what builds it for a run from ``rollout.*``,
-    checking what it reads (None: the class, with no arguments). ``reads_command``: it runs
-    ``rollout.agent_command``. ``run_launcher``: the run's AgentCore launcher actor builds it
+    checking what it reads (None: the class, with no arguments; a ``module:function`` string: that function,
+    imported when a run builds the harness, as for the environment row, which rayrl/environments implements).
+    ``reads_command``: it runs ``rollout.agent_command``. ``run_launcher``: the run's AgentCore launcher actor builds it
     (actors/agentcore_launcher.py) and the ``agentcore`` section must say where it runs. ``uses_sandboxes``:
     its episodes lease sandboxes from the pool (sandbox_pool.max_size bounds them). ``from_environment``: the
     harness ``rollout.environment`` sets (its rubric runs the episodes); ``rollout.agent`` does not name it itself.
@@ -141,7 +134,7 @@ class Harness:
 
     name: str
     implementation: Optional[str]
-    factory: Optional[Callable[[RolloutConfig], Callable[[], BaseHarness]]] = None
+    factory: Optional[Callable[[RolloutConfig], Callable[[], BaseHarness]] | str] = None
     reads_command: bool = False
     run_launcher: bool = False
     uses_sandboxes: bool = True
@@ -164,7 +157,7 @@ HARNESSES: dict[str, Harness] = {row.name: row for row in (
     Harness("agentcore", "rayrl.agents.agentcore.harness:AgentCoreHarness", run_launcher=True, uses_sandboxes=False),
     Harness("command", "rayrl.agents.command_agent:CommandAgent", lambda rollout: _command_factory(rollout),
             reads_command=True),
-    Harness(ENVIRONMENT, None, _environment, from_environment=True),  # set by rollout.environment
+    Harness(ENVIRONMENT, None, "rayrl.environments:environment_harness", from_environment=True),  # rollout.environment
 )}
 BUILT_IN = tuple(row.name for row in HARNESSES.values() if not row.from_environment)  # what rollout.agent may name
 
@@ -181,8 +174,11 @@ def agent_factory(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
     row = harness_row(name)
     if row is not None and row.run_launcher:
         raise ConfigError(f"{FIELD}: {name} harnesses are built by the run's AgentCore launcher")
+    if row is not None and row.factory is None:
+        return row.harness_class()
     if row is not None:
-        return row.factory(rollout) if row.factory is not None else row.harness_class()
+        factory = load_reference(row.factory, FIELD) if isinstance(row.factory, str) else row.factory
+        return factory(rollout)
     if ":" not in name:
         raise ConfigError(f"{FIELD}: unknown agent {name!r}{did_you_mean(name, BUILT_IN)}; use one of "
                           f"{', '.join(BUILT_IN)} or package.module:function (docs/agents.md)")

@@ -62,6 +62,13 @@ def harness_factory(ref: str, args: dict[str, Any], judge: Any = None) -> Callab
     return lambda: module.EnvironmentHarness(target, dict(args), judge)
 
 
+def environment_harness(rollout: Any) -> Callable[[], Any]:
+    """``rollout.agent: environment`` (its row in rayrl/agents/): what constructs the harness of
+    ``rollout.environment``, with ``rollout.environment_args`` and ``rollout.judge``."""
+    parse_ref(rollout.environment or "")
+    return harness_factory(rollout.environment or "", dict(rollout.environment_args), rollout.judge)
+
+
 def environment_reward(task: Any, result: Any) -> float:
     """``rollout.reward: environment``: the score the environment gave the episode, which its harness put in
     ``result.info["environment_reward"]``. A reward function of the environment that raised (listed in
