@@ -66,6 +66,13 @@ async def _engine_vs_trainer(client: EngineClient, trainer: TorchTrainer) -> tup
     return out.weight_version, float(np.abs(out.output_logprobs - expect).max())
 
 
+async def _packs(client: EngineClient) -> int:
+    """How many times the engine has rebuilt its packed decode weights (``/server_info``'s engine state)."""
+    state = (await client.get_server_info())["internal_states"][0]
+    assert state["decode_path"] == "lean"  # the tiny model decodes on the lean path, which holds packed copies
+    return int(state["weight_packs"])
+
+
 def test_the_adapter_alone_reaches_the_engine_and_it_generates_as_the_trainer(engine_proc, tiny_model):
     tol = 1e-4 if "float32" in engine_proc.cfg.weight_format else 2e-2  # fp16-packed: half-precision weights
 
@@ -83,7 +90,10 @@ def test_the_adapter_alone_reaches_the_engine_and_it_generates_as_the_trainer(en
             for version in (1, 2, 3):  # each update replaces the last: merged onto W0, never on top of it
                 _train(trainer, seed=version)
                 before = await client.generate(PROMPT, GREEDY, lora_path=LORA_ADAPTER) if version > 1 else None
+                packs = await _packs(client)
                 stats = await sender.send(trainer.named_weights(torch.float32), version=version)
+                # unload (the base back) + load (base + adapter): one repack of the adapted matrices, not two
+                assert await _packs(client) == packs + 1
                 adapter_bytes = sum(t.numel() * 4 for _, t in trainer.named_weights(torch.float32))
                 full_bytes = sum(p.numel() * 4 for p in trainer.model.parameters() if not p.requires_grad)
                 assert stats.bytes == adapter_bytes and stats.bytes < full_bytes / 20
@@ -92,6 +102,12 @@ def test_the_adapter_alone_reaches_the_engine_and_it_generates_as_the_trainer(en
                 if before is not None:
                     assert before.weight_version == str(version - 1)
             assert await client.lora_adapters() == [LORA_ADAPTER]
+            # unloaded, the engine decodes with the base again: its packed copies are rebuilt before that step
+            await client.unload_lora_adapter(LORA_ADAPTER)
+            out = await client.generate(PROMPT, GREEDY)
+            with trainer.model.disable_adapter():
+                base = forward_logprobs(trainer.model, PROMPT, out.output_ids.tolist()).numpy()
+            assert float(np.abs(out.output_logprobs - base).max()) < tol
         finally:
             await sender.close()
         await client.close()

@@ -168,6 +168,7 @@ class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin, AdapterMixin, MemoryOcc
         self._prefix = PrefixCache(int(prefix_cache_mb) * 1024 * 1024)
         self._cache_epoch = 0  # bumped when the weights change: older KV is never reused
         self._lean: Optional[LeanDecoder] = self._lean_decoder(weight_format)
+        self._stale_packed: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -414,6 +415,8 @@ class CPUEngine(PrefillMixin, DecodeMixin, WeightsMixin, AdapterMixin, MemoryOcc
                 try:
                     if aborts:
                         self._apply_aborts(aborts)
+                    if self._stale_packed and (admitted or self._seqs):
+                        self._repack_stale()  # an adapter's unload left them for the next update
                     if admitted:
                         self._admitting = admitted
                         started = time.perf_counter()

@@ -3,7 +3,7 @@
 A mixin of :class:`rayrl.engines.cpu.engine.CPUEngine`. An RL run updates the adapter after every step and
 then generates thousands of tokens with it, so the engine merges it into the weights it decodes with
 (W = W0 + alpha/r * B A, then the lean decode path repacks just those matrices) instead of adding two
-small matmuls to every linear layer at every decode step (bench/lora_engine.py measures both; docs/lora.md).
+small matmuls to every linear layer at every decode step (bench/lora.py compares both; docs/lora.md).
 The base weights of the adapted layers are kept once, on the first load, so every update merges onto the
 same W0 and nothing accumulates rounding.
 
@@ -148,7 +148,10 @@ class AdapterMixin:
         if self._adapter is None or self._adapter.name != name:
             loaded = [self._adapter.name] if self._adapter is not None else []
             raise AdapterError(f"LoRA adapter {name} is not loaded (loaded: {loaded})")
-        count = self._replace_weights({w: self._adapter_base[w] for w in self._adapter.modules}, None)
+        # the packed copies are rebuilt by the next load (an RL update: unload, then load) or before the
+        # next step that decodes with the base
+        count = self._replace_weights({w: self._adapter_base[w] for w in self._adapter.modules}, None,
+                                      repack_now=False)
         self._adapter = None
         return count
 

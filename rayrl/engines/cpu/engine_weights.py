@@ -36,6 +36,7 @@ class WeightsMixin:
     context_length: int
     _lean: Optional[LeanDecoder]
     _params: dict[str, torch.Tensor]
+    _stale_packed: set[str]  # weights changed since the lean path packed them (_repack_stale)
     _counters: Any
     _weight_version: str
     _flush_prefix_cache: Any
@@ -91,20 +92,34 @@ class WeightsMixin:
         getattr(self, "_adapter_base", {}).clear()
         return self._replace_weights(named_tensors, version)
 
-    def _replace_weights(self, named_tensors: Mapping[str, torch.Tensor], version: Optional[str] = None) -> int:
-        """Copy ``named_tensors`` into the model and the packed decode weights, between decode steps."""
+    def _replace_weights(self, named_tensors: Mapping[str, torch.Tensor], version: Optional[str] = None,
+                         repack_now: bool = True) -> int:
+        """Copy ``named_tensors`` into the model and the packed decode weights, between decode steps.
+
+        ``repack_now=False`` leaves the packed copies of these weights to be rebuilt before the next
+        prefill or decode step (:meth:`_repack_stale`), or by the next update that repacks anyway: an
+        adapter update unloads (the base back) and loads (the base plus the new adapter) the same
+        matrices, and one repack of them is enough."""
 
         def apply() -> int:
             count = copy_into(named_tensors, self._params)
-            if self._lean is not None:  # the packed copies follow before any decode step runs again
-                self._counters["weight_pack_s"] += self._lean.repack(named_tensors)
-                self._counters["weight_packs"] += 1
+            if self._lean is not None:
+                self._stale_packed.update(named_tensors)
+                if repack_now:
+                    self._repack_stale()
             self._flush_prefix_cache()
             if version is not None:
                 self._set_version(str(version))
             return count
 
         return self._call_in_loop(apply)
+
+    def _repack_stale(self) -> None:
+        """Rebuild the packed decode weights of every weight changed since they were packed (engine thread)."""
+        if self._stale_packed and self._lean is not None:
+            self._counters["weight_pack_s"] += self._lean.repack(self._stale_packed)
+            self._counters["weight_packs"] += 1
+        self._stale_packed.clear()
 
     def set_weight_format(self, weight_format: str) -> float:
         """Hold the decode weights in ``weight_format`` from the next decode step on (packed between
@@ -122,7 +137,8 @@ class WeightsMixin:
             return 0.0
 
         def apply() -> float:
-            seconds = lean.pack(weight_format)
+            seconds = lean.pack(weight_format)  # every weight, from the model's current ones
+            self._stale_packed.clear()
             self._counters["weight_pack_s"] += seconds
             self._counters["weight_packs"] += 1
             self._flush_prefix_cache()  # cached keys came from the other format's numbers
