@@ -222,7 +222,8 @@ def main() -> None:
     if args.quick:
         args.steps = 1
     rounds = dict(min_rounds=2, max_rounds=2) if args.quick else dict(min_rounds=3, max_rounds=5, budget_s=900)
-    record = Record("lora", f"Full weights vs LoRA rank {args.rank} (every linear layer), {args.model}",
+    part = {"trainer": ": trainer", "engine": ": engine"}.get(args.only or "", "")  # a part keeps its own section
+    record = Record("lora", f"Full weights vs LoRA rank {args.rank} (every linear layer), {args.model}{part}",
                     quick=args.quick, record_dir=args.record_dir)
     if args.only != "engine":
         res = alternate({"full": lambda: run_side(args, 0), f"LoRA r{args.rank}": lambda: run_side(args, args.rank)},
