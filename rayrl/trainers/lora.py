@@ -52,6 +52,21 @@ def wrap_with_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
         raise ValueError(f"trainer.lora.target_modules: {list(cfg.target_modules)} on this model: {err}") from None
 
 
+def leave_input_dtype_to_autocast(model: torch.nn.Module) -> int:
+    """Under mixed precision (the trainer's autocast), stop PEFT casting each LoRA layer's input to the
+    adapter's float32 weight dtype. PEFT keeps the adapter in float32 and casts ``x`` to it before
+    ``lora_A``, and autocast then casts it back to bfloat16 for the matmul: two copies of every adapted
+    layer's input in the forward and two of its gradient in the backward, for the same numbers (a bfloat16
+    tensor goes to float32 and back exactly). Autocast alone picks the matmul dtype. Returns how many LoRA
+    layers were switched (every one the model has)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.cast_input_dtype_enabled = False
+    return len(layers)
+
+
 def is_lora(model: torch.nn.Module) -> bool:
     from peft import PeftModel
 

@@ -154,6 +154,8 @@ class TorchTrainer:
             self.model = lora.wrap_with_lora(model, cfg.lora) if self.lora else model
             if self.lora and cfg.gradient_checkpointing:  # checkpointed blocks need an input that wants grad
                 model.enable_input_require_grads()
+            if self.lora and self.autocast_dtype is not None:
+                lora.leave_input_dtype_to_autocast(self.model)
             # a LoRA policy's reference is its own base with the adapter off, unless another model is named
             own_base = self.lora and self.algorithm.reference_path is None
             needs_copy = self.objective.uses_reference and not own_base

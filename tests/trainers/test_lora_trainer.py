@@ -138,6 +138,41 @@ def test_every_policy_loss_trains_the_adapter_with_kl_entropy_and_several_update
     assert any(not torch.equal(before[n], t) for n, t in lora_state(trainer).items())
 
 
+def test_under_autocast_the_adapter_input_is_not_copied_to_float32_and_back(tiny_model_dir):
+    """Mixed precision (bfloat16 autocast, the GPU default): every lora_A gets its layer's input as the base
+    layer gets it, not PEFT's float32 copy of a bfloat16 input (o_proj's and down_proj's are bfloat16: the
+    attention output and the MLP product) that autocast would copy back to bfloat16 for the matmul; the
+    log-probs are the same numbers PEFT's casting gives."""
+    from peft.tuners.lora import LoraLayer
+
+    trainer = _trainer(tiny_model_dir, dataclasses.replace(_cfg(), compute_dtype="bfloat16"))
+    assert trainer.autocast_dtype == torch.bfloat16
+    layers = [m for m in trainer.model.modules() if isinstance(m, LoraLayer)]
+    seen: list[tuple[str, torch.dtype]] = []
+    for layer in layers:
+        layer.base_layer.register_forward_pre_hook(lambda _, args: seen.append(("base", args[0].dtype)))
+        layer.lora_A[lora.ADAPTER].register_forward_pre_hook(lambda _, args: seen.append(("lora_A", args[0].dtype)))
+    samples = _samples()
+    (keep, p), = plan_updates(samples, ADV, trainer.algorithm)
+    batch = trainer._mini_batch([samples[i] for i in keep], ADV, p.minibatches[0])[0]
+
+    def pairs() -> tuple[torch.Tensor, list[tuple[torch.dtype, torch.dtype]]]:
+        seen.clear()
+        with torch.no_grad():
+            logp = trainer.token_logprobs(batch)
+        assert [kind for kind, _ in seen] == ["base", "lora_A"] * len(layers)
+        return logp, [(seen[i][1], seen[i + 1][1]) for i in range(0, len(seen), 2)]
+
+    ours, dtypes = pairs()
+    assert (torch.bfloat16, torch.bfloat16) in dtypes  # bfloat16 inputs exist, and their adapter takes them as such
+    assert all(base == adapter for base, adapter in dtypes), dtypes
+    for layer in layers:  # PEFT's default: the input cast to the adapter's float32 first
+        layer.cast_input_dtype_enabled = True
+    peft_default, dtypes = pairs()
+    assert (torch.bfloat16, torch.float32) in dtypes  # the copy the trainer no longer makes
+    assert torch.equal(ours, peft_default)
+
+
 def lora_state(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
