@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayrl.startup import StartupClock
 
     clock = StartupClock(resume=args.resume)  # the phases of this start, from the process's start (startup.json)
+    clock.mark("imports_done")
     try:  # everything that can be checked is checked before Ray starts: one line, exit 2
         cfg = absolute_outputs(load_config(args.config, args.overrides))  # outputs: rayrl/config/paths.py
         preflight(cfg)  # the names the plug-in tables hold; your agent, reward and callback import; the data parses
@@ -74,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     from rayrl.checkpoint import CheckpointError
     from rayrl.rl.guards import GuardStop
 
+    before_init = clock.now()
     context = init_ray(cfg.ray)
-    clock.mark("ray_up")
+    clock.mark("ray_up", init_s=round(clock.now() - before_init, 3))  # the rest of its wait: the imports above
     if context.dashboard_url:
         print(f"[rayrl] Ray dashboard: http://{context.dashboard_url} (token: `ray get-auth-token`; "
               "docs/operations.md says how to reach it)", flush=True)

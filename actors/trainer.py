@@ -40,7 +40,7 @@ from rayrl.ports import free_port
 from rayrl.rl.shard import replica_leads
 from rayrl.rl.updates import UpdatePlan, plan_updates
 from rayrl.trainers.backend import TrainerBackend, trainer_backend
-from rayrl.trainers.memory_saver import preload_env
+from rayrl.trainers.saver_preload import preload_env
 from rayrl.types import Sample
 from rayrl.weights.owners import sweep_quietly
 from rayrl.weights.plan import RankPlace, WeightPlan, make_sender
@@ -259,7 +259,7 @@ class TrainerGroup:
                 }
                 for r in range(cfg.num_ranks)
             ]
-        preload = preload_env(cfg.memory_saver)  # ranks on a GPU start with the saver's hook (memory_saver.py)
+        preload = preload_env(cfg.memory_saver)  # ranks on a GPU start with the saver's hook (saver_preload.py)
         for opts in options:
             if preload and opts.get("num_gpus"):
                 opts["runtime_env"] = {"env_vars": preload}

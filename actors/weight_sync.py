@@ -20,7 +20,7 @@ from typing import Any, Optional
 from actors.trainer import TrainerGroup
 from rayrl.config import RunConfig
 from rayrl.orchestration.part_failures import TrainerFailure, WeightSyncError
-from rayrl.weights.files import shared_memory_root
+from rayrl.weights.owners import shared_memory_root
 from rayrl.weights.plan import EngineEndpoint, RankPlace, WeightPlan, plan_senders
 
 logger = logging.getLogger("rayrl.weights")

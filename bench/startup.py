@@ -38,7 +38,7 @@ from measure import ROOT, Record, Spread, add_common_args
 
 RUNS = ("first run", "second run", "resume")
 # the phases shown, in the order a start reaches them (rayrl/startup.py)
-PHASES = ("config_loaded", "model_ready", "ray_up", "sandboxes_warm", "workers_ready", "gateway_ready",
+PHASES = ("imports_done", "config_loaded", "model_ready", "ray_up", "sandboxes_warm", "workers_ready", "gateway_ready",
           "trainer_ready", "engines_ready", "all_actors_ready", "checkpoint_loaded", "first_rollout_done",
           "first_step_trained")
 GOALS = (  # (run, figure, limit s, what)

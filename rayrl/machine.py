@@ -3,13 +3,18 @@ natively, its CPU flags, and the ``auto`` dtype rule that follows from them.
 
 One home for machine detection: the resolve step (rayrl/resolve.py) asks it for ``engine.dtype``,
 ``trainer.compute_dtype`` and the CPU thread counts; the CPU engine, the torch trainer, the gateway and the
-decode kernels ask it where they run. It reads the machine and nothing of rayrl.
+decode kernels ask it where they run. It reads the machine, and of rayrl only where its cache lives.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -25,17 +30,71 @@ class Machine:
 
     @classmethod
     def detect(cls) -> Machine:
-        """This process's machine: its CPU affinity (which containers and taskset narrow) and
-        ``torch.cuda.is_available()`` (False without torch)."""
+        """This process's machine: its CPU affinity (which containers and taskset narrow) and what torch
+        says of CUDA and bfloat16 (no CUDA without torch), remembered per boot (:func:`torch_facts`)."""
         try:
             cores = len(os.sched_getaffinity(0))
         except AttributeError:  # not Linux
             cores = os.cpu_count() or 1
+        cuda, native_bf16 = torch_facts()
+        return cls(cores=cores, cuda=cuda, native_bf16=native_bf16)
+
+
+FACTS_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+def _facts_key() -> Optional[str]:
+    """What torch's answers depend on, without importing it: this boot (devices and drivers change only
+    across one), the torch installation (path and version: a CPU and a CUDA build differ), the variables
+    that hide devices and the device nodes present. None where there is no boot id (not Linux): no cache."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        spec = importlib.util.find_spec("torch")
+    except (OSError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    devices = sorted(name for name in os.listdir("/dev") if name.startswith(("nvidia", "kfd", "dri")))
+    parts = [boot, spec.origin, version, *(f"{k}={os.environ.get(k)}" for k in FACTS_ENV), *devices]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def torch_facts() -> tuple[bool, bool]:
+    """``(torch.cuda.is_available(), cpu_has_native_bf16())``; (False, False) without torch.
+
+    Why remembered: the driver asks this before it starts the parts (rayrl/resolve.py), and importing torch
+    for it took 1.5-2.5 s of every start on a 2-core machine, where the driver needs torch for nothing
+    else. The answers are kept under rayrl's cache directory (``$RAYRL_CACHE/machine/``), keyed by what they
+    depend on (:func:`_facts_key`), so the first start on a boot asks torch and the others read the file."""
+    from rayrl.models import cache_dir
+
+    key = _facts_key()
+    path = cache_dir() / "machine" / f"torch-{key}.json"
+    if key is not None:
         try:
-            import torch
-        except ImportError:
-            return cls(cores=cores, cuda=False)
-        return cls(cores=cores, cuda=bool(torch.cuda.is_available()), native_bf16=cpu_has_native_bf16())
+            facts = json.loads(path.read_text())
+            return bool(facts["cuda"]), bool(facts["native_bf16"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    try:
+        import torch
+    except ImportError:
+        return False, False
+    cuda, native_bf16 = bool(torch.cuda.is_available()), cpu_has_native_bf16()
+    if key is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"cuda": cuda, "native_bf16": native_bf16}))
+            os.replace(tmp, path)
+        except OSError:  # a read-only cache: asked again next time
+            pass
+    return cuda, native_bf16
 
 
 def cpu_has_native_bf16() -> bool:

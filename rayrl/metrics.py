@@ -81,11 +81,7 @@ class MetricsLogger:
                 if line.strip():
                     self.history.append(json.loads(line))
         self.extra_sink = extra_sink
-        self._tb = None
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self._tb: Any = None  # made at the first log: importing its writer (torch) takes seconds a start need not wait
         self._wandb = None
         if cfg.wandb:
             import wandb
@@ -101,6 +97,10 @@ class MetricsLogger:
         self.history = [h for h in self.history if h.get("step") != step] + [merged]
         with self.jsonl_path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
+        if self.cfg.tensorboard and self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
         if self._tb is not None:
             for key, value in clean.items():
                 self._tb.add_scalar(key, value, step)

@@ -31,7 +31,7 @@ config.yaml, so what ran is what the file says. Resolved here:
   2.0 for the async schedules, where samples can be stale), and on for a loss whose clip band is narrower
   than the engine-trainer gap (its ``narrow_band`` trait: GSPO's 3e-4 / 4e-4); the clip ranges and
   ``loss_agg`` ``auto``: what the loss's (or the estimator's) paper uses (their rows' ``clip`` and
-  ``aggregation``; rayrl/rl/objective.py applies them);
+  ``aggregation``; rayrl/rl/loss_settings.py makes them concrete, rayrl/rl/objective.py applies them);
   ``loss_agg_norm`` 0: ``rollout.max_turns`` x ``rollout.max_tokens``; ``dynamic_sampling_max_groups``
   0: 4 x ``rollout.prompts_per_step``; ``reference_path`` unset: ``model.path``.
 - ``model.tokenizer_path`` unset: ``model.path``.
@@ -65,7 +65,7 @@ from rayrl.orchestration.schedules import SCHEDULES, schedule_kind
 from rayrl.placement import plan_placement
 from rayrl.rewards import check_reward
 from rayrl.rl.advantages import advantage_estimator
-from rayrl.rl.objective import clip_range, default_tis_cap, loss_aggregation
+from rayrl.rl.loss_settings import clip_range, default_tis_cap, loss_aggregation
 from rayrl.rl.policy_losses import policy_loss
 from rayrl.trainers.backend import TRAINER_BACKENDS, trainer_backend
 

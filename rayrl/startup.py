@@ -14,9 +14,12 @@ reached, plus ``details``, what a phase reported (a cache hit or a build, the se
 
 Phases the driver and the pipeline mark (absent when a start never reached them):
 
+- ``imports_done``: the interpreter started and the driver's first imports done (what it needs to load and
+  check a config; nothing heavy: tests/test_driver_imports.py);
 - ``config_loaded``: the config parsed and checked (the run directory printed);
 - ``model_ready``: the model found on disk (the first run converts the built-in model);
-- ``ray_up``: Ray started or joined;
+- ``ray_up``: Ray started or joined (its details: ``init_s``, the seconds in ``ray.init``; the rest since
+  ``model_ready`` is the driver importing the pipeline's modules);
 - ``engines_ready``, ``trainer_ready``, ``gateway_ready``, ``sandboxes_warm``, ``workers_ready``: each part
   (they start together, so each is its own finish time, not a share of a sum);
 - ``all_actors_ready``: every part up and wired (the engines' addresses given to the gateway, the weight

@@ -1,6 +1,6 @@
 """The RL-formula plants for scripts/mutation_check.py (``--set formulas``): single-line errors in the
 advantage estimators, the policy losses and the traits of their rows, the loss helper, the defaults in
-rayrl/resolve.py and rayrl/rl/objective.py, the schedules' TIS default, the
+rayrl/resolve.py and rayrl/rl/loss_settings.py, the schedules' TIS default, the
 learning-rate schedule, reward shaping, which samples train, and the guards.
 
 Why: a formula test that asserts hand-computed values can still pass with a wrong formula (a clamp the
@@ -19,6 +19,7 @@ ADV, LOSS, OBJ = "rayrl/rl/advantages.py", "rayrl/rl/policy_losses.py", "rayrl/r
 RES, LR, SHAPE, UPD = ("rayrl/resolve.py", "rayrl/trainers/lr_schedule.py", "rayrl/rl/shaping.py",
                        "rayrl/rl/updates.py")
 GROUPS, GUARDS, SCHED = "rayrl/rl/groups.py", "rayrl/rl/guards.py", "rayrl/orchestration/schedules.py"
+SETTINGS = "rayrl/rl/loss_settings.py"
 
 
 def formula(name: str, path: str, old: str, new: str, why: str) -> Plant:
@@ -182,7 +183,7 @@ PLANTS: tuple[Plant, ...] = (
             "loss_agg auto gives GSPO token_mean"),
     formula("loss-agg-auto-dr-grpo", ADV, 'aggregation="seq_mean_token_sum_norm"', 'aggregation="seq_mean_token_sum"',
             "loss_agg auto gives Dr.GRPO seq_mean_token_sum without the norm"),
-    formula("loss-agg-auto-order", OBJ,
+    formula("loss-agg-auto-order", SETTINGS,
             "return (policy_loss(algo.policy_loss).aggregation or advantage_estimator(algo.advantage_estimator)"
             ".aggregation",
             "return (advantage_estimator(algo.advantage_estimator).aggregation or policy_loss(algo.policy_loss)"
@@ -195,7 +196,7 @@ PLANTS: tuple[Plant, ...] = (
             "CISPO's default lower band wrong"),
     formula("ppo-band", LOSS, "PPO_BAND = (0.2, 0.28)", "PPO_BAND = (0.2, 0.2)",
             "PPO's default clip_high equal to clip_low (no clip-higher)"),
-    formula("user-loss-ppo-band", OBJ, "band = policy_loss(algo.policy_loss).clip\n",
+    formula("user-loss-ppo-band", SETTINGS, "band = policy_loss(algo.policy_loss).clip\n",
             "band = policy_loss(algo.policy_loss).clip or (0.2, 0.28)\n",
             "a loss of one's own that declared no band silently gets ppo_clip's"),
     formula("dr-grpo-constant", RES,
@@ -207,7 +208,7 @@ PLANTS: tuple[Plant, ...] = (
             "dynamic sampling's draw bound hard-coded to 2 rounds"),
     formula("tis-default-sync-on", SCHED, "    tis_cap = 0.0  #", "    tis_cap = 2.0  #",
             "TIS on by default for every schedule"),
-    formula("tis-default-gspo-off", OBJ,
+    formula("tis-default-gspo-off", SETTINGS,
             "narrow = NARROW_BAND_TIS_CAP if policy_loss(algo.policy_loss).narrow_band else 0.0", "narrow = 0.0",
             "TIS off by default for sync GSPO"),
     formula("lr-total-no-epochs", LR, "return cfg.steps * cfg.num_steps_per_rollout * cfg.epochs_per_rollout",

@@ -103,18 +103,14 @@ def _command_factory(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
 
 
 def _python_tool_agent(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
-    from rayrl.agents.python_agent import PythonToolAgent
-
     _check_tools(rollout)
     options = python_agent_options(rollout)
-    return lambda: PythonToolAgent(**options)
+    return lambda: HARNESSES["python_tool_agent"].harness_class()(**options)
 
 
 def _chat_agent(rollout: RolloutConfig) -> Callable[[], BaseHarness]:
-    from rayrl.agents.chat_agent import ChatAgent
-
     options = chat_agent_options(rollout)
-    return lambda: ChatAgent(**options)
+    return lambda: HARNESSES["chat"].harness_class()(**options)
 
 
 @dataclass(frozen=True)

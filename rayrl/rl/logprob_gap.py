@@ -22,9 +22,10 @@ staleness, not numerics. The backends call :class:`GapMeter` (one ``add`` per mi
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-import torch
+if TYPE_CHECKING:  # the meter runs on trainer ranks, which import torch; the driver reads gap_crossed alone
+    import torch
 
 PREFIX = "engine_gap/"
 MEAN_KEY = "train/engine_gap/mean_abs"  # as the schedules name the trainer's metrics
@@ -33,6 +34,8 @@ MEAN_KEY = "train/engine_gap/mean_abs"  # as the schedules name the trainer's me
 def _sums(trainer: torch.Tensor, rollout: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     """[sum |d|, sum k3(d), count, max |d|] over the masked tokens (d = trainer - rollout), float64.
     ``trainer`` and ``rollout`` are aligned per token (any shape, the same for both)."""
+    import torch
+
     if trainer.shape != rollout.shape:
         raise ValueError(f"trainer and rollout log-probs differ in shape: {tuple(trainer.shape)} != "
                          f"{tuple(rollout.shape)}")
@@ -69,6 +72,8 @@ class GapMeter:
 
     def add(self, trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
             mask: Optional[torch.Tensor] = None) -> None:
+        import torch
+
         part = _sums(trainer_logprobs, rollout_logprobs, mask)
         if self._sums is None:
             self._sums = part
@@ -78,11 +83,12 @@ class GapMeter:
     def stats(self, reduce: bool = True, device: Optional[torch.device] = None) -> dict[str, float]:
         """The step's gap (and a fresh meter for the next step). ``device``: where a reduction runs
         (the process group's device: CUDA for NCCL)."""
+        import torch
+        import torch.distributed as dist
+
         sums = self._sums if self._sums is not None else torch.zeros(4, dtype=torch.float64)
         self._sums = None
         if reduce:
-            import torch.distributed as dist
-
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 sums = sums.to(device or sums.device)
                 head, largest = sums[:3].clone(), sums[3:].clone()

@@ -27,12 +27,13 @@ Formulas and papers: docs/algorithms.md. Hand-computed tests: tests/rl/test_poli
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
-
-import torch
+from typing import TYPE_CHECKING, Callable, Optional
 
 from rayrl.config import ConfigError
 from rayrl.extensions import named_callable
+
+if TYPE_CHECKING:  # torch is imported where a loss runs (the trainer), not where the table is read: the driver
+    import torch  # reads it before Ray starts (rayrl/resolve.py, rayrl/rl/updates.py), and torch takes seconds
 
 MAX_LOG_RATIO = 20.0  # exp() of a larger log-ratio overflows float32's useful range; clamped, as the peers do
 MAX_SEQ_LOG_RATIO = 10.0  # GSPO: the sequence log-ratio is clamped here before exp()
@@ -63,6 +64,7 @@ PolicyLossFn = Callable[[PolicyLossInput], PolicyLossOutput]
 
 def _clipped_surrogate(ratio: torch.Tensor, x: PolicyLossInput) -> PolicyLossOutput:
     """``max(-A r, -A clip(r, 1 - low, 1 + high))``, with dual-clip's ``min(., c |A|)`` for A < 0."""
+    import torch
     adv = x.advantages
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - x.clip_low, 1.0 + x.clip_high)
@@ -75,6 +77,7 @@ def _clipped_surrogate(ratio: torch.Tensor, x: PolicyLossInput) -> PolicyLossOut
 def ppo_clip(x: PolicyLossInput) -> PolicyLossOutput:
     """PPO's clipped surrogate per token (Schulman et al. 2017) with asymmetric ranges (DAPO's
     clip-higher, Yu et al. 2025) and optional dual-clip (Ye et al. 2020): ``r = exp(logp - old)``."""
+    import torch
     ratio = torch.exp(torch.clamp(x.logp - x.old_logp, -MAX_LOG_RATIO, MAX_LOG_RATIO))
     return _clipped_surrogate(ratio, x)
 
@@ -85,6 +88,7 @@ def gspo(x: PolicyLossInput) -> PolicyLossOutput:
     as GSPO-token: each token's ratio is ``sg(s) * exp(logp - sg(logp))``, whose value is ``s`` and whose
     gradient is ``s * grad(logp)``; with the ``seq_mean_token_mean`` aggregation this is exactly GSPO's
     sequence-level gradient."""
+    import torch
     log_ratio = (x.logp - x.old_logp).detach()
     sums = torch.zeros(x.num_seqs, dtype=log_ratio.dtype, device=log_ratio.device)
     sums.index_add_(0, x.seq_index, log_ratio)
@@ -98,6 +102,7 @@ def cispo(x: PolicyLossInput) -> PolicyLossOutput:
     """CISPO (MiniMax-M1, 2025): REINFORCE with the importance weight clipped and stop-gradient,
     ``-sg(clip(r, 1 - low, 1 + high)) * A * logp``; a clipped token keeps its gradient (only its weight
     is capped), unlike PPO. Default band: no lower bound (low 1.0), upper 4.0."""
+    import torch
     ratio = torch.exp(torch.clamp(x.logp - x.old_logp, -MAX_LOG_RATIO, MAX_LOG_RATIO)).detach()
     weight = torch.clamp(ratio, 1.0 - x.clip_low, 1.0 + x.clip_high)
     return PolicyLossOutput(-weight * x.advantages * x.logp, (weight != ratio).to(x.logp.dtype))
@@ -106,6 +111,7 @@ def cispo(x: PolicyLossInput) -> PolicyLossOutput:
 def sft(x: PolicyLossInput) -> PolicyLossOutput:
     """Supervised fine-tuning on the trained tokens: the negative log-likelihood ``-logp``; advantages
     are ignored (which samples train is ``algorithm.sft_min_reward``'s choice: rejection sampling)."""
+    import torch
     return PolicyLossOutput(-x.logp, torch.zeros_like(x.logp).detach())
 
 
@@ -188,6 +194,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
     "Approximating KL divergence", 2020): k1 ``logp - ref``; k2 ``(logp - ref)^2 / 2``; k3 (low variance,
     never negative) ``exp(ref - logp) - (ref - logp) - 1``, its log-ratio clamped to +-20 and its value
     to 10 as verl and slime do."""
+    import torch
     diff = logp - ref_logp
     if kind == "k1":
         return diff
@@ -201,5 +208,6 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of each row's softmax distribution, ``logsumexp(z) - sum(softmax(z) * z)``, in float32."""
+    import torch
     z = logits.float()
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)

@@ -18,13 +18,15 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
-import torch
 
 from rayrl.rl.updates import UpdatePlan
 from rayrl.types import Sample
+
+if TYPE_CHECKING:  # in hints only: the config's checks read the table before Ray starts, in the driver, where
+    import torch  # torch is never needed (and takes seconds to import)
 
 
 class TrainerBackend(Protocol):

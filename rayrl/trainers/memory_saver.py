@@ -31,7 +31,8 @@ preload, but no pauseable CUDA graphs). "torch" mode ends the process with ``exi
 memory is freed outside a region, which interpreter teardown does with the region's pool: on an H100
 every process that had used a region exited 1 after its work was done, and preload mode exited 0
 (tests/gpu/test_gpu_memory_saver.py; the run: docs/results/design_figures.md). So trainer ranks on GPU
-are started with the preload (:func:`preload_env`, read by actors/trainer.py when it creates them), as
+are started with the preload (rayrl/trainers/saver_preload.py ``preload_env``, read by actors/trainer.py when it
+creates them), as
 slime starts its train actors;
 "torch" stays the fallback for a process started without it.
 """
@@ -387,26 +388,3 @@ def init_optimizer_state(optimizer: Any) -> int:
                        "will stay on the GPU when the trainer is offloaded", type(optimizer).__name__)
     return total
 
-
-def preload_env(enabled: bool) -> dict[str, str]:
-    """Environment a GPU trainer process must be started with for the saver: ``LD_PRELOAD`` set to
-    torch_memory_saver's preload hook alone (the build for the installed torch's CUDA major). torch_memory_saver
-    0.0.9 hands the whole ``LD_PRELOAD`` string to ``ctypes.CDLL`` (its hooks/mode_preload.py), so a preload
-    already set (jemalloc, a profiler) cannot be kept: the ranks go without it, and a warning names it. Empty
-    when the saver is off or the library is not installed here (the process then uses "torch" mode, with its
-    exit status problem above, and a warning says so)."""
-    if not enabled:
-        return {}
-    try:
-        from torch_memory_saver.utils import get_binary_path_from_package
-    except ImportError:
-        logger.warning("memory saver: torch_memory_saver is not installed where the trainer ranks are made; "
-                       "they use its torch hook mode, whose processes exit 1 at teardown")
-        return {}
-    hook = str(get_binary_path_from_package("torch_memory_saver_hook_mode_preload"))
-    others = [p for p in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p and p != hook]
-    if others:
-        logger.warning("memory saver: the trainer ranks start with LD_PRELOAD=%s alone, without %s: "
-                       "torch_memory_saver 0.0.9 loads the whole LD_PRELOAD value as one library", hook,
-                       ":".join(others))
-    return {"LD_PRELOAD": hook}

@@ -36,17 +36,14 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, Sequence
 
 from rayrl.engines import backends
 from rayrl.engines.client import EngineClient
-from rayrl.weights.adapter import AdapterSender
-from rayrl.weights.broadcast import BroadcastSender
-from rayrl.weights.disk import DiskSender
-from rayrl.weights.handles import HandleSender
 from rayrl.weights.owners import owner_tag
-from rayrl.weights.tp_payloads import PayloadExchange
-from rayrl.weights.transfer import EngineTarget, WeightSender
+
+if TYPE_CHECKING:
+    from rayrl.weights.transfer import WeightSender
 
 Transport = Literal["disk", "tensor", "distributed", "adapter"]
 TRANSPORTS: tuple[str, ...] = ("disk", "tensor", "distributed")
@@ -212,6 +209,14 @@ def make_sender(
     owner is killed); ``store``: the trainer world's TCP store, where the TP ranks' payloads of an engine meet
     (rayrl/weights/tp_payloads.py); ``gpu_id``: the logical GPU a CPU rank stands for (marked on its
     handle payloads); ``adapter_config``: the LoRA adapter's adapter_config.json (transport ``adapter``)."""
+    # the senders (torch) are imported here, on the trainer rank that makes one: the driver only plans
+    from rayrl.weights.adapter import AdapterSender
+    from rayrl.weights.broadcast import BroadcastSender
+    from rayrl.weights.disk import DiskSender
+    from rayrl.weights.handles import HandleSender
+    from rayrl.weights.tp_payloads import PayloadExchange
+    from rayrl.weights.transfer import EngineTarget
+
     fed = plan.by_rank.get(rank, ())
     contributes = plan.contributions_of(rank)
     if not fed and not contributes:

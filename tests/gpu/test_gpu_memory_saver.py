@@ -162,7 +162,7 @@ def test_a_trainer_process_exits_cleanly_in_the_mode_its_ranks_use():
     import subprocess
     import sys
 
-    from rayrl.trainers.memory_saver import preload_env
+    from rayrl.trainers.saver_preload import preload_env
 
     outcomes = {}
     for mode, env in (("preload", preload_env(True)), ("torch", {"LD_PRELOAD": ""})):

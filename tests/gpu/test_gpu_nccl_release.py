@@ -125,7 +125,7 @@ def test_nccl_groups_give_their_memory_back_at_offload_and_work_after_onload(tmp
 
     need("torch_memory_saver")
     from rayrl.engines.backends.sglang import NCCL_ENV
-    from rayrl.trainers.memory_saver import preload_env
+    from rayrl.trainers.saver_preload import preload_env
 
     out = tmp_path / "figures.json"
     env = {**os.environ, **NCCL_ENV, **preload_env(True)}

@@ -21,7 +21,8 @@ import torch
 from rayrl.config import AlgorithmConfig, RunConfig, TrainerConfig, load_config
 from rayrl.orchestration.schedules import schedule_kind
 from rayrl.resolve import resolve_algorithm
-from rayrl.rl.objective import Objective, TokenBatch, clip_range, default_tis_cap, loss_aggregation
+from rayrl.rl.loss_settings import clip_range, default_tis_cap, loss_aggregation
+from rayrl.rl.objective import Objective, TokenBatch
 from rayrl.rl.policy_losses import MAX_LOG_RATIO, PolicyLossInput, cispo, gspo, kl_estimate, ppo_clip
 from rayrl.rl.shaping import overlong_penalty
 from rayrl.rl.updates import UpdatePlan

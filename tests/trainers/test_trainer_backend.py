@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from rayrl.trainers import process_groups
 from rayrl.trainers.backend import TrainerBackend
@@ -28,7 +29,7 @@ def _protocol_methods() -> list[str]:
 
 def _shape(func) -> list[tuple]:
     """Every parameter's name, kind, default and resolved type hint (Optional[int] equals int | None)."""
-    hints = typing.get_type_hints(func)
+    hints = typing.get_type_hints(func, localns={"torch": torch})  # the protocol names torch in hints only
     params = [(p.name, p.kind, p.default, hints.get(p.name)) for p in inspect.signature(func).parameters.values()]
     return params + [("return", None, None, hints.get("return"))]
 
