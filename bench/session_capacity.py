@@ -1,6 +1,7 @@
 """Session capacity: N agent sessions open at once on one gateway shard (or spread over S).
 
-    python bench/session_capacity.py [--sessions 1000 3000 10000] [--shards 1] [--turns 8] [--think-s 20]
+    python bench/session_capacity.py [--sessions 1000 3000 10000] [--shards 1 4] [--turns 5] [--think-s 30]
+                                     [--earlier RECORD]
 
 Processes on loopback, each a real HTTP server or client:
 - the stub engine: tests/gateway/scripted_engine.py (a real HTTP server speaking SGLang's ``/generate``
@@ -373,6 +374,9 @@ def main() -> None:
     ap.add_argument("--call-timeout-s", type=float, default=300.0)
     ap.add_argument("--run-limit-s", type=float, default=1200.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--earlier", type=Path, default=None,
+                    help="the record of an earlier run of this bench with the same settings: its rows are shown "
+                         "beside this run's and not run again (e.g. 1 and 4 shards there, --shards 2 here)")
     add_common_args(ap)
     args = ap.parse_args()
     if args.ramp_s is None:
@@ -386,19 +390,34 @@ def main() -> None:
                  record_dir=args.record_dir)
     model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="capacity-model-")))
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'bench'}"}
-    rows = []
+    settings = (
+        f"{args.turns} calls per session (a bash tool call each but the last), think time log-normal of mean "
+        f"{args.think_s:g} s (cut at 3x), sessions starting over {args.ramp_s:g} s, {args.loadgens} load generators; "
+        "record = the manager's own time to record a turn in its tree, finish = to fold a session into samples "
+        "(the worst shard's percentiles); health polled every 20 ms on shard 0")
+    earlier = json.loads(args.earlier.read_text()) if args.earlier else None
+    if earlier is not None and earlier["tables"][0]["title"] != settings:
+        raise SystemExit(f"--earlier {args.earlier}: its run had other settings ({earlier['command']})")
+    kept = earlier["figures"]["rows"] if earlier is not None else []
+    rows = list(kept)
     plan = [(n, 1) for n in args.sessions] + [(max(args.sessions), s) for s in args.shards if s != 1]
     for n, shards in plan:
+        if any((r["sessions"], r["shards"]) == (n, shards) for r in kept):
+            continue
         print(f"-- {n} sessions on {shards} shard(s)", flush=True)
         row = one_run(args, n, shards, model_dir, env)
         print(json.dumps(row), flush=True)
         rows.append(row)
+    rows.sort(key=lambda r: (r["sessions"], r["shards"]))
     load = lambda xs: " / ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    if earlier is not None:  # said first: which rows this run measured and which it shows from the earlier one
+        ran = ", ".join(f"{r['sessions']} on {r['shards']}" for r in rows if r not in kept)
+        shown = ", ".join(f"{r['sessions']} on {r['shards']}" for r in kept)
+        rec.note(f"sessions on shards measured in this run: {ran}; shown from the earlier run with the same "
+                 f"settings (`{earlier['command']}`, {earlier['started']}, commit {earlier.get('commit')}, load "
+                 f"{load(earlier['load_start'])} at start, {load(earlier['load_end'])} at end): {shown}")
     rec.table(
-        f"{args.turns} calls per session (a bash tool call each but the last), think time log-normal of mean "
-        f"{args.think_s:g} s (cut at 3x), sessions starting over {args.ramp_s:g} s, {args.loadgens} load generators; "
-        "record = the manager's own time to record a turn in its tree, finish = to fold a session into samples "
-        "(the worst shard's percentiles); health polled every 20 ms on shard 0",
+        settings,
         ["sessions", "shards", "most open", "calls/s", "record p50 / p99 / max ms", "finish p50 / p99 ms",
          "/health p50 / p99 / max ms", "call p50 / p99 ms (client)", "lost", "load start / end"],
         [[r["sessions"], r["shards"], r["peak_open"], f"{r['calls_per_s']:.0f}",
