@@ -22,7 +22,7 @@ from rayrl.trainers.memory_saver import (
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
 def test_no_op_on_cpu_with_a_clear_log_line(caplog):
-    with caplog.at_level(logging.INFO, logger="rayrl.trainers.saver_preload"):
+    with caplog.at_level(logging.INFO, logger="rayrl.trainers.memory_saver"):
         saver = MemorySaver(enabled=True)
     assert not saver.active
     assert "no CUDA device" in caplog.text
@@ -33,13 +33,13 @@ def test_no_op_on_cpu_with_a_clear_log_line(caplog):
     assert saver.pause() is False and saver.resume() is False and not saver.paused
     assert torch.equal(w, torch.ones(4))
     assert saver.bytes_outside([w]) == 0 and saver.region_segments() == []
-    with caplog.at_level(logging.INFO, logger="rayrl.trainers.saver_preload"):
+    with caplog.at_level(logging.INFO, logger="rayrl.trainers.memory_saver"):
         MemorySaver(enabled=False)
     assert "memory saver off" in caplog.text
 
 
 def test_saver_for_a_cpu_trainer_is_a_no_op_even_where_cuda_exists(caplog):
-    with caplog.at_level(logging.INFO, logger="rayrl.trainers.saver_preload"):
+    with caplog.at_level(logging.INFO, logger="rayrl.trainers.memory_saver"):
         saver = MemorySaver(enabled=True, device="cpu")
     assert not saver.active and "no CUDA device" in caplog.text
 
@@ -139,7 +139,7 @@ def test_eager_adam_state_is_what_the_first_step_makes(make):
 
 def test_optimizer_without_eager_state_is_named_in_the_log(caplog):
     net = _tiny_net(0)
-    with caplog.at_level(logging.WARNING, logger="rayrl.trainers.saver_preload"):
+    with caplog.at_level(logging.WARNING, logger="rayrl.trainers.memory_saver"):
         assert init_optimizer_state(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)) == 0
     assert "SGD has no eager state initialisation" in caplog.text
 
