@@ -60,13 +60,30 @@ def flatten(start: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def interruptible() -> None:
+    """In the driver's process before it starts: SIGINT back to its default, so that Python turns it into
+    KeyboardInterrupt (a command started in the background of a shell, as the heavy queue does, inherits
+    SIGINT ignored, and the driver would train and checkpoint the step instead of stopping)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def same_checkpoints(run_dir: Path, kept: Path) -> None:
+    """Put ``run_dir``'s checkpoints back as ``kept`` holds them (hard links: a save writes new files and
+    never rewrites one), should a resumed run have trained and saved its step before it stopped."""
+    now = run_dir / "checkpoints"
+    if sorted(p.name for p in now.iterdir()) != sorted(p.name for p in kept.iterdir()):
+        shutil.rmtree(now)
+        shutil.copytree(kept, now, copy_function=os.link)
+
+
 def resume_until_rollout(tree: Path, run_dir: Path, env: dict[str, str], log: Path, timeout_s: float) -> dict:
     """``--resume`` the run in ``run_dir`` from ``tree``; SIGINT once startup.json records its first rollout."""
     cmd = [sys.executable, "driver.py", "--config", str(run_dir / "config.yaml"), "--resume", "trainer.steps=2"]
     record = run_dir / "startup.json"
     launched = time.time()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=interruptible)
         start = None
         try:
             while time.time() - launched < timeout_s and proc.poll() is None:
@@ -105,6 +122,8 @@ def side(tree: Path, scratch: Path, name: str, timeout_s: float, resume: bool) -
             first = run_driver(["trainer.steps=1", f"logging.output_dir={scratch / f'{name}-ckpt'}"], env,
                                scratch / f"{name}-ckpt.log", timeout_s, cwd=tree)
             checkpointed.append(Path(first["run_dir"]))
+            shutil.copytree(checkpointed[0] / "checkpoints", scratch / f"{name}-kept", copy_function=os.link)
+        same_checkpoints(checkpointed[0], scratch / f"{name}-kept")
         return flatten(resume_until_rollout(tree, checkpointed[0], env, scratch / f"{name}-resume-{i}.log",
                                             timeout_s))
 
