@@ -65,7 +65,7 @@ PLANTS = (
           "",
           "a release right after the pause (F): SGLang asserts no request runs, and its scheduler dies",
           fast=(PHASES,), slow=(COLOCATED,)),
-    Plant("ld-preload-prepended", "rayrl/trainers/memory_saver.py",  # issue 41 G
+    Plant("ld-preload-prepended", "rayrl/trainers/saver_preload.py",  # issue 41 G
           '    return {"LD_PRELOAD": hook}',
           '    return {"LD_PRELOAD": ":".join([hook, *others])}',
           "the saver's hook prepended to an existing LD_PRELOAD (G): torch_memory_saver loads it as one library",
