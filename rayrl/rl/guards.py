@@ -19,12 +19,13 @@ max_tokens, drift events, the last turn's finish), from the failure kinds the ru
 facts (a harness that records none) is left out of the gateway figures.
 
 A guard fires once its figure has been past its threshold for its ``patience`` steps in a row (3 for the
-tool guards, 5 for zero-variance groups: a model learning its tool format, or a run converging, is not
-broken; 1 for the rest), measured by :class:`GuardMonitor`, which the pipeline keeps for the run. A crossing is one
-:class:`Crossing`: one printed line naming the guard, the figure, the threshold and an
-example episode (its session id and the episodes file it is in, which the inspector links to), and one
-JSON line in ``runs/<exp_id>/guards.jsonl``. A guard whose action is ``stop`` makes the pipeline save a
-checkpoint and stop with exit code 4, printing the resume command (actors/pipeline.py, driver.py).
+tool-format guards; 5 for tool errors and zero-variance groups: a model learning its tool format or its
+tools' use, or a run converging, is not broken; 1 for the rest), measured by :class:`GuardMonitor`,
+which the pipeline keeps for the run. A crossing is one :class:`Crossing`: one printed line naming the
+guard, the figure, the threshold and an example episode (its session id and the episodes file it is in,
+which the inspector links to), and one JSON line in ``runs/<exp_id>/guards.jsonl``. A guard whose action
+is ``stop`` makes the pipeline save a checkpoint and stop with exit code 4, printing the resume command
+(actors/pipeline.py, driver.py).
 Adding a guard is one record here and its two fields in :class:`GuardsConfig`.
 """
 
@@ -233,7 +234,7 @@ GUARDS: tuple[Guard, ...] = (
           tool_parse_errors, patience=3),
     Guard("tool_call_rate", "tool_call_rate", False, 8, "tool-declaring episodes called a tool", tool_call_rate,
           patience=3),
-    Guard("tool_errors", "tool_error_rate", True, 8, "tool calls returned an error", tool_errors, patience=3),
+    Guard("tool_errors", "tool_error_rate", True, 8, "tool calls returned an error", tool_errors, patience=5),
     Guard("unused_tools", "unused_tools_rate", True, 4, "rewarded tool-declaring episodes called no tool",
           unused_tools, patience=3),
     Guard("truncation", "truncated_rate", True, 4, "scored episodes were cut by max_tokens / max_turns",

@@ -196,3 +196,23 @@ def test_patience_a_model_learning_its_tool_format_is_not_broken():
         "infra_failures", "one_cause_failures"]  # one cause failed every episode: that guard has patience 1 too
     off = GuardMonitor(GuardsConfig(tool_parse_errors="off"))
     assert all(not off.check(StepView(bad, 4), step=s).crossings for s in range(1, 5))
+
+
+def test_tool_errors_wait_five_steps_a_model_learning_its_tools_is_not_broken():
+    """The files example's run (docs/guards.md, "On the shipped examples"): the untrained model calls
+    list_dir on file paths and invents tool names, 0.87, 0.76, 1.00 of its calls erring in steps 1-3, then
+    0.57 at step 4 and 0.26 at step 7 as it learns (reward 0.81). That must fire nothing; a tool that always
+    errs (a missing binary, a sandbox without the files) still fires, at step 5."""
+    assert GUARDS_BY_NAME["tool_errors"].patience == 5
+
+    def step(errors: int) -> list[Episode]:  # 8 episodes of 4 calls each, `errors` of the 32 erring
+        return [ep(i, reward=float(i % 2), group=f"g{i // 2}", tool_calls=4, turns=5,
+                   tool_errors=min(4, max(0, errors - 4 * i))) for i in range(8)]
+
+    learning = GuardMonitor(GuardsConfig())
+    rates = [28, 25, 32, 18, 20, 13, 8]  # 0.88, 0.78, 1.00, 0.56, 0.62, 0.41, 0.25 of 32 calls
+    assert [figure("tool_errors", step(n)) for n in rates[:3]] == [28 / 32, 25 / 32, 1.0]
+    assert all(not learning.check(StepView(step(n), 5), step=s).crossings for s, n in enumerate(rates, 1))
+    broken = GuardMonitor(GuardsConfig())
+    seen = [[c.guard for c in broken.check(StepView(step(32), 5), step=s).crossings] for s in range(1, 7)]
+    assert seen == [[], [], [], [], ["tool_errors"], ["tool_errors"]]
