@@ -67,7 +67,7 @@ from rayrl.rl.batch import Batch, build_batch
 from rayrl.rl.distill import TeacherScorer, distill_batch
 from rayrl.rl.failure_log import FailureLog
 from rayrl.rl.failures import failure_kind
-from rayrl.rl.guards import GuardMonitor, GuardStop, StepView, write_crossings
+from rayrl.rl.guards import GuardMonitor, GuardStop, StepView, teacher_trains_equal_groups, write_crossings
 from rayrl.rl.logprob_gap import gap_crossed
 from rayrl.rl.step_metrics import EngineWork, gateway_metrics, step_metrics
 from rayrl.startup import StartupClock
@@ -274,7 +274,9 @@ class Pipeline:
             run_episodes=self._episodes_total,
             run_s=time.monotonic() - self._started_at,
         )
-        guards = self.guards.check(StepView(drawn, cfg.rollout.max_turns), state.step,
+        view = StepView(drawn, cfg.rollout.max_turns,
+                        per_token_term=teacher_trains_equal_groups(cfg.algorithm, self.teacher is not None))
+        guards = self.guards.check(view, state.step,
                                    str(self.run_dir / "episodes" / f"step{state.step:06d}.jsonl"))
         metrics.update(guards.metrics)
         self.metrics.log(state.step, metrics)

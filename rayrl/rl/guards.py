@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from rayrl.config.algorithm import AlgorithmConfig
 from rayrl.config.guards import GuardsConfig
 from rayrl.rl.advantages import REWARD_TOLERANCE
 from rayrl.rl.failure_log import dominant_cause
@@ -46,10 +47,20 @@ from rayrl.types import Episode
 
 @dataclass(frozen=True)
 class StepView:
-    """What a guard sees: every episode the step took (failed ones too), and the rollout's turn limit."""
+    """What a guard sees: every episode the step took (failed ones too), the rollout's turn limit, and
+    whether a per-token advantage term (on-policy distillation: rayrl/rl/distill.py) trains every sample
+    whatever its group's rewards (not when dynamic sampling drops equal-reward groups: those train nothing)."""
 
     episodes: Sequence[Episode]
     max_turns: int = 0  # rollout.max_turns (0: unknown)
+    per_token_term: bool = False
+
+
+def teacher_trains_equal_groups(algorithm: AlgorithmConfig, has_teacher: bool) -> bool:
+    """Whether a run's equal-reward groups still train (``StepView.per_token_term``): a distillation teacher
+    adds a per-token term to every sample, unless its coefficient is 0 or dynamic sampling drops those
+    groups before they train."""
+    return has_teacher and algorithm.distill_coef != 0 and not algorithm.dynamic_sampling
 
 
 @dataclass(frozen=True)
@@ -213,7 +224,8 @@ def one_cause_failures(view: StepView) -> Figure:
 def zero_variance_groups(view: StepView) -> Figure:
     """Share of the step's groups (scored episodes by group) whose rewards are all equal within the
     tolerance the estimators use (such a group's advantages are exactly 0: it trains nothing);
-    ``group_reward_std_mean`` is the mean over groups of their rewards' standard deviation."""
+    ``group_reward_std_mean`` is the mean over groups of their rewards' standard deviation. With a
+    per-token term (a distillation teacher) no group trains nothing: the share is 0."""
     by_group: dict[str, list[Episode]] = defaultdict(list)
     for e in view.episodes:
         if is_scored(e):
@@ -223,7 +235,7 @@ def zero_variance_groups(view: StepView) -> Figure:
         rewards = [e.reward for e in members]
         mean = sum(rewards) / len(rewards)
         stds.append((sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5)
-        if max(rewards) - min(rewards) <= REWARD_TOLERANCE:
+        if max(rewards) - min(rewards) <= REWARD_TOLERANCE and not view.per_token_term:
             equal.append(members[0])
     std_mean = sum(stds) / len(stds) if stds else 0.0
     return _share(equal, len(equal), len(by_group), group_reward_std_mean=std_mean)

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from rayrl.config import ConfigError, GuardsConfig, load_config
+from rayrl.config import AlgorithmConfig, ConfigError, GuardsConfig, load_config
 from rayrl.rl.failures import REWARD_FAILED, SANDBOX_FAILED
 from rayrl.rl.guards import (
     GUARDS,
@@ -20,6 +20,7 @@ from rayrl.rl.guards import (
     StepView,
     check_guards,
     read_crossings,
+    teacher_trains_equal_groups,
     write_crossings,
 )
 from rayrl.types import Episode
@@ -216,3 +217,21 @@ def test_tool_errors_wait_five_steps_a_model_learning_its_tools_is_not_broken():
     broken = GuardMonitor(GuardsConfig())
     seen = [[c.guard for c in broken.check(StepView(step(32), 5), step=s).crossings] for s in range(1, 7)]
     assert seen == [[], [], [], [], ["tool_errors"], ["tool_errors"]]
+
+
+def test_zero_variance_groups_under_distillation_train_on_the_teacher():
+    """With a distillation teacher every sample trains on its per-token reverse KL whatever its group's
+    rewards (examples/distill: the task reward never enters an advantage), so equal-reward groups are not
+    groups that train nothing: the share is 0 and the guard stays quiet; the reward spread is still logged."""
+    unsolved = [ep(i, reward=0.0, group=f"g{i // 4}", tool_calls=1, turns=2) for i in range(8)]
+    assert figure("zero_variance_groups", unsolved) == 1.0 and "zero_variance_groups" in fired(unsolved)
+    report = check_guards(StepView(unsolved, 4, per_token_term=True), GuardsConfig(), step=5)
+    assert report.metrics["guards/zero_variance_group_rate"] == 0.0
+    assert report.metrics["guards/group_reward_std_mean"] == 0.0
+    assert not report.crossings
+    # what the pipeline passes: a teacher with a coefficient, and no dynamic sampling (that drops such groups)
+    algo = AlgorithmConfig(distill_teacher="/models/teacher", distill_coef=1.0)
+    assert teacher_trains_equal_groups(algo, has_teacher=True)
+    assert not teacher_trains_equal_groups(algo, has_teacher=False)
+    assert not teacher_trains_equal_groups(dataclasses.replace(algo, dynamic_sampling=True), has_teacher=True)
+    assert not teacher_trains_equal_groups(dataclasses.replace(algo, distill_coef=0.0), has_teacher=True)
