@@ -174,19 +174,24 @@ def unused_tools(view: StepView) -> Figure:
     return _share(none, len(none), len(rewarded))
 
 
-def _cut(facts: dict[str, Any], max_turns: int) -> bool:
+def _cut(episode: Episode, facts: dict[str, Any], max_turns: int) -> bool:
     """Cut at max_tokens (a turn ended at the limit), or at max_turns (the gateway refused a turn, or the
-    session used every turn and its last one still called a tool: the agent was not done)."""
+    session used every turn and its last one still called a tool: the agent was not done). A session that
+    used every turn on tool calls that all failed is not cut but stuck: more turns would not help it, and
+    ``tool_errors`` measures it (the files example's untrained model, 8 such episodes of 16 in one step)."""
     if _count(facts, "length_turns") or _count(facts, "turn_cap_refusals"):
         return True
-    return max_turns > 0 and _count(facts, "turns") >= max_turns and facts.get("last_finish") == "tool_calls"
+    if not (max_turns > 0 and _count(facts, "turns") >= max_turns and facts.get("last_finish") == "tool_calls"):
+        return False
+    calls = _count(facts, "tool_calls")
+    return not (calls > 0 and int(episode.info.get("tool_errors", 0) or 0) >= calls)
 
 
 def truncation(view: StepView) -> Figure:
     """Share of scored episodes cut by max_tokens / max_turns; ``truncated_reward_share`` is the share of
     the step's reward those episodes got (near 0 while they are many: truncation is scoring them 0)."""
     scored = [(e, f) for e in view.episodes if is_scored(e) and (f := _facts(e)) is not None]
-    cut = [e for e, f in scored if _cut(f, view.max_turns)]
+    cut = [e for e, f in scored if _cut(e, f, view.max_turns)]
     total = sum(max(e.reward, 0.0) for e, _ in scored)
     cut_reward = sum(max(e.reward, 0.0) for e in cut)
     return _share(cut, len(cut), len(scored), truncated_reward_share=cut_reward / total if total > 0 else 0.0)

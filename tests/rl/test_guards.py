@@ -101,6 +101,21 @@ def test_truncation_by_max_tokens_and_by_max_turns_and_the_reward_it_left():
     assert figure("truncation", cut_turns, max_turns=5) == 0.0  # 4 turns of 5: not cut
 
 
+def test_every_turn_spent_on_failing_tool_calls_is_stuck_not_cut():
+    """The files example's step 3: 8 of 16 episodes used all 5 turns on tool calls that all failed (list_dir on
+    a file path, a made-up tool name). More turns would not have helped them; tool_errors measures them, and
+    truncation leaves them out. One working call among them and the episode was cut, not stuck."""
+    stuck = [ep(i, turns=5, tool_calls=5, tool_errors=5, last_finish="tool_calls", group=f"g{i // 2}")
+             for i in range(8)]
+    answered = [ep(8 + i, turns=2, tool_calls=1, last_finish="stop", group=f"g{4 + i // 2}") for i in range(8)]
+    assert figure("truncation", stuck + answered, max_turns=5) == 0.0
+    assert "truncation" not in fired(stuck + answered, max_turns=5)
+    working = [ep(i, turns=5, tool_calls=5, tool_errors=4, last_finish="tool_calls", group=f"g{i // 2}")
+               for i in range(8)]
+    assert figure("truncation", working + answered, max_turns=5) == 0.5
+    assert figure("tool_errors", stuck + answered) == 40 / 48
+
+
 def test_drift_from_a_template_that_drops_reasoning():
     episodes = [ep(i, drift=1, turns=2, tool_calls=1) for i in range(3)] + healthy(5)
     assert figure("drift", episodes) == pytest.approx(3 / 8)
