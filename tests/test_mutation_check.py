@@ -59,11 +59,13 @@ def test_a_plant_is_restored_even_when_its_tests_time_out(tmp_path):
 
 
 @pytest.mark.slow  # ~10 min: every GPU-path plant's fast tests in a copy of the checkout
+@pytest.mark.timeout(3600)  # the run's own limit below, not the suite's 600 s
 def test_every_gpu_plant_fails_its_tests():
     _run_set("gpu", timeout_s=3600)
 
 
 @pytest.mark.slow  # ~5 min: one formula-test run per plant
+@pytest.mark.timeout(1800)  # the run's own limit below, not the suite's 600 s (a loaded machine took longer)
 def test_every_formula_plant_fails_its_tests():
     _run_set("formulas", timeout_s=1800)
 
