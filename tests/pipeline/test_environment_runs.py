@@ -68,7 +68,7 @@ def test_reasoning_gym_example_three_steps_on_smollm2(ray_local, smollm2_dir, tm
     # strict scoring needs; how many sums come out right is luck at this size (a few percent, and 0 of 96 in
     # one run: docs/results/reasoning_gym.md), so the test holds the format and the scoring, not a reward
     assert sum("<answer>" in (e["final_answer"] or "") for e in eps) >= 0.5 * len(eps)
-    assert all(e["reward"] in (0.0, 1.0) for e in eps if e["status"] == "ok")  # chain_sum's own score_answer
+    assert all(0.0 <= e["reward"] <= 1.0 for e in eps if e["status"] == "ok")  # the datasets' own score_answer
     assert any("eval/reward_mean" in row for row in metric_rows(run_dir))  # validated on the held-out tasks
     assert not (run_dir / GUARDS_FILE).exists()  # the shipped example trips no guard (issue 42)
 
