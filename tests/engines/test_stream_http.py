@@ -429,7 +429,7 @@ def test_dechunk_decodes_everything_that_has_arrived():
     the end seen); cut anywhere, the pieces' payloads join to the same bytes."""
     import random
 
-    from rayrl.engines.stream_http import StreamResponse
+    from rayrl.engines.stream_response import StreamResponse
 
     payloads = [b"data: %d %s\n\n" % (i, b"x" * (i * 37 % 300)) for i in range(12)] + [b"data: [DONE]\n\n"]
     body = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in payloads) + b"0\r\nTrailer: t\r\n\r\n"
