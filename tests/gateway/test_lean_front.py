@@ -33,23 +33,27 @@ def _chat_request(token: str, extra: bytes = b"", body: dict | None = None) -> b
             + b"\r\nContent-Type: application/json\r\n" + extra + b"Content-Length: %d\r\n\r\n" % len(data) + data)
 
 
-def _answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
-    """``count`` HTTP/1.x answers read off ``sock``: (status, body), Content-Length framed."""
+def _framed(sock: socket.socket, count: int) -> list[tuple[list[str], bytes]]:
+    """``count`` HTTP/1.x answers read off ``sock``, Content-Length framed: (head lines, body)."""
     buf, out = b"", []
     while len(out) < count:
         end = buf.find(b"\r\n\r\n")
         if end >= 0:
-            head = buf[:end].decode()
-            length = int(next(line.split(":", 1)[1] for line in head.split("\r\n")
-                              if line.lower().startswith("content-length:")))
+            lines = buf[:end].decode().split("\r\n")
+            length = int(next(line.split(":", 1)[1] for line in lines if line.lower().startswith("content-length:")))
             if len(buf) >= end + 4 + length:
-                out.append((int(head.split(" ", 2)[1]), buf[end + 4:end + 4 + length]))
+                out.append((lines, buf[end + 4:end + 4 + length]))
                 buf = buf[end + 4 + length:]
                 continue
         chunk = sock.recv(65536)
         assert chunk, f"the connection closed after {len(out)} answers"
         buf += chunk
     return out
+
+
+def _answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
+    """``count`` answers read off ``sock``: (status, body)."""
+    return [(int(lines[0].split(" ", 2)[1]), body) for lines, body in _framed(sock, count)]
 
 
 def test_llm_calls_stay_on_the_lean_front_and_others_go_to_aiohttp_in_order(scripted):
@@ -132,21 +136,8 @@ def test_a_small_call_starts_once_its_body_is_all_in(scripted):
 
 
 def _heads(sock: socket.socket, count: int) -> list[list[str]]:
-    """The status line and header lines of ``count`` Content-Length framed answers, ``Date`` left out."""
-    buf, out = b"", []
-    while len(out) < count:
-        end = buf.find(b"\r\n\r\n")
-        if end >= 0:
-            lines = buf[:end].decode().split("\r\n")
-            length = int(next(line.split(":", 1)[1] for line in lines if line.lower().startswith("content-length:")))
-            if len(buf) >= end + 4 + length:
-                out.append([line for line in lines if not line.startswith("Date: ")])
-                buf = buf[end + 4 + length:]
-                continue
-        chunk = sock.recv(65536)
-        assert chunk, f"the connection closed after {len(out)} answers"
-        buf += chunk
-    return out
+    """The status line and header lines of ``count`` answers, ``Date`` left out."""
+    return [[line for line in lines if not line.startswith("Date: ")] for lines, _ in _framed(sock, count)]
 
 
 def test_answers_have_aiohttps_own_heads(scripted):
