@@ -43,6 +43,7 @@ from rayrl.rl.objective import Objective, TokenBatch, loss_metrics
 from rayrl.rl.policy_losses import entropy_from_logits
 from rayrl.rl.updates import MiniBatch, UpdatePlan, plan_updates
 from rayrl.trainers import lora
+from rayrl.trainers.head_logprobs import frozen_head_logprobs, head_is_frozen
 from rayrl.trainers.lr_schedule import lr_at, set_lr
 from rayrl.trainers.memory_saver import MemorySaver, init_optimizer_state
 from rayrl.types import Sample
@@ -231,10 +232,16 @@ class TorchTrainer:
         """Log-probs of the target tokens at the selected positions only (of ``model``, default the
         policy); with ``with_entropy``, also the entropy of the distribution at each of them."""
         model = lora.causal_lm(model if model is not None else self.model)
+        head = model.get_output_embeddings()
+        frozen = head_is_frozen(head)  # LoRA's tied head, no-grad passes: no logits matrix is kept
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             hidden = self._hidden_states(model, batch)
             selected = hidden[batch["rows"], batch["cols"] - int(batch["prefix"])]
-            logits = model.get_output_embeddings()(selected).float()
+            logits = None if frozen else head(selected).float()  # a head that trains needs them for its gradient
+        if logits is None:
+            logp, entropy = frozen_head_logprobs(selected, head, batch["targets"], with_entropy=with_entropy,
+                                                 compute_dtype=self.autocast_dtype)
+            return (logp, entropy) if with_entropy else logp
         logp = torch.log_softmax(logits, dim=-1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
         return (logp, entropy_from_logits(logits)) if with_entropy else logp
 
