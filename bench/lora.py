@@ -1,10 +1,12 @@
 """Full weights against LoRA (rank 16 on every linear layer) on the default model, side by side.
 
 Trainer (each side in a process of its own, so peak RSS is the side's own; the sides take turns, the
-order rotating each round, bench/measure.py): seconds per trainer step on a calculator-shaped batch
+order rotating each round, bench/measure.py): seconds per trainer step on a calculator-shaped batch, and
+its forward, backward and optimizer parts
 (the default run's 4 groups x 4 episodes of 192 prompt + 61 response tokens, 49 of them trained;
 :data:`RESPONSE_SPANS`), peak trainer
-RSS, checkpoint size, bytes per weight update.
+RSS beside the peak of live malloc'd bytes (the difference is memory the allocator keeps after tensors
+are freed), checkpoint size, bytes per weight update.
 
 Engine (one real ``cpu_server`` process, SmolLM2's default fp16-packed decode weights): seconds per
 weight update, full weights as shared-memory handles (the CPU default) against the adapter through
@@ -13,7 +15,8 @@ what applying the adapter at decode instead would cost per decode step (the two 
 adapted layer, timed at the model's shapes), against the engine's own decode step, to say which is
 faster for RL's update-then-generate cycle.
 
-    python bench/lora.py [--model smollm2-135m-instruct] [--rank 16] [--quick]
+    python bench/lora.py [--model smollm2-135m-instruct] [--rank 16] [--only trainer|engine] [--earlier RECORD]
+                         [--quick]
 """
 
 from __future__ import annotations
@@ -77,25 +80,81 @@ def trainer_cfg(rank: int) -> TrainerConfig:
     return TrainerConfig(lr=1e-5, micro_batch_tokens=4096, lora=LoraConfig(rank=rank))
 
 
+class HeapPeak:
+    """The process's peak of live malloc'd bytes (glibc's ``mallinfo2``: in-use heap chunks plus mmapped
+    ones), sampled every ``period_s`` in a thread: set beside peak RSS, it says how much of the RSS is memory
+    the allocator holds freed (fragmentation) rather than tensors alive. None off glibc."""
+
+    def __init__(self, period_s: float = 0.01) -> None:
+        import ctypes
+        import threading
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(name, ctypes.c_size_t) for name in
+                        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+        try:
+            self._mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+        except (OSError, AttributeError):
+            self._mallinfo2, self.peak_mb = None, None
+            return
+        self._mallinfo2.restype = MallInfo2
+        self.peak_mb = 0.0
+        self._period = period_s
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def live_mb(self) -> float:
+        info = self._mallinfo2()
+        return (info.uordblks + info.hblkhd) / 2**20
+
+    def _run(self) -> None:
+        while True:
+            self.peak_mb = max(self.peak_mb, self.live_mb())
+            time.sleep(self._period)
+
+
 def child(args: argparse.Namespace) -> None:
-    """One side: build the trainer, run steps, report step seconds, peak RSS, checkpoint and update sizes."""
+    """One side: build the trainer, run steps, report step seconds (and their forward, backward and
+    optimizer parts), peak RSS and peak live heap, checkpoint and update sizes."""
     from rayrl.trainers.torch_backend import TorchTrainer
 
     torch.set_num_threads(args.threads)
+    heap = HeapPeak()
     trainer = TorchTrainer(resolve_model_path(args.model), trainer_cfg(args.rank), seed=0, device="cpu")
-    seconds = []
+    parts = {"forward": 0.0, "optimizer": 0.0}
+
+    def timed(name, fn):
+        def call(*a, **k):
+            started = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[name] += time.perf_counter() - started
+        return call
+
+    trainer.token_logprobs = timed("forward", trainer.token_logprobs)  # every pass's forward, to the log-probs
+    trainer._reduce_and_step = timed("optimizer", trainer._reduce_and_step)  # clip + AdamW
+    seconds, split = [], []
     for step in range(args.steps + 1):  # the first step warms up (allocations, AdamW state)
         samples, advantages = batch(step)
+        parts.update(forward=0.0, optimizer=0.0)
         started = time.perf_counter()
         trainer.train_step(samples, advantages)
         if step:
             seconds.append(time.perf_counter() - started)
+            split.append((parts["forward"], seconds[-1] - parts["forward"] - parts["optimizer"], parts["optimizer"]))
     with tempfile.TemporaryDirectory() as tmp:
         trainer.save_checkpoint(tmp)
         checkpoint = sum(f.stat().st_size for f in Path(tmp).iterdir())
     update = sum(t.numel() * t.element_size() for _, t in trainer.named_weights(torch.float32))
-    print(json.dumps({"step_s": float(np.median(seconds)), "peak_rss_mb": resource.getrusage(
-        resource.RUSAGE_SELF).ru_maxrss / 1024, "checkpoint_mb": checkpoint / 1e6, "update_mb": update / 1e6}))
+    forward, backward, optimizer = (float(np.median(col)) for col in zip(*split))
+    out = {"step_s": float(np.median(seconds)), "forward_s": forward, "backward_s": backward,
+           "optimizer_s": optimizer,
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "checkpoint_mb": checkpoint / 1e6, "update_mb": update / 1e6}
+    if heap.peak_mb is not None:
+        out["peak_heap_mb"] = heap.peak_mb
+    print(json.dumps(out))
 
 
 def run_side(args: argparse.Namespace, rank: int) -> dict[str, float]:
@@ -206,6 +265,18 @@ def engine_side(args: argparse.Namespace, record: Record, rounds: dict) -> None:
     record.figure("merge_update_ms", merge_s * 1e3)
 
 
+def earlier_table(path: Path, title: str, columns: list[str]) -> tuple[str, list]:
+    """The trainer table of an earlier run with the same settings (its record), to show under this run's: what
+    changed between two commits, each run's sides paired within it. Checked before this run starts."""
+    earlier = json.loads(path.read_text())
+    table = next((t for t in earlier.get("tables", []) if t["title"] == title and t["columns"] == columns), None)
+    if table is None:
+        raise SystemExit(f"--earlier {path}: no trainer table with this run's settings ({title})")
+    load = " / ".join(f"{x:.2f}" for x in (earlier["load_start"][0], earlier["load_end"][0]))
+    return (f"The same figures from the earlier run `{earlier['command']}` ({earlier['started']}, commit "
+            f"{earlier.get('commit')}, load {load} at start / end)", table["rows"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -213,6 +284,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", choices=("trainer", "engine"), help="run one part (default: both)")
+    parser.add_argument("--earlier", type=Path, help="an earlier trainer record (runs/bench/lora.json) with the "
+                        "same settings: its figures are shown under this run's")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     add_common_args(parser)
     args = parser.parse_args()
@@ -225,20 +298,31 @@ def main() -> None:
     part = {"trainer": ": trainer", "engine": ": engine"}.get(args.only or "", "")  # a part keeps its own section
     record = Record("lora", f"Full weights vs LoRA rank {args.rank} (every linear layer), {args.model}{part}",
                     quick=args.quick, record_dir=args.record_dir)
+    title = (f"Trainer, {GROUPS}x{GROUP_SIZE} samples of {PROMPT}+{RESPONSE} tokens ({TRAINED} trained), "
+             f"{args.threads} threads, {args.steps} steps per side per round")
+    columns = ["figure", "full", f"LoRA r{args.rank}", "LoRA / full"]
+    earlier = earlier_table(args.earlier, title, columns) if args.earlier and args.only != "engine" else None
     if args.only != "engine":
         res = alternate({"full": lambda: run_side(args, 0), f"LoRA r{args.rank}": lambda: run_side(args, args.rank)},
                         label="trainer sides", warmup=0, **rounds)  # each side's process warms itself up
         full, lora = res["full"], res[f"LoRA r{args.rank}"]
         rows = []
-        for key, label, digits in (("step_s", "trainer step, s", 2), ("peak_rss_mb", "peak trainer RSS, MB", 0),
-                                   ("checkpoint_mb", "checkpoint, MB", 1),
-                                   ("update_mb", "bytes per weight update, MB", 1)):
+        figures = (("step_s", "trainer step, s", 2),
+                   ("forward_s", "of which forward to the log-probs, s", 2),
+                   ("backward_s", "of which loss and backward, s", 2),
+                   ("optimizer_s", "of which clip + AdamW, s", 2),
+                   ("peak_rss_mb", "peak trainer RSS, MB", 0),
+                   ("peak_heap_mb", "peak live heap (malloc'd, in use), MB", 0),
+                   ("checkpoint_mb", "checkpoint, MB", 1),
+                   ("update_mb", "bytes per weight update, MB", 1))
+        for key, label, digits in figures:
+            if key not in full or key not in lora:
+                continue
             ratio = paired_ratio(lora[key], full[key]).fmt(3)
             rows.append([label, full[key].fmt(digits), lora[key].fmt(digits), ratio])
-        record.table(f"Trainer, {GROUPS}x{GROUP_SIZE} samples of {PROMPT}+{RESPONSE} tokens ({TRAINED} trained), "
-                     f"{args.threads} threads, "
-                     f"{args.steps} steps per side per round", ["figure", "full", f"LoRA r{args.rank}", "LoRA / full"],
-                     rows)
+        record.table(title, columns, rows)
+        if earlier is not None:
+            record.table(earlier[0], columns, earlier[1])
     if args.only != "trainer":
         engine_side(args, record, rounds)
     print(record.save())
