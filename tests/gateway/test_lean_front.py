@@ -183,7 +183,8 @@ def test_calls_aiohttps_server_must_read_are_handed_over(scripted):
 
 def test_a_call_cancelled_by_its_session_finishing_closes_its_connection(scripted):
     """As aiohttp's server does: the client is not left waiting for an answer that will never come."""
-    stack = scripted(lambda prompt: "a slow answer " * 20, token_delay_s=0.05)
+    # five seconds a token: the answer cannot come before the session is finished, however loaded the machine
+    stack = scripted(lambda prompt: "a slow answer " * 20, token_delay_s=5.0)
     info = stack.open()
     session = stack.gateway.sessions.get(info.session_id)
     with _conn(stack) as sock:
