@@ -16,7 +16,10 @@ adapted layer, timed at the model's shapes), against the engine's own decode ste
 faster for RL's update-then-generate cycle.
 
     python bench/lora.py [--model smollm2-135m-instruct] [--rank 16] [--only trainer|engine] [--earlier RECORD]
-                         [--quick]
+                         [--checkpointing] [--quick]
+
+``--checkpointing`` adds a third trainer side, LoRA with ``trainer.gradient_checkpointing``, against the same
+full side: what memory it saves and what time it costs.
 """
 
 from __future__ import annotations
@@ -76,8 +79,9 @@ def batch(seed: int) -> tuple[list[Sample], list[float]]:
     return samples, advantages
 
 
-def trainer_cfg(rank: int) -> TrainerConfig:
-    return TrainerConfig(lr=1e-5, micro_batch_tokens=4096, lora=LoraConfig(rank=rank))
+def trainer_cfg(rank: int, checkpointing: bool = False) -> TrainerConfig:
+    return TrainerConfig(lr=1e-5, micro_batch_tokens=4096, lora=LoraConfig(rank=rank),
+                         gradient_checkpointing=checkpointing)
 
 
 class HeapPeak:
@@ -120,7 +124,8 @@ def child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     heap = HeapPeak()
-    trainer = TorchTrainer(resolve_model_path(args.model), trainer_cfg(args.rank), seed=0, device="cpu")
+    trainer = TorchTrainer(resolve_model_path(args.model), trainer_cfg(args.rank, args.checkpointing), seed=0,
+                           device="cpu")
     parts = {"forward": 0.0, "optimizer": 0.0}
 
     def timed(name, fn):
@@ -157,9 +162,10 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
-def run_side(args: argparse.Namespace, rank: int) -> dict[str, float]:
+def run_side(args: argparse.Namespace, rank: int, checkpointing: bool = False) -> dict[str, float]:
     out = subprocess.run([sys.executable, __file__, "--child", "--rank", str(rank), "--model", args.model,
-                          "--steps", str(args.steps), "--threads", str(args.threads)],
+                          "--steps", str(args.steps), "--threads", str(args.threads)]
+                         + (["--checkpointing"] if checkpointing else []),
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -286,6 +292,9 @@ def main() -> None:
     parser.add_argument("--only", choices=("trainer", "engine"), help="run one part (default: both)")
     parser.add_argument("--earlier", type=Path, help="an earlier trainer record (runs/bench/lora.json) with the "
                         "same settings: its figures are shown under this run's")
+    parser.add_argument("--checkpointing", action="store_true", help="a third side: LoRA with "
+                        "trainer.gradient_checkpointing (each layer recomputed in the backward pass), against the "
+                        "same full side (without it)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     add_common_args(parser)
     args = parser.parse_args()
@@ -301,10 +310,13 @@ def main() -> None:
     title = (f"Trainer, {GROUPS}x{GROUP_SIZE} samples of {PROMPT}+{RESPONSE} tokens ({TRAINED} trained), "
              f"{args.threads} threads, {args.steps} steps per side per round")
     columns = ["figure", "full", f"LoRA r{args.rank}", "LoRA / full"]
+    ckpt = f"LoRA r{args.rank} + checkpointing"
     earlier = earlier_table(args.earlier, title, columns) if args.earlier and args.only != "engine" else None
     if args.only != "engine":
-        res = alternate({"full": lambda: run_side(args, 0), f"LoRA r{args.rank}": lambda: run_side(args, args.rank)},
-                        label="trainer sides", warmup=0, **rounds)  # each side's process warms itself up
+        sides = {"full": lambda: run_side(args, 0), f"LoRA r{args.rank}": lambda: run_side(args, args.rank)}
+        if args.checkpointing:
+            sides[ckpt] = lambda: run_side(args, args.rank, checkpointing=True)
+        res = alternate(sides, label="trainer sides", warmup=0, **rounds)  # each side's process warms itself up
         full, lora = res["full"], res[f"LoRA r{args.rank}"]
         rows = []
         figures = (("step_s", "trainer step, s", 2),
@@ -320,7 +332,9 @@ def main() -> None:
                 continue
             ratio = paired_ratio(lora[key], full[key]).fmt(3)
             rows.append([label, full[key].fmt(digits), lora[key].fmt(digits), ratio])
-        record.table(title, columns, rows)
+            if args.checkpointing:
+                rows[-1] += [res[ckpt][key].fmt(digits), paired_ratio(res[ckpt][key], full[key]).fmt(3)]
+        record.table(title, columns + ([ckpt, f"{ckpt} / full"] if args.checkpointing else []), rows)
         if earlier is not None:
             record.table(earlier[0], columns, earlier[1])
     if args.only != "trainer":

@@ -67,9 +67,10 @@ class TrainerConfig:
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # torch backend: forward/backward under autocast
     # (mixed precision; master weights stay trainer.dtype): auto | float32 | bfloat16 (auto: bfloat16 on CUDA or a CPU
     # with native bf16, on x86 AVX512-BF16 or AMX; else float32)
-    gradient_checkpointing: bool = False  # trade compute for memory
+    gradient_checkpointing: bool = False  # trade compute for memory: each decoder layer keeps only its input and runs
+    # its forward again in the backward pass (torch backend: the shared prefix is kept)
     share_prefix: bool = True  # torch backend: a micro-batch's common leading tokens (system prompt, a group's prompt)
-    # run once, exact gradients (off under gradient_checkpointing)
+    # run once, exact gradients
     num_threads: int = 0  # torch CPU threads per rank (0: auto, the cores the schedule gives the trainer)
     tp_size: int = 1  # megatron: tensor-parallel ranks
     pp_size: int = 1  # megatron: pipeline-parallel stages

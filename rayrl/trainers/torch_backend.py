@@ -13,8 +13,11 @@ switched off (no copy), checkpoints hold the adapter and its optimizer state, an
 adapter alone. Logits are computed only at trained positions, which saves most of the LM-head cost and
 memory for tool-heavy episodes. The tokens every sample of a micro-batch starts with (the system prompt,
 tool schemas and few-shot turns all episodes share; a GRPO group's whole prompt) are run once and their
-keys/values repeated for each sample (``trainer.share_prefix``): the gradient is the same, since autograd
-sums what each sample sends back through the shared prefix, and the compute of the prefix is paid once.
+keys/values joined to each sample's own (``trainer.share_prefix``; a read-only cache,
+rayrl/trainers/prefix_cache.py): the gradient is the same, since autograd sums what each sample sends back
+through the shared prefix, and the compute of the prefix is paid once. ``trainer.gradient_checkpointing``
+recomputes each decoder layer in the backward pass (prefix_cache.py's own checkpointing, which keeps the
+shared prefix).
 
 Colocated on a GPU (``trainer.memory_saver``), parameters, gradients and AdamW's moments are all
 allocated inside the :class:`~rayrl.trainers.memory_saver.MemorySaver` region when the trainer is made:
@@ -42,7 +45,7 @@ from rayrl.machine import cpu_has_native_bf16
 from rayrl.rl.objective import Objective, TokenBatch, loss_metrics
 from rayrl.rl.policy_losses import entropy_from_logits
 from rayrl.rl.updates import MiniBatch, UpdatePlan, plan_updates
-from rayrl.trainers import lora
+from rayrl.trainers import lora, prefix_cache
 from rayrl.trainers.head_logprobs import frozen_head_logprobs, head_is_frozen
 from rayrl.trainers.lr_schedule import lr_at, set_lr
 from rayrl.trainers.memory_saver import MemorySaver, init_optimizer_state
@@ -149,12 +152,11 @@ class TorchTrainer:
             model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[cfg.dtype])
             model = model.to(self.device)
             model.config.use_cache = False
-            if cfg.gradient_checkpointing:
-                model.gradient_checkpointing_enable()
+            if cfg.gradient_checkpointing:  # ours, not transformers': it keeps the shared prefix
+                prefix_cache.checkpoint_layers(model)
+            self.prefix_read_only = prefix_cache.prefix_read_only_fits(model.config)
             self.lora = cfg.lora.enabled
             self.model = lora.wrap_with_lora(model, cfg.lora) if self.lora else model
-            if self.lora and cfg.gradient_checkpointing:  # checkpointed blocks need an input that wants grad
-                model.enable_input_require_grads()
             if self.lora and self.autocast_dtype is not None:
                 lora.leave_input_dtype_to_autocast(self.model)
             # a LoRA policy's reference is its own base with the adapter off, unless another model is named
@@ -198,8 +200,8 @@ class TorchTrainer:
         (``mb``: the mini-batch they belong to, whose global sizes the aggregation needs; default: just
         these samples)."""
         mb = mb or UpdatePlan.single(samples).minibatches[0]
-        # transformers drops the cache under gradient checkpointing: no shared prefix there
-        share = self.cfg.share_prefix and not self.cfg.gradient_checkpointing
+        # a checkpointed layer runs twice: only a read-only prefix cache gives it the same keys both times
+        share = self.cfg.share_prefix and (self.prefix_read_only or not self.cfg.gradient_checkpointing)
         prefix = shared_prefix_length(samples) if share else 0
         longest = max(len(s.tokens) for s in samples)
         n = len(samples)
@@ -235,7 +237,7 @@ class TorchTrainer:
         head = model.get_output_embeddings()
         frozen = head_is_frozen(head)  # LoRA's tied head, no-grad passes: no logits matrix is kept
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            hidden = self._hidden_states(model, batch)
+            hidden = self._hidden_states(model, batch, self.prefix_read_only)
             selected = hidden[batch["rows"], batch["cols"] - int(batch["prefix"])]
             logits = None if frozen else head(selected).float()  # a head that trains needs them for its gradient
         if logits is None:
@@ -246,16 +248,21 @@ class TorchTrainer:
         return (logp, entropy_from_logits(logits)) if with_entropy else logp
 
     @staticmethod
-    def _hidden_states(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        """Last hidden states from position ``batch["prefix"]`` on; the shared prefix runs once. ``model``:
-        a transformers causal LM (its LoRA layers, if any, live inside it)."""
+    def _hidden_states(model: torch.nn.Module, batch: dict[str, Any], read_only: bool = True) -> torch.Tensor:
+        """Last hidden states from position ``batch["prefix"]`` on; the shared prefix runs once, and its keys and
+        values reach the rest as a read-only cache (rayrl/trainers/prefix_cache.py; transformers' own, grown per
+        layer, where the model's layers need it: ``read_only`` False). ``model``: a transformers causal LM (its
+        LoRA layers, if any, live inside it)."""
         ids, mask, prefix = batch["input_ids"], batch["attention_mask"], int(batch["prefix"])
         base = model.base_model
         if prefix == 0:
             return base(input_ids=ids, attention_mask=mask).last_hidden_state
         cache = base(input_ids=ids[:1, :prefix], use_cache=True).past_key_values
-        cache.batch_repeat_interleave(ids.shape[0])
-        return base(input_ids=ids[:, prefix:], attention_mask=mask, past_key_values=cache,
+        shared = prefix_cache.read_only_prefix(cache) if read_only else None
+        if shared is None:
+            cache.batch_repeat_interleave(ids.shape[0])
+            shared = cache
+        return base(input_ids=ids[:, prefix:], attention_mask=mask, past_key_values=shared,
                     use_cache=True).last_hidden_state
 
     def train_step(

@@ -4,9 +4,10 @@ outputs and log-probs match the trainer's weights exactly (same model, same numb
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-from rayrl.config import TrainerConfig
+from rayrl.config import LoraConfig, TrainerConfig
 from rayrl.engines.cpu.engine import CPUEngine
 from rayrl.trainers.torch_backend import TorchTrainer, autocast_dtype, pack_micro_batches, shared_prefix_length
 from rayrl.types import Sample
@@ -158,29 +159,42 @@ def test_shared_prefix_length_rules():
     assert shared_prefix_length([s(common, 39), s(common, 39)]) == 38
 
 
-def test_shared_prefix_gives_the_same_logprobs_and_gradients(tiny_model_dir):
-    """Running the common prefix once and repeating its keys/values is exact: same log-probs, same
-    update, for samples of different lengths (right padding) in one micro-batch."""
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_shared_prefix_gives_the_same_logprobs_and_gradients(tiny_model_dir, lora_rank):
+    """Running the common prefix once and joining its keys/values to each sample's is exact: same log-probs,
+    same update, for samples of different lengths (right padding) in one micro-batch; and so is recomputing
+    every layer in the backward pass (trainer.gradient_checkpointing), which keeps the shared prefix."""
     rng = np.random.default_rng(1)
     prefix = rng.integers(10, 4000, size=48).astype(np.int32)
     tails = [rng.integers(10, 4000, size=n).astype(np.int32) for n in (20, 9, 15)]
     results = []
-    for share in (False, True):
-        cfg = TrainerConfig(lr=5e-3, micro_batch_tokens=4096, compute_dtype="float32", share_prefix=share)
+    for share, checkpointing in ((False, False), (True, False), (True, True)):
+        cfg = TrainerConfig(lr=5e-3, micro_batch_tokens=4096, compute_dtype="float32", share_prefix=share,
+                            gradient_checkpointing=checkpointing, lora=LoraConfig(rank=lora_rank))
         trainer = TorchTrainer(tiny_model_dir, cfg, seed=0, device="cpu")
+        if lora_rank:  # B starts at zero: give the adapter a value so every gradient is non-zero
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    if p.requires_grad:
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
         samples = [_sample(np.concatenate([prefix, t[:4], t]), 52, trainer) for t in tails]
         samples[0].loss_mask[:3] = 0
         batch = trainer._micro_batch(samples, [1.0, -1.0, 0.5])
         assert int(batch["prefix"]) == (48 if share else 0)
         logp = trainer.token_logprobs(batch)
         (logp * batch["tokens"].advantages).sum().backward()
-        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in trainer.model.named_parameters()}
         trainer.optimizer.zero_grad(set_to_none=True)
         metrics = trainer.train_step(samples, [1.0, -1.0, 0.5])
         results.append((logp.detach(), metrics, grads))
-    (lp_plain, m_plain, g_plain), (lp_shared, m_shared, g_shared) = results
-    assert torch.allclose(lp_plain, lp_shared, atol=1e-5)
-    assert abs(m_plain["grad_norm"] - m_shared["grad_norm"]) < 1e-4 * max(1.0, m_plain["grad_norm"])
-    assert m_plain["trained_tokens"] == m_shared["trained_tokens"] == 20 + 9 + 15 - 3
-    for name, g in g_plain.items():  # the prefix's weights get the sum of what every sample sends back
-        assert torch.allclose(g, g_shared[name], atol=1e-5, rtol=1e-4), name
+    (lp_plain, m_plain, g_plain), *others = results
+    for lp_shared, m_shared, g_shared in others:
+        assert torch.allclose(lp_plain, lp_shared, atol=1e-5)
+        assert abs(m_plain["grad_norm"] - m_shared["grad_norm"]) < 1e-4 * max(1.0, m_plain["grad_norm"])
+        assert m_plain["trained_tokens"] == m_shared["trained_tokens"] == 20 + 9 + 15 - 3
+        for name, g in g_plain.items():  # the prefix's weights get the sum of what every sample sends back
+            if g is None:
+                assert g_shared[name] is None, name
+                continue
+            assert torch.allclose(g, g_shared[name], atol=1e-5, rtol=1e-4), name
+            assert g.abs().max() > 0, name
