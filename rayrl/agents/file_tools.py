@@ -151,13 +151,19 @@ class WriteFileTool(_FileTool):
         "required": ["path", "content"],
     }
 
+    # One-line files, as in examples/swe's starter tasks: SmolLM2-135M copies a one-line fix it was shown
+    # into a well-formed call; a content with escaped newlines it garbled (examples/swe/README.md).
     demos = [
-        ("greet() in hello/greet.py should return 'Hello, NAME!' but returns 'Hi NAME'. Fix it.",
-         [("read_file", {"path": "hello/greet.py"}, "def greet(name):\n    return 'Hi ' + name\n"),
-          ("write_file", {"path": "hello/greet.py",
-                          "content": "def greet(name):\n    return 'Hello, ' + name + '!'\n"},
-           "wrote 47 characters to hello/greet.py")],
-         "Fixed: greet() now returns 'Hello, NAME!'."),
+        ("greet(name) in greet.py returns 'Hi ' + name. Change it to return 'Hello, ' + name + '!'.",
+         [("read_file", {"path": "greet.py"}, "def greet(name): return 'Hi ' + name\n"),
+          ("write_file", {"path": "greet.py", "content": "def greet(name): return 'Hello, ' + name + '!'"},
+           "wrote 46 characters to greet.py")],
+         "Fixed: greet(name) now returns 'Hello, ' + name + '!'."),
+        ("total(prices) in total.py returns len(prices). Change it to return sum(prices).",
+         [("read_file", {"path": "total.py"}, "def total(prices): return len(prices)\n"),
+          ("write_file", {"path": "total.py", "content": "def total(prices): return sum(prices)"},
+           "wrote 37 characters to total.py")],
+         "Fixed: total(prices) now returns sum(prices)."),
     ]
 
     def setup(self, sandbox: Sandbox | None) -> None:
