@@ -91,3 +91,46 @@ def test_the_hidden_tests_are_not_in_the_sandbox_and_cannot_be_replaced(scripted
     assert episode.ok and episode.reward == 0.0
     listing = seen[1]  # the search's output: the repository's files only, no hidden tests, no git history
     assert "calendar_tools/years.py" in listing and not re.search(r"hidden|\.git", listing.split("search")[-1])
+
+
+def _starter_rows() -> list[dict]:
+    return [json.loads(line) for line in (ROOT / "examples/swe/data/starter.jsonl").read_text().splitlines()]
+
+
+def test_every_starter_task_fails_as_shipped_and_passes_with_the_fix_its_issue_names():
+    from rayrl.rewards.hidden_tests import DEFAULT_TEST_COMMAND, run_hidden_tests
+
+    rows = _starter_rows()
+    assert len(rows) >= 8
+    for row in rows:
+        meta = row["metadata"]
+        (path, text), = meta["files"].items()
+        wrong, right = re.fullmatch(r".* returns (.+)\. Change it to return (.+)\.", meta["question"]).groups()
+        assert text.rstrip("\n").endswith(f"return {wrong}")
+        fixed = text.replace(f"return {wrong}", f"return {right}")
+        assert not run_hidden_tests(meta["files"], meta["hidden_tests"], DEFAULT_TEST_COMMAND)[0], row["id"]
+        assert run_hidden_tests({path: fixed}, meta["hidden_tests"], DEFAULT_TEST_COMMAND)[0], row["id"]
+
+
+def test_the_cpu_config_shows_the_write_file_demos_and_a_starter_fix_scores_one(scripted):
+    """examples/swe/config.yaml as shipped: the model's first prompt holds write_file's read-then-write
+    demos (demos come in rollout.tools order), and a policy doing what they show fixes a starter task."""
+    from rayrl.agents import agent_factory
+    from rayrl.config import load_config
+
+    cfg = load_config(ROOT / "examples/swe/config.yaml", [])
+    assert cfg.data.train_path.endswith("starter.jsonl")
+    row = next(r for r in _starter_rows() if r["metadata"]["task"] == "area")
+    task = Task(row["prompt"], row["metadata"], task_id=row["id"])
+    script, seen = _policy(_call("read_file", path="area.py"),
+                           _call("write_file", path="area.py", content="def area(w, h): return w * h"),
+                           "Fixed: area(w, h) now returns w * h.")
+    sessions = InProcessSessions(scripted(script, cfg.gateway))
+    runner = EpisodeRunner(agent_factory(cfg.rollout)(), hidden_tests_reward, sessions, LocalSandboxes(), cfg.rollout,
+                           "tiny")
+    episode = runner.run(task, "swe", 0)
+    assert episode.ok and episode.reward == 1.0, episode.info
+    first = seen[0]
+    assert first.count('<tool_call>{"name": "write_file"') == 2 and '"name": "list_dir"' not in first
+    assert first.rstrip().endswith("assistant") and row["prompt"] in first
+    assert "def area(w, h): return w + h" in seen[1]  # the read came from the episode's sandbox
