@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples", "calculator", "config.yaml")
@@ -27,6 +28,32 @@ def model_paths(cfg) -> list[tuple[str, str]]:
     if cfg.rollout.judge.serve:
         out.append(("rollout.judge.serve", cfg.rollout.judge.serve))
     return out
+
+
+STOP_SIGNAL = [signal.SIGINT]  # the signal that stopped the run (Ray re-raises a bare KeyboardInterrupt)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (``ray job stop``, ``timeout``, a scheduler taking the node back) stops the run as Ctrl-C does:
+    the actors shut down, Ray is released and one line says where to resume from. Python's default would end
+    the driver at once, leaving a local Ray, its engines and their memory behind."""
+    def interrupt(signum: int, frame: object) -> None:
+        STOP_SIGNAL[0] = signal.Signals(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def stopped_line(pipeline, run_dir) -> tuple[str, int]:
+    """The one line a stopped run prints, and its exit code (128 + the signal, as a shell reports it)."""
+    sig = STOP_SIGNAL[0]
+    if pipeline is None:
+        return f"[rayrl] stopped by {sig.name} while starting: nothing was trained in this run.", 128 + sig
+    where = pipeline.checkpoints.latest()
+    resume = (f"python driver.py --config {run_dir / 'config.yaml'} --resume" if where
+              else "no checkpoint exists: start the run again")
+    return (f"[rayrl] stopped by {sig.name} at step {pipeline.step}. Newest checkpoint: {where or 'none'} (steps "
+            f"since it are not saved). Resume with: {resume}"), 128 + sig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             ray.shutdown()
     pipeline = None
+    stop_on_sigterm()
     try:
         pipeline = Pipeline(cfg, startup=clock, resume=args.resume)  # resuming: the trainer loads as it starts
         if args.resume:
@@ -104,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except GuardStop:  # the pipeline printed the guard's line, the checkpoint and how to resume
         return 4
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (stop_on_sigterm)
+        line, code = stopped_line(pipeline, cfg.run_dir)
+        print(line, file=sys.stderr, flush=True)
+        return code
     finally:
         if pipeline is not None:
             pipeline.shutdown()
