@@ -44,16 +44,14 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def stopped_line(pipeline, run_dir) -> tuple[str, int]:
+def stopped_line(pipeline) -> tuple[str, int]:
     """The one line a stopped run prints, and its exit code (128 + the signal, as a shell reports it)."""
     sig = STOP_SIGNAL[0]
     if pipeline is None:
         return f"[rayrl] stopped by {sig.name} while starting: nothing was trained in this run.", 128 + sig
     where = pipeline.checkpoints.latest()
-    resume = (f"python driver.py --config {run_dir / 'config.yaml'} --resume" if where
-              else "no checkpoint exists: start the run again")
     return (f"[rayrl] stopped by {sig.name} at step {pipeline.step}. Newest checkpoint: {where or 'none'} (steps "
-            f"since it are not saved). Resume with: {resume}"), 128 + sig
+            f"since it are not saved). Resume with: {pipeline.checkpoints.resume_command(where)}"), 128 + sig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     except GuardStop:  # the pipeline printed the guard's line, the checkpoint and how to resume
         return 4
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (stop_on_sigterm)
-        line, code = stopped_line(pipeline, cfg.run_dir)
+        line, code = stopped_line(pipeline)
         print(line, file=sys.stderr, flush=True)
         return code
     finally:

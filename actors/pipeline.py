@@ -223,8 +223,8 @@ class Pipeline:
             if save_every < 0:
                 how = "Checkpoint: none (pipeline.checkpoint_interval: -1). Start the run again"
             else:
-                how = (f"Checkpoint: {self.save_checkpoint()}. Resume with: python driver.py --config "
-                       f"{self.run_dir / 'config.yaml'} --resume")
+                where = self.save_checkpoint()
+                how = f"Checkpoint: {where}. Resume with: {self.checkpoints.resume_command(where)}"
             print(f"[rayrl] run stopped by guard {name} (guards.{name}: stop). {how} (add guards.{name}=warn to go "
                   "on past it)", flush=True)
             raise

@@ -124,6 +124,13 @@ class RunCheckpoints:
         step = self.store.latest()
         return None if step is None else self.store.location_of(step)
 
+    def resume_command(self, where: Optional[str]) -> str:
+        """What a stopped run prints after "Resume with:": the command, or, with no checkpoint (``where``
+        None), that the run starts again."""
+        if where is None:
+            return "no checkpoint exists: start the run again"
+        return f"python driver.py --config {self.run_dir / 'config.yaml'} --resume"
+
     def resume(self, preloaded: Optional[PreloadedCheckpoint] = None) -> bool:
         """Load the newest complete checkpoint and queue its untrained groups (fresh episodes: those in
         flight were lost, or, on a live pipeline, are dropped). The trainer loads where its memory is live
@@ -176,10 +183,8 @@ class RunCheckpoints:
             logger.warning("checkpoint from a surviving trainer rank failed: %s",
                            str(err).strip().splitlines()[0])
         where = where or self.latest()
-        resume = (f"python driver.py --config {self.run_dir / 'config.yaml'} --resume" if where
-                  else "no checkpoint exists: start the run again")
-        print(f"[rayrl] run stopped: {failure}. Checkpoint: {where or 'none'}. Resume with: {resume}",
-              flush=True)
+        print(f"[rayrl] run stopped: {failure}. Checkpoint: {where or 'none'}. Resume with: "
+              f"{self.resume_command(where)}", flush=True)
 
     def _save_from_survivor(self, failure: TrainerFailure) -> Optional[str]:
         if not failure.survivors or not self.trainer.full_state_on_every_rank:
