@@ -4,7 +4,8 @@ A task is worth a training run when the model is sometimes right (GRPO learns on
 differ) and often wrong. For each task this samples rayrl's own CPU engine (what a run samples from) with
 three worked examples of the task as earlier chat turns (from another seed of the same generator, in the
 dataset's own phrasing) and scores each reply as ``rollout.reward: reasoning_gym`` does: reasoning-gym's
-``extract_answer`` (a reply without ``<answer>`` tags is None) and the dataset's own ``score_answer``.
+``extract_answer`` through ``rayrl.data.reasoning_gym.strict_answer`` (a reply without ``<answer>`` tags is
+None) and the dataset's own ``score_answer``.
 Per task it prints the exact rate, the tagged rate, how many questions had a mixed group, and the most
 common true answer (what a model that always says it would score). docs/results/reasoning_gym.md.
 
@@ -51,8 +52,8 @@ def main() -> None:
         ap.error(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(TASKS)}")
 
     import reasoning_gym
-    from reasoning_gym.utils import extract_answer
 
+    from rayrl.data.reasoning_gym import strict_answer
     from rayrl.engines.cpu.engine import CPUEngine
     from rayrl.engines.cpu.sampling import SamplingParams
 
@@ -78,7 +79,7 @@ def main() -> None:
             score = reasoning_gym.get_score_answer_fn(TASKS[key][0])
             exact = tagged = mixed = 0
             for entry, handles in groups:
-                answers = [extract_answer(h.result(600).text, tag_name="answer") for h in handles]
+                answers = [strict_answer(h.result(600).text) for h in handles]  # as rollout.reward: reasoning_gym reads
                 right = sum(score(a, entry) == 1.0 for a in answers)
                 exact += right
                 tagged += sum(a is not None for a in answers)
